@@ -1,0 +1,257 @@
+// BudgetedLru: entries with a size in bytes, kept under a byte budget and an entry count,
+// evicting the least recently used entry that is not pinned.
+//
+// Policy:
+//   - Every entry has the bytes it holds on its device; the cache may also be charged bytes
+//     held outside any entry (a shared graph pool, a workspace): `external_bytes`.
+//   - Invariant, kept by `make_room`: after an insertion, entry bytes + external bytes
+//     <= budget and entry count <= max_entries.
+//   - An insertion that cannot fit even after evicting every unpinned entry is rejected
+//     and evicts nothing: a doomed insertion never costs the user entries they had.
+//   - A pinned entry (one that is running) is never evicted, erased or cleared.
+//   - `find` counts a hit or a miss and makes the entry most recently used.
+// Not thread-safe: the owner serialises access.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <list>
+#include <optional>
+#include <stdexcept>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace shapecache {
+
+struct LruCounters {
+  int64_t hits = 0;        // finds that found an entry
+  int64_t misses = 0;      // finds that found none
+  int64_t inserts = 0;     // entries accepted
+  int64_t rejections = 0;  // insertions refused because the entry could not fit
+  int64_t evictions = 0;   // entries removed to make room (not erase/clear)
+  int64_t peak_bytes = 0;  // highest entry bytes + external bytes ever accounted
+};
+
+template <typename Key, typename Value, typename Hash = std::hash<Key>>
+class BudgetedLru {
+ public:
+  static constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max();
+
+  struct Evicted {
+    Key key;
+    Value value;
+    int64_t bytes;
+  };
+
+  struct InsertResult {
+    bool inserted = false;           // false: rejected (did not fit) or the key was present
+    std::vector<Evicted> evicted;    // entries removed to make room, least recently used first
+    std::optional<Value> returned;   // the value, handed back when not inserted, so that its
+                                     // destruction happens where the caller chooses
+  };
+
+  explicit BudgetedLru(int64_t budget_bytes = kUnlimited, int64_t max_entries = kUnlimited)
+      : budget_bytes_(budget_bytes), max_entries_(max_entries) {
+    check_limits(budget_bytes, max_entries);
+  }
+
+  // The entry for `key`, or nullptr; counts a hit or a miss, and a hit becomes most recent.
+  Value* find(const Key& key) {
+    auto it = index_.find(key);
+    if (it == index_.end()) {
+      ++counters_.misses;
+      return nullptr;
+    }
+    ++counters_.hits;
+    order_.splice(order_.begin(), order_, it->second);
+    return &it->second->value;
+  }
+
+  // The entry for `key`, or nullptr; neither counts nor reorders.
+  Value* peek(const Key& key) {
+    auto it = index_.find(key);
+    return it == index_.end() ? nullptr : &it->second->value;
+  }
+  bool contains(const Key& key) const { return index_.count(key) != 0; }
+
+  void pin(const Key& key) { ++node(key).pins; }
+  void unpin(const Key& key) {
+    Node& n = node(key);
+    if (n.pins == 0) throw std::logic_error("BudgetedLru::unpin: entry is not pinned");
+    --n.pins;
+  }
+  int pin_count(const Key& key) const {
+    auto it = index_.find(key);
+    return it == index_.end() ? 0 : it->second->pins;
+  }
+
+  // Inserts `value` as the most recently used entry, holding `bytes`. Makes room first by
+  // the budget rule; rejects (and evicts nothing) when no amount of eviction makes room.
+  InsertResult insert(Key key, Value value, int64_t bytes) {
+    if (bytes < 0) throw std::invalid_argument("BudgetedLru::insert: bytes must be >= 0, got " + std::to_string(bytes));
+    InsertResult result;
+    if (index_.count(key)) {
+      result.returned.emplace(std::move(value));
+      return result;
+    }
+    auto room = make_room(bytes, 1);
+    result.evicted = std::move(room.evicted);
+    if (!room.fits) {
+      ++counters_.rejections;
+      result.returned.emplace(std::move(value));
+      return result;
+    }
+    order_.push_front(Node{key, std::move(value), bytes, 0});
+    index_.emplace(std::move(key), order_.begin());
+    entry_bytes_ += bytes;
+    ++counters_.inserts;
+    note_peak();
+    result.inserted = true;
+    return result;
+  }
+
+  // Whether an entry of `bytes` could be inserted now, possibly after evictions.
+  bool could_fit(int64_t bytes) const {
+    return fits_after_evicting_all_unpinned(bytes, 1);
+  }
+
+  // New limits; evicts least recently used unpinned entries until they hold (as far as
+  // unpinned entries allow).
+  std::vector<Evicted> set_limits(int64_t budget_bytes, int64_t max_entries) {
+    check_limits(budget_bytes, max_entries);
+    budget_bytes_ = budget_bytes;
+    max_entries_ = max_entries;
+    return evict_while_over(0, 0);
+  }
+
+  // Bytes the owner holds outside any entry (shared pool, workspace), charged against the
+  // same budget. Growth evicts least recently used unpinned entries, as far as they allow.
+  std::vector<Evicted> set_external_bytes(int64_t bytes) {
+    if (bytes < 0) throw std::invalid_argument("BudgetedLru::set_external_bytes: bytes must be >= 0");
+    external_bytes_ = bytes;
+    note_peak();
+    return evict_while_over(0, 0);
+  }
+
+  // Removes `key` unless it is pinned; returns it.
+  std::optional<Evicted> erase(const Key& key) {
+    auto it = index_.find(key);
+    if (it == index_.end() || it->second->pins > 0) return std::nullopt;
+    return remove(it->second);
+  }
+
+  // Removes every unpinned entry; returns them.
+  std::vector<Evicted> clear() {
+    std::vector<Evicted> removed;
+    for (auto it = order_.begin(); it != order_.end();) {
+      auto next = std::next(it);
+      if (it->pins == 0) removed.push_back(remove(it));
+      it = next;
+    }
+    return removed;
+  }
+
+  // Visits entries from most to least recently used: f(key, value, bytes, pins).
+  template <typename F>
+  void for_each(F&& f) const {
+    for (const Node& n : order_) f(n.key, n.value, n.bytes, n.pins);
+  }
+
+  int64_t entry_bytes() const { return entry_bytes_; }
+  int64_t external_bytes() const { return external_bytes_; }
+  int64_t total_bytes() const { return entry_bytes_ + external_bytes_; }
+  int64_t budget_bytes() const { return budget_bytes_; }
+  int64_t max_entries() const { return max_entries_; }
+  int64_t size() const { return static_cast<int64_t>(order_.size()); }
+  const LruCounters& counters() const { return counters_; }
+
+ private:
+  struct Node {
+    Key key;
+    Value value;
+    int64_t bytes;
+    int pins;  // > 0 while the entry runs; pinned entries are never removed
+  };
+  using Order = std::list<Node>;  // front: most recently used
+
+  struct Room {
+    bool fits;
+    std::vector<Evicted> evicted;
+  };
+
+  // The budget rule. Room for `incoming_count` entries of `incoming_bytes` in total means
+  // entry bytes + external bytes + incoming bytes <= budget and size + incoming count <=
+  // max entries. If evicting every unpinned entry would not give that room, evict nothing;
+  // otherwise evict least recently used unpinned entries until there is room.
+  Room make_room(int64_t incoming_bytes, int64_t incoming_count) {
+    if (!fits_after_evicting_all_unpinned(incoming_bytes, incoming_count)) return Room{false, {}};
+    return Room{true, evict_while_over(incoming_bytes, incoming_count)};
+  }
+
+  bool over(int64_t incoming_bytes, int64_t incoming_count) const {
+    // Written as subtractions so an unlimited budget never overflows.
+    return entry_bytes_ + external_bytes_ > budget_bytes_ - incoming_bytes ||
+           size() > max_entries_ - incoming_count;
+  }
+
+  bool fits_after_evicting_all_unpinned(int64_t incoming_bytes, int64_t incoming_count) const {
+    int64_t pinned_bytes = 0;
+    int64_t pinned_count = 0;
+    for (const Node& n : order_) {
+      if (n.pins > 0) {
+        pinned_bytes += n.bytes;
+        ++pinned_count;
+      }
+    }
+    return incoming_bytes <= budget_bytes_ - external_bytes_ - pinned_bytes &&
+           incoming_count <= max_entries_ - pinned_count;
+  }
+
+  std::vector<Evicted> evict_while_over(int64_t incoming_bytes, int64_t incoming_count) {
+    std::vector<Evicted> evicted;
+    auto it = order_.end();
+    while (over(incoming_bytes, incoming_count) && it != order_.begin()) {
+      --it;
+      if (it->pins > 0) continue;
+      auto victim = it++;  // step past the victim: the next `--it` lands on the entry just more recent
+      evicted.push_back(remove(victim));
+      ++counters_.evictions;
+    }
+    return evicted;
+  }
+
+  Evicted remove(typename Order::iterator it) {
+    Evicted out{std::move(it->key), std::move(it->value), it->bytes};
+    entry_bytes_ -= it->bytes;
+    index_.erase(out.key);
+    order_.erase(it);
+    return out;
+  }
+
+  Node& node(const Key& key) {
+    auto it = index_.find(key);
+    if (it == index_.end()) throw std::out_of_range("BudgetedLru: no entry for this key");
+    return *it->second;
+  }
+
+  void note_peak() {
+    if (total_bytes() > counters_.peak_bytes) counters_.peak_bytes = total_bytes();
+  }
+
+  static void check_limits(int64_t budget_bytes, int64_t max_entries) {
+    if (budget_bytes < 0) throw std::invalid_argument("budget must be >= 0 bytes, got " + std::to_string(budget_bytes));
+    if (max_entries < 0) throw std::invalid_argument("max_entries must be >= 0, got " + std::to_string(max_entries));
+  }
+
+  Order order_;
+  std::unordered_map<Key, typename Order::iterator, Hash> index_;
+  int64_t entry_bytes_ = 0;     // sum of entry bytes
+  int64_t external_bytes_ = 0;  // bytes held outside entries, charged to the same budget
+  int64_t budget_bytes_;
+  int64_t max_entries_;
+  LruCounters counters_;
+};
+
+}  // namespace shapecache
