@@ -1,0 +1,20 @@
+# Small helpers for CMakeLists.txt.
+
+# run_python(OUT EXPR ERROR): sets OUT to what `print(EXPR)` prints in the build's Python.
+function(run_python OUT EXPR ERROR)
+  execute_process(
+    COMMAND "${Python_EXECUTABLE}" -c "import sys; print(${EXPR}, end='')"
+    OUTPUT_VARIABLE value
+    ERROR_VARIABLE stderr
+    RESULT_VARIABLE status)
+  if(NOT status EQUAL 0)
+    message(FATAL_ERROR "${ERROR}: ${stderr}")
+  endif()
+  set(${OUT} "${value}" PARENT_SCOPE)
+endfunction()
+
+# append_cmake_prefix_path(PKG EXPR): adds the CMake prefix path that a Python package reports.
+macro(append_cmake_prefix_path PKG EXPR)
+  run_python(_prefix "__import__('importlib').import_module('${PKG}').${EXPR}" "Failed to locate ${PKG}'s CMake files")
+  list(APPEND CMAKE_PREFIX_PATH "${_prefix}")
+endmacro()

@@ -1,0 +1,175 @@
+#include "ops/cached_function.h"
+
+#include <torch/csrc/Device.h>
+
+#include <atomic>
+#include <chrono>
+#include <sstream>
+
+namespace shapecache {
+namespace {
+
+std::atomic<uint64_t> next_function_id{1};
+
+double unix_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+py::object call_python(PyObject* callable, PyObject* args, PyObject* kwargs) {
+  PyObject* out = PyObject_Call(callable, args, kwargs);
+  if (out == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(out);
+}
+
+// Unpins on every way out of a run, exceptions included. The pinned entry cannot have been
+// removed meanwhile, so the key is still there to unpin.
+class PinGuard {
+ public:
+  PinGuard(EntryLru& lru, const ShapeKey& key) : lru_(lru), key_(key) { lru_.pin(key_); }
+  ~PinGuard() { lru_.unpin(key_); }
+  PinGuard(const PinGuard&) = delete;
+  PinGuard& operator=(const PinGuard&) = delete;
+
+ private:
+  EntryLru& lru_;
+  const ShapeKey& key_;
+};
+
+// `args` with the owner in front, when there is one.
+py::tuple with_owner(const py::object& self, const py::tuple& args) {
+  if (self.is_none()) return args;
+  const Py_ssize_t n = PyTuple_GET_SIZE(args.ptr());
+  py::tuple out(n + 1);
+  PyTuple_SET_ITEM(out.ptr(), 0, self.inc_ref().ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyTuple_GET_ITEM(args.ptr(), i);
+    Py_INCREF(item);
+    PyTuple_SET_ITEM(out.ptr(), i + 1, item);
+  }
+  return out;
+}
+
+}  // namespace
+
+CachedFunction::CachedFunction(py::object function, py::object builder, std::shared_ptr<ShapeCache> cache,
+                               std::vector<ArgumentBuckets> buckets, std::vector<std::string> parameter_names,
+                               py::object owner, bool key_training)
+    : function_(std::move(function)),
+      builder_(std::move(builder)),
+      cache_(std::move(cache)),
+      buckets_(std::move(buckets)),
+      parameter_names_(std::move(parameter_names)),
+      owner_(owner.is_none() ? py::object(py::none()) : py::object(py::weakref(owner))),
+      key_training_(key_training),
+      id_(next_function_id.fetch_add(1)) {
+  if (!PyCallable_Check(function_.ptr())) {
+    throw py::type_error(std::string("cached: expected a callable, got ") + Py_TYPE(function_.ptr())->tp_name);
+  }
+  if (!cache_) throw py::value_error("cached: cache must not be None");
+}
+
+py::object CachedFunction::owner() const {
+  if (owner_.is_none()) return py::none();
+  py::object alive = owner_();  // calling a weak reference gives its object, or None
+  if (alive.is_none()) {
+    PyErr_SetString(PyExc_ReferenceError, "shapecache: the object this cached method belongs to no longer exists");
+    throw py::error_already_set();
+  }
+  return alive;
+}
+
+py::object CachedFunction::call(const py::args& args, const py::kwargs& kwargs) {
+  ++counters_.calls;
+  py::object self = owner();
+  CallContext context;
+  context.function_id = id_;
+  context.parameter_names = &parameter_names_;
+  if (key_training_ && !self.is_none()) {
+    const int training = PyObject_IsTrue(self.attr("training").ptr());
+    if (training < 0) throw py::error_already_set();
+    context.training = training;
+  }
+
+  CallKey key;
+  try {
+    key = make_call_key(context, args, kwargs, buckets_);
+  } catch (const UnkeyableArgument& e) {
+    ++counters_.uncached_calls;
+    warn_once(warned_unkeyable_, std::string("shapecache: ") + e.what() +
+                                     " that cannot be keyed; such calls run uncached (keyed: tensors, ints, floats, "
+                                     "bools, strings, None, dtypes, devices, and tuples, lists and dicts of those)");
+    return call_python(function_.ptr(), with_owner(self, args).ptr(), kwargs.ptr());
+  }
+  py::tuple call_args = with_owner(self, key.padded ? key.args : static_cast<const py::tuple&>(args));
+  PyObject* call_kwargs = key.padded ? key.kwargs.ptr() : kwargs.ptr();
+
+  EntryLru& lru = cache_->lru(key.device);
+  py::object out;
+  if (Entry* entry = lru.find(key.key)) {
+    ++counters_.hits;
+    ++entry->hits;
+    entry->last_use = unix_seconds();
+    py::object runner = entry->runner;
+    PinGuard pinned(lru, key.key);
+    out = call_python(runner.ptr(), call_args.ptr(), call_kwargs);
+  } else {
+    ++counters_.misses;
+    out = build(key, call_args.ptr(), call_kwargs);
+  }
+  return key.padded ? crop_outputs(out, key.crop) : out;
+}
+
+py::object CachedFunction::build(CallKey& key, PyObject* args, PyObject* kwargs) {
+  py::object device = py::reinterpret_steal<py::object>(THPDevice_New(key.device));
+  const auto start = std::chrono::steady_clock::now();
+  py::tuple built = builder_(py::reinterpret_borrow<py::tuple>(args), py::reinterpret_borrow<py::dict>(kwargs), device);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ++counters_.builds;
+  if (built.size() != 4) throw py::type_error("shapecache: a builder must return (runner, bytes, output, backend)");
+
+  Entry entry;
+  entry.runner = built[0];
+  entry.function_id = id_;
+  entry.bucket = describe_key(key.key);
+  entry.backend = built[3].cast<std::string>();
+  entry.build_seconds = seconds;
+  entry.last_use = unix_seconds();
+  const int64_t bytes = built[1].cast<int64_t>();
+  py::object output = built[2];
+
+  // The same key may have been built by a re-entrant call meanwhile; then `inserted` is false
+  // and the existing entry stays.
+  EntryLru& lru = cache_->lru(key.device);
+  const bool present = lru.contains(key.key);
+  auto result = lru.insert(key.key, std::move(entry), bytes);
+  if (!result.inserted && !present) {
+    ++counters_.fallbacks;
+    std::ostringstream message;
+    message << "shapecache: the entry for " << describe_key(key.key) << " holds " << bytes
+            << " bytes, more than the budget of " << lru.budget_bytes() << " bytes leaves after pinned entries and "
+            << lru.external_bytes() << " shared bytes; calls of this bucket run uncached";
+    warn_once(warned_rejected_, message.str());
+  }
+  return output;  // `result` (evicted and returned entries) is destroyed here, after the cache is consistent
+}
+
+py::dict CachedFunction::stats() const {
+  py::dict out = cache_->stats(id_);
+  out["calls"] = counters_.calls;
+  out["hits"] = counters_.hits;
+  out["misses"] = counters_.misses;
+  out["builds"] = counters_.builds;
+  out["fallbacks"] = counters_.fallbacks;
+  out["uncached_calls"] = counters_.uncached_calls;
+  return out;
+}
+
+void CachedFunction::clear() { cache_->clear(id_); }
+
+void CachedFunction::warn_once(bool& warned, const std::string& message) {
+  if (warned) return;
+  warned = true;
+  if (PyErr_WarnEx(PyExc_RuntimeWarning, message.c_str(), 1) < 0) throw py::error_already_set();
+}
+
+}  // namespace shapecache

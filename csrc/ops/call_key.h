@@ -1,0 +1,72 @@
+// CallKey: the ShapeKey of one call of a cached function, built from its Python arguments.
+//
+// Tensors are keyed by bucketed sizes, dtype, device, memory layout and requires_grad;
+// ints, floats, bools, strings, None, dtypes, devices and tuples/lists/dicts of those by
+// value. Anything else cannot be keyed: UnkeyableArgument, and the call runs uncached.
+//
+// Padding: an argument with a non-exact BucketPolicy is padded with zeros at the end of each
+// bucketed dimension. Outputs are cropped back by this rule: for each dimension d padded in
+// the first padded argument (size s padded to p), every output tensor whose size at d is
+// p * r (or p / r) for a whole r is narrowed to s * r (or s / r when that divides). This
+// covers batch padding and convolutional nets that scale spatial sizes by whole factors.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "core/bucket_policy.h"
+#include "core/shape_key.h"
+
+namespace shapecache {
+
+namespace py = pybind11;
+
+class UnkeyableArgument : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// One padded dimension of the first padded argument: what outputs are cropped back to.
+struct CropDim {
+  int64_t dim;
+  int64_t original;
+  int64_t padded;
+};
+
+struct CallKey {
+  ShapeKey key;
+  c10::Device device{c10::kCPU};  // budget domain: the first tensor's device, CPU if none
+  bool padded = false;            // if true, call with `args`/`kwargs` below and crop outputs
+  py::tuple args;
+  py::dict kwargs;
+  std::vector<CropDim> crop;
+};
+
+// Words that make the same arguments key differently: which function, and the autograd,
+// autocast and training state the artifact would be built under.
+struct CallContext {
+  uint64_t function_id = 0;
+  int training = -1;  // -1: not a module; 0/1: module.training
+  const std::vector<std::string>* parameter_names = nullptr;  // positional names, for messages
+};
+
+// Builds the key of calling with `args` and `kwargs`; pads bucketed arguments.
+// Throws UnkeyableArgument naming the argument; py::value_error / py::type_error for an
+// argument that a bucket policy cannot apply to (a bucketed argument that is no tensor, a
+// size above the largest explicit bucket).
+CallKey make_call_key(const CallContext& context, const py::tuple& args, const py::dict& kwargs,
+                      const std::vector<ArgumentBuckets>& buckets);
+
+// Outputs of a padded call, cropped back by the rule above.
+py::object crop_outputs(const py::object& outputs, const std::vector<CropDim>& crop);
+
+// "(2, 4, 64, 64) float32 cpu; 3; 'text'" for stats and messages.
+std::string describe_key(const ShapeKey& key);
+
+}  // namespace shapecache

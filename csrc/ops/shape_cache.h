@@ -1,0 +1,78 @@
+// ShapeCache: one budget domain. Holds the compiled entries of any number of cached
+// functions, one BudgetedLru per device, each under that device's byte budget.
+//
+// Threading: every method runs with the GIL held, and no Python code runs between reading
+// and updating the cache's state (entries that leave the cache are handed back to the
+// caller, whose scope destroys them). That makes the GIL the cache's lock.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/budgeted_lru.h"
+#include "core/shape_key.h"
+
+namespace shapecache {
+
+namespace py = pybind11;
+
+// The compiled artifact of one bucket of one cached function.
+struct Entry {
+  py::object runner;          // called with the (padded) call's arguments
+  uint64_t function_id = 0;   // the CachedFunction that built it
+  std::string bucket;         // the key, readable
+  std::string backend;        // what built the runner: "eager", "compile", ...
+  double build_seconds = 0;   // wall time of the build, first call included
+  int64_t hits = 0;           // calls served after the build
+  double last_use = 0;        // unix time of the last call
+};
+
+using EntryLru = BudgetedLru<ShapeKey, Entry, ShapeKeyHash>;
+
+// Bytes a device's cache holds outside its entries, charged to the same budget.
+struct SharedBytes {
+  int64_t pool = 0;       // the memory pool that every graph of the device is captured into
+  int64_t workspace = 0;  // the workspace arena of tuned convolutions
+};
+
+class ShapeCache {
+ public:
+  // `budget_for_device(device: torch.device) -> int` resolves the byte budget of a device
+  // the first time the cache sees it (fractions of a device's memory need the device).
+  ShapeCache(py::object budget_for_device, int64_t max_entries);
+
+  // The device's LRU, created on first use. May call into Python (first use only).
+  EntryLru& lru(const c10::Device& device);
+
+  // Removes every unpinned entry (of one function, or of all when `function_id` is empty).
+  std::vector<EntryLru::Evicted> clear(std::optional<uint64_t> function_id = std::nullopt);
+
+  // Charges the shared bytes of a device against its budget; may evict.
+  std::vector<EntryLru::Evicted> set_shared_bytes(const c10::Device& device, SharedBytes bytes);
+
+  // Totals, per-device figures and entries; entries of one function only when given.
+  py::dict stats(std::optional<uint64_t> function_id = std::nullopt) const;
+
+  int64_t max_entries() const { return max_entries_; }
+
+ private:
+  struct DeviceCache {
+    std::unique_ptr<EntryLru> lru;
+    SharedBytes shared;
+  };
+
+  py::object budget_for_device_;
+  int64_t max_entries_;
+  std::unordered_map<c10::Device, DeviceCache> devices_;
+  std::vector<c10::Device> device_order_;  // first use first, for stable stats
+};
+
+}  // namespace shapecache
