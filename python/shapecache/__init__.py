@@ -1,0 +1,33 @@
+"""shapecache: compiled PyTorch models at many input shapes under a memory budget.
+
+    import shapecache as sc
+
+    @sc.cached(budget="8GiB")
+    def forward(x): ...
+
+    unet = sc.cached(unet, budget=0.8)
+    sc.stats(unet)
+"""
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from shapecache import _C  # noqa: F401
+from shapecache.budget import Budget, parse_budget
+from shapecache.buckets import exact, multiple_of, power_of_two, sizes
+from shapecache.cached import CachedFunction, cached, clear, stats, uncached
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Budget",
+    "CachedFunction",
+    "cached",
+    "clear",
+    "exact",
+    "multiple_of",
+    "parse_budget",
+    "power_of_two",
+    "sizes",
+    "stats",
+    "uncached",
+]

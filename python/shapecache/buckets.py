@@ -1,0 +1,133 @@
+"""Bucket policies: which sizes of an argument's dimension share one compiled entry.
+
+``buckets`` maps an argument (by name, or by position as an int) to a dict from dimension
+(negative counts from the end) to a policy::
+
+    @sc.cached(buckets={"x": {0: sc.power_of_two()}})          # batch 3 runs as batch 4
+    @sc.cached(buckets={"sample": {-2: sc.multiple_of(8), -1: sc.multiple_of(8)}})
+
+Dimensions without a policy are exact. A padded argument is zero-padded at the end of each
+bucketed dimension and outputs are cropped back (the rule is in ``csrc/ops/call_key.h``).
+Padding the batch dimension gives the same numbers as the unpadded call for models whose
+samples do not interact (any inference model without batch statistics). Padding spatial
+dimensions changes outputs near the border for convolutions and attention: use it only where
+that is acceptable.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+
+from shapecache import _C
+
+BucketPolicy = _C.BucketPolicy
+
+
+def exact() -> BucketPolicy:
+    """Every size is its own bucket (the default)."""
+    return BucketPolicy.exact()
+
+
+def multiple_of(n: int) -> BucketPolicy:
+    """Sizes round up to the next multiple of `n`."""
+    _check_int("multiple_of(n)", n)
+    return BucketPolicy.multiple_of(n)
+
+
+def power_of_two(minimum: int = 1) -> BucketPolicy:
+    """Sizes round up to the next power of two, at least `minimum`."""
+    _check_int("power_of_two(minimum)", minimum)
+    return BucketPolicy.power_of_two(minimum)
+
+
+def sizes(bucket_sizes) -> BucketPolicy:
+    """Sizes round up to the next of `bucket_sizes`; a size above the largest is an error."""
+    values = list(bucket_sizes)
+    for v in values:
+        _check_int("sizes(...)", v)
+    return BucketPolicy.sizes(values)
+
+
+def _check_int(what: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what}: expected an int, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{what}: expected a positive int, got {value!r}")
+
+
+def positional_parameter_names(function: Callable, *, skip_first: bool = False) -> list[str]:
+    """Names of `function`'s positional parameters, for messages (empty if unknown)."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    if skip_first:
+        parameters = parameters[1:]
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.kind in kinds]
+
+
+def resolve_buckets(function: Callable, buckets, *, skip_first: bool = False) -> list:
+    """`buckets` as the core's per-argument policies, each addressed by position and name."""
+    if buckets is None:
+        return []
+    if not isinstance(buckets, Mapping):
+        raise TypeError(
+            f"buckets={buckets!r}: expected a dict mapping an argument name or position to "
+            "{dimension: policy}, e.g. {'x': {0: shapecache.power_of_two()}}"
+        )
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        parameters = None
+    if parameters is not None and skip_first:
+        parameters = parameters[1:]
+
+    resolved = []
+    for argument, dims in buckets.items():
+        position, name = _address(argument, parameters)
+        if not isinstance(dims, Mapping) or not dims:
+            raise TypeError(
+                f"buckets[{argument!r}]={dims!r}: expected a non-empty dict mapping a dimension (int) "
+                "to a policy (shapecache.multiple_of(n), power_of_two(), sizes([...]), exact())"
+            )
+        pairs = []
+        for dim, policy in dims.items():
+            if isinstance(dim, bool) or not isinstance(dim, int):
+                raise TypeError(f"buckets[{argument!r}]: dimension {dim!r} is not an int")
+            if not isinstance(policy, BucketPolicy):
+                raise TypeError(
+                    f"buckets[{argument!r}][{dim}]={policy!r}: expected a policy from shapecache.multiple_of(n), "
+                    "power_of_two(), sizes([...]) or exact()"
+                )
+            pairs.append((dim, policy))
+        resolved.append(_C.ArgumentBuckets(position, name, pairs))
+    return resolved
+
+
+def _address(argument, parameters) -> tuple[int, str]:
+    """(position or -1, keyword name or '') of a bucketed argument."""
+    if isinstance(argument, bool) or not isinstance(argument, (int, str)):
+        raise TypeError(f"buckets: key {argument!r} must be an argument name (str) or position (int)")
+    if parameters is None:
+        return (argument, "") if isinstance(argument, int) else (-1, argument)
+    P = inspect.Parameter
+    positional = [p for p in parameters if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    if isinstance(argument, int):
+        if not 0 <= argument < len(positional):
+            if any(p.kind == P.VAR_POSITIONAL for p in parameters) and argument >= 0:
+                return argument, ""
+            raise ValueError(
+                f"buckets: position {argument} is out of range; the function takes "
+                f"{len(positional)} positional argument(s): {[p.name for p in positional]}"
+            )
+        p = positional[argument]
+        return argument, "" if p.kind == P.POSITIONAL_ONLY else p.name
+    for index, p in enumerate(parameters):
+        if p.name == argument and p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY):
+            return (index if p.kind == P.POSITIONAL_OR_KEYWORD else -1), argument
+    if any(p.kind == P.VAR_KEYWORD for p in parameters):
+        return -1, argument
+    names = [p.name for p in parameters if p.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD)]
+    raise ValueError(f"buckets: the function has no argument {argument!r}; its arguments are {names}")

@@ -1,0 +1,115 @@
+"""Budgets: how many bytes a cache may hold on each device.
+
+A budget is given as
+- an int: bytes;
+- a string: a number with a unit, ``"512MiB"``, ``"20GiB"``, ``"1.5GB"``, ``"4096"`` (bytes)
+  or a percentage of the device's memory, ``"80%"``;
+- a float in (0, 1]: that fraction of the device's total memory (CUDA: the card's memory;
+  CPU: physical RAM), resolved the first time the cache sees the device;
+- None: ``SHAPECACHE_BUDGET`` if set, else half of the device's memory.
+
+Everything the cache holds on a device counts against it: its entries, the shared graph pool
+and the convolution workspace. Memory the model holds without the cache (weights, the
+activations of uncached calls) does not.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_FRACTION = 0.5
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
+_ACCEPTED = (
+    "an int number of bytes, a string such as '512MiB', '20GiB', '1.5GB' or '80%', "
+    "or a float fraction of the device's memory in (0, 1]"
+)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A parsed budget: exactly one of `bytes` and `fraction` is set."""
+
+    bytes: int | None = None
+    fraction: float | None = None
+
+    def bytes_for(self, device: torch.device) -> int:
+        """The byte budget on `device`."""
+        if self.bytes is not None:
+            return self.bytes
+        return int(self.fraction * device_memory_bytes(device))
+
+    def __str__(self) -> str:
+        if self.bytes is not None:
+            return format_bytes(self.bytes)
+        return f"{self.fraction:.0%} of device memory"
+
+
+def parse_budget(value, *, argument: str = "budget") -> Budget:
+    """Parses a budget (see the module's docstring); raises ValueError/TypeError naming `argument`."""
+    if value is None:
+        from_env = os.environ.get("SHAPECACHE_BUDGET")
+        if from_env:
+            return parse_budget(from_env, argument="SHAPECACHE_BUDGET")
+        return Budget(fraction=DEFAULT_FRACTION)
+    if isinstance(value, bool):
+        raise TypeError(f"{argument}={value!r}: expected {_ACCEPTED}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{argument}={value!r}: a byte budget must be >= 0; expected {_ACCEPTED}")
+        return Budget(bytes=value)
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(
+                f"{argument}={value!r}: a float budget is a fraction of the device's memory in (0, 1]; "
+                f"for bytes pass an int or a string such as '20GiB'"
+            )
+        return Budget(fraction=value)
+    if isinstance(value, str):
+        percent = _PERCENT.match(value)
+        if percent:
+            return parse_budget(float(percent.group(1)) / 100.0, argument=argument)
+        size = _SIZE.match(value)
+        if size and size.group(2).lower() in _UNITS:
+            return Budget(bytes=int(float(size.group(1)) * _UNITS[size.group(2).lower()]))
+        raise ValueError(f"{argument}={value!r}: cannot read this size; expected {_ACCEPTED}")
+    raise TypeError(f"{argument}={value!r} (type {type(value).__name__}): expected {_ACCEPTED}")
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """Total memory of `device`: the card's memory for CUDA, physical RAM for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    raise ValueError(
+        f"budget: a fraction of the memory of a {device.type!r} device cannot be resolved; "
+        f"give the budget in bytes (an int or a string such as '8GiB')"
+    )
+
+
+def format_bytes(n: int) -> str:
+    """1536 -> '1.5 KiB'."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"

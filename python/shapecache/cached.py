@@ -1,0 +1,215 @@
+"""The public wrapper: ``cached``, ``uncached``, ``stats``, ``clear``.
+
+``cached`` works like ``torch.compile``: bare (``@cached``), with keyword-only options
+(``@cached(budget="8GiB")``), on a function, on a method in a class body (each instance gets
+its own cache) and on an ``nn.Module`` (its forward is wrapped in place; the module is
+returned). ``disable=True`` or ``SHAPECACHE_DISABLE=1`` makes it return what it was given.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from shapecache import _C
+from shapecache.backends import BACKENDS, make_builder
+from shapecache.budget import Budget, format_bytes, parse_budget
+from shapecache.buckets import positional_parameter_names, resolve_buckets
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def disabled_by_environment() -> bool:
+    """Whether SHAPECACHE_DISABLE asks every wrapper to be a passthrough."""
+    return os.environ.get("SHAPECACHE_DISABLE", "").strip().lower() in _TRUE
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """The options of one cache, checked once when it is made."""
+
+    budget: Budget
+    backend: str = "auto"
+    buckets: Mapping | None = None
+    max_entries: int | None = None
+    compile_options: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_arguments(cls, *, budget, backend, buckets, max_entries, compile_options) -> CacheOptions:
+        parsed = parse_budget(budget)
+        if not isinstance(backend, str) or backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: expected one of {', '.join(repr(b) for b in BACKENDS)}")
+        if max_entries is not None and (
+            isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1
+        ):
+            raise ValueError(f"max_entries={max_entries!r}: expected a positive int, or None for no count limit")
+        if buckets is not None and not isinstance(buckets, Mapping):
+            raise TypeError(
+                f"buckets={buckets!r}: expected a dict mapping an argument name or position to "
+                "{dimension: policy}, e.g. {'x': {0: shapecache.power_of_two()}}"
+            )
+        if compile_options is None:
+            compile_options = {}
+        if not isinstance(compile_options, Mapping):
+            raise TypeError(f"compile_options={compile_options!r}: expected a dict of torch.compile keyword arguments")
+        if compile_options and backend == "eager":
+            raise ValueError("compile_options were given with backend='eager', which compiles nothing")
+        if "dynamic" in compile_options:
+            raise ValueError(
+                "compile_options: 'dynamic' is fixed to False; shapecache compiles one static graph per bucket"
+            )
+        return cls(parsed, backend, buckets, max_entries, dict(compile_options))
+
+
+class CachedFunction(_C.CachedFunction):
+    """A function whose calls are served per shape bucket (the call itself runs in C++)."""
+
+    def __init__(self, function: Callable, options: CacheOptions, *, owner=None, key_training: bool = False):
+        self.options = options
+        has_owner = owner is not None
+        buckets = resolve_buckets(function, options.buckets, skip_first=has_owner)
+        names = positional_parameter_names(function, skip_first=has_owner)
+        cache = _C.ShapeCache(options.budget.bytes_for, options.max_entries)
+        builder = make_builder(function, options.backend, options.compile_options)
+        super().__init__(function, builder, cache, buckets, names, owner, key_training)
+        functools.update_wrapper(self, function)
+
+    def __get__(self, instance, owner_type=None):
+        # Decorated in a class body: each instance gets a cache of its own, stored on the
+        # instance under the method's name so that later lookups skip this descriptor.
+        if instance is None:
+            return self
+        bound = CachedFunction(
+            self.function, self.options, owner=instance, key_training=isinstance(instance, torch.nn.Module)
+        )
+        try:
+            instance.__dict__[self.__name__] = bound
+        except AttributeError:
+            pass  # no __dict__: a new cache per attribute access would be useless
+        return bound
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"<shapecache.cached {getattr(self, '__qualname__', '?')}: {len(s['entries'])} entries, "
+            f"{format_bytes(s['bytes'])} held, budget {self.options.budget}>"
+        )
+
+
+def cached(
+    function=None,
+    /,
+    *,
+    budget=None,
+    backend: str = "auto",
+    buckets: Mapping | None = None,
+    max_entries: int | None = None,
+    compile_options: Mapping | None = None,
+    disable: bool = False,
+):
+    """Serve `function` (or an ``nn.Module``'s forward) from one compiled entry per shape bucket.
+
+    Args:
+        budget: bytes the cache may hold per device: an int, a string ("20GiB", "80%"), a
+            float fraction in (0, 1] of the device's memory, or None (SHAPECACHE_BUDGET, else
+            half of the device's memory). Least recently used entries are evicted to stay
+            under it.
+        backend: "auto", "eager" or "compile" (see shapecache.backends).
+        buckets: {argument: {dimension: policy}}; unlisted dimensions are exact.
+        max_entries: at most this many entries per device (None: no count limit).
+        compile_options: keyword arguments for torch.compile (mode, backend, options, ...).
+        disable: return `function` unchanged.
+
+    Returns:
+        A callable with the function's signature; for a module, the module itself.
+    """
+    options = CacheOptions.from_arguments(
+        budget=budget, backend=backend, buckets=buckets, max_entries=max_entries, compile_options=compile_options
+    )
+    if function is None:
+        return lambda f: _cache(f, options, disable)
+    return _cache(function, options, disable)
+
+
+def _cache(function, options: CacheOptions, disable: bool):
+    if isinstance(function, CachedFunction):
+        raise ValueError(f"{function!r} is cached already; call shapecache.uncached on it first")
+    if not callable(function):
+        raise TypeError(f"cached: expected a function or an nn.Module, got {function!r} ({type(function).__name__})")
+    if disable or disabled_by_environment():
+        return function
+    if isinstance(function, torch.nn.Module):
+        return _cache_module(function, options)
+    return CachedFunction(function, options)
+
+
+def _cache_module(module: torch.nn.Module, options: CacheOptions) -> torch.nn.Module:
+    own_forward = module.__dict__.get("forward")
+    if isinstance(own_forward, CachedFunction):
+        raise ValueError(f"{type(module).__name__} is cached already; call shapecache.uncached on it first")
+    if own_forward is None:
+        # The class's forward, called with the module held weakly (see CachedFunction in C++).
+        forward = type(module).forward
+        if isinstance(forward, CachedFunction):  # decorated in the class body
+            forward = forward.function
+        wrapper = CachedFunction(forward, options, owner=module, key_training=True)
+    else:
+        # Someone set an instance-level forward (a hook library, say): wrap it as it is.
+        wrapper = CachedFunction(own_forward, options)
+    wrapper._shapecache_previous_forward = own_forward
+    module.forward = wrapper
+    return module
+
+
+def _find(obj, what: str) -> CachedFunction:
+    if isinstance(obj, CachedFunction):
+        return obj
+    if isinstance(obj, torch.nn.Module):
+        forward = obj.__dict__.get("forward")
+        if isinstance(forward, CachedFunction):
+            return forward
+    hint = " (SHAPECACHE_DISABLE is set, so nothing is cached)" if disabled_by_environment() else ""
+    raise TypeError(
+        f"{what}: expected a function or module wrapped by shapecache.cached, got {type(obj).__name__}{hint}"
+    )
+
+
+def stats(obj) -> dict:
+    """Counters and holdings of a cached function or module.
+
+    Keys: calls, hits, misses, builds, evictions, fallbacks, uncached_calls, rejections,
+    bytes (entries + pool + workspace), entry_bytes, pool_bytes, workspace_bytes,
+    peak_bytes, budget (bytes on the device used first; None before the first call),
+    max_entries, backend, devices ({device: figures}), entries ([{bucket, device, backend,
+    bytes, hits, build_seconds, last_use, pinned}], most recently used first).
+    """
+    wrapper = _find(obj, "stats")
+    out = wrapper.stats()
+    budgets = [figures["budget"] for figures in out["devices"].values()]
+    out["budget"] = budgets[0] if budgets else None
+    out["backend"] = wrapper.options.backend
+    return out
+
+
+def clear(obj) -> None:
+    """Drops every entry of a cached function or module (entries that are running stay)."""
+    _find(obj, "clear").clear()
+
+
+def uncached(obj):
+    """Undoes ``cached``: a module gets its forward back (and is returned); a cached function
+    drops its entries and returns the original function."""
+    wrapper = _find(obj, "uncached")
+    wrapper.clear()
+    if isinstance(obj, torch.nn.Module):
+        previous = wrapper._shapecache_previous_forward
+        if previous is None:
+            del obj.__dict__["forward"]
+        else:
+            obj.__dict__["forward"] = previous
+        return obj
+    return wrapper.__wrapped__
