@@ -143,7 +143,7 @@ class KeyWriter {
     }
     // Zeros of the bucket's sizes in the argument's own memory format, the argument copied
     // into the leading corner.
-    at::Tensor padded = at::zeros(sizes, t.options().memory_format(t.suggest_memory_format()));
+    at::Tensor padded = at::empty(sizes, t.options(), t.suggest_memory_format()).zero_();
     at::Tensor corner = padded;
     for (const CropDim& p : padded_dims) corner = corner.narrow(p.dim, 0, p.original);
     corner.copy_(t);
