@@ -1,0 +1,135 @@
+"""``python -m shapecache demo``: a small conv net served at several sizes under a budget.
+
+A seeded stream of requests at mixed sizes goes through ``sc.cached``; the table shows,
+per size, how often it was asked for, how many times its entry was built (more than once:
+it was evicted in between), the build time, the median time of a cached call next to the
+plain call, and what the cache held at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+import shapecache as sc
+from shapecache.budget import format_bytes
+
+DEFAULT_SIZES = "64x64,64x96,96x64,96x96,128x128"
+
+
+class DemoNet(torch.nn.Module):
+    """Three convolutions with a nonlinearity: any image size in, the same size out."""
+
+    def __init__(self, channels: int = 3, hidden: int = 16):
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            torch.nn.Conv2d(channels, hidden, 3, padding=1),
+            torch.nn.SiLU(),
+            torch.nn.Conv2d(hidden, hidden, 3, padding=1),
+            torch.nn.SiLU(),
+            torch.nn.Conv2d(hidden, channels, 3, padding=1),
+        )
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    sizes = []
+    for item in text.split(","):
+        try:
+            height, width = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--sizes: cannot read {item!r}; expected HEIGHTxWIDTH items such as 64x96") from None
+        sizes.append((height, width))
+    return sizes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help="HEIGHTxWIDTH,... (default %(default)s)")
+    parser.add_argument("--requests", type=int, default=40, help="requests in the stream (default %(default)s)")
+    parser.add_argument("--backend", default="auto", help="auto, eager or compile (default %(default)s)")
+    parser.add_argument("--budget", default=None, help="bytes per device, e.g. 2GiB (default: half the device)")
+    parser.add_argument("--max-entries", type=int, default=3, help="entries kept per device (default %(default)s)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> dict:
+    sizes = parse_sizes(args.sizes)
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    net = DemoNet().to(device).eval()
+    inputs = {s: torch.randn(1, 3, *s, device=device) for s in sizes}
+
+    # Requests skewed towards the first sizes, as a service sees them.
+    rng = random.Random(args.seed)
+    stream = rng.choices(sizes, weights=list(range(len(sizes), 0, -1)), k=args.requests)
+
+    plain_ms = {}
+    with torch.no_grad():
+        for s in sizes:
+            net(inputs[s])  # first call pays one-time costs
+            plain_ms[s] = _median_ms(lambda s=s: net(inputs[s]), device)
+
+    sc.cached(net, budget=args.budget, backend=args.backend, max_entries=args.max_entries)
+    per_size = {s: {"requests": 0, "builds": 0, "build_ms": [], "hit_ms": []} for s in sizes}
+    with torch.no_grad():
+        for s in stream:
+            row = per_size[s]
+            builds_before = sc.stats(net)["builds"]
+            start = time.perf_counter()
+            net(inputs[s])
+            _sync(device)
+            elapsed = (time.perf_counter() - start) * 1e3
+            row["requests"] += 1
+            if sc.stats(net)["builds"] > builds_before:
+                row["builds"] += 1
+                row["build_ms"].append(elapsed)
+            else:
+                row["hit_ms"].append(elapsed)
+
+    st = sc.stats(net)
+    held_shapes = {e["bucket"].split(")")[0] + ")" for e in st["entries"]}
+    print(f"shapecache demo: {len(stream)} requests over {len(sizes)} sizes on {device}, "
+          f"backend={args.backend}, budget={st['budget'] and format_bytes(st['budget'])}, "
+          f"max_entries={args.max_entries}")
+    header = f"{'size':>9} {'requests':>8} {'builds':>6} {'hits':>5} {'build ms':>9} {'hit ms':>8} {'plain ms':>9} {'held':>5}"
+    print(header)
+    print("-" * len(header))
+    for s in sizes:
+        row = per_size[s]
+        shape = f"(1, 3, {s[0]}, {s[1]})"
+        print(
+            f"{s[0]:>4}x{s[1]:<4} {row['requests']:>8} {row['builds']:>6} {len(row['hit_ms']):>5} "
+            f"{_fmt(row['build_ms'], max):>9} {_fmt(row['hit_ms'], statistics.median):>8} "
+            f"{plain_ms[s]:>9.3f} {'yes' if shape in held_shapes else 'no':>5}"
+        )
+    print(
+        f"cache: {len(st['entries'])} entries, {format_bytes(st['bytes'])} held (peak {format_bytes(st['peak_bytes'])}), "
+        f"hits {st['hits']}, misses {st['misses']}, evictions {st['evictions']}, fallbacks {st['fallbacks']}"
+    )
+    return {"sizes": per_size, "stats": st}
+
+
+def _median_ms(call, device, repeats: int = 20) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fmt(values, reduce) -> str:
+    return f"{reduce(values):.3f}" if values else "-"
