@@ -1,0 +1,30 @@
+"""`python -m shapecache demo` runs and its table adds up."""
+
+import re
+import subprocess
+import sys
+
+
+def test_demo_prints_a_consistent_per_size_table():
+    result = subprocess.run(
+        [sys.executable, "-m", "shapecache", "demo", "--requests", "15", "--max-entries", "2",
+         "--sizes", "16x16,16x24,24x16,32x32"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if re.match(r"^\s*\d+x\d+\s", line)]
+    assert [r[0] for r in rows] == ["16x16", "16x24", "24x16", "32x32"]
+    requests, builds, hits = (sum(int(r[i]) for r in rows) for i in (1, 2, 3))
+    assert requests == 15 and builds + hits == 15
+    assert sum(r[-1] == "yes" for r in rows) == 2  # max_entries=2 holds two sizes at the end
+    summary = re.search(r"hits (\d+), misses (\d+), evictions (\d+)", result.stdout)
+    assert summary, result.stdout
+    assert (int(summary[1]), int(summary[2])) == (hits, builds)
+    assert int(summary[3]) == builds - 2
+
+
+def test_demo_rejects_bad_sizes():
+    result = subprocess.run(
+        [sys.executable, "-m", "shapecache", "demo", "--sizes", "16by16"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0 and "--sizes: cannot read '16by16'" in result.stderr
