@@ -81,6 +81,9 @@ def test_method_in_class_body_gets_a_cache_per_instance():
         b(inputs((8, 8)))
     assert sc.stats(a)["hits"] == 1 and sc.stats(b)["hits"] == 0
     assert sc.stats(a)["max_entries"] == 4
+    with pytest.raises(ValueError, match="decorated with shapecache.cached in its class body"):
+        sc.uncached(a)
+    assert sc.stats(a)["hits"] == 1  # refused before anything changed
 
 
 def test_training_flag_and_grad_mode_key_separately(conv_net):

@@ -70,7 +70,13 @@ CachedFunction::CachedFunction(py::object function, py::object builder, std::sha
 
 py::object CachedFunction::owner() const {
   if (owner_.is_none()) return py::none();
-  py::object alive = owner_();  // calling a weak reference gives its object, or None
+#if PY_VERSION_HEX >= 0x030D0000
+  PyObject* strong = nullptr;
+  if (PyWeakref_GetRef(owner_.ptr(), &strong) < 0) throw py::error_already_set();
+  py::object alive = strong ? py::reinterpret_steal<py::object>(strong) : py::object(py::none());
+#else
+  py::object alive = py::reinterpret_borrow<py::object>(PyWeakref_GetObject(owner_.ptr()));
+#endif
   if (alive.is_none()) {
     PyErr_SetString(PyExc_ReferenceError, "shapecache: the object this cached method belongs to no longer exists");
     throw py::error_already_set();

@@ -204,6 +204,11 @@ def uncached(obj):
     """Undoes ``cached``: a module gets its forward back (and is returned); a cached function
     drops its entries and returns the original function."""
     wrapper = _find(obj, "uncached")
+    if isinstance(obj, torch.nn.Module) and isinstance(type(obj).__dict__.get("forward"), CachedFunction):
+        raise ValueError(
+            f"{type(obj).__name__}.forward is decorated with shapecache.cached in its class body; "
+            "remove the decorator to run it uncached"
+        )
     wrapper.clear()
     if isinstance(obj, torch.nn.Module):
         previous = wrapper._shapecache_previous_forward
