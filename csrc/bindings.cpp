@@ -118,10 +118,12 @@ void bind_cache(py::module_& m) {
 
   m.def(
       "call_key",
-      [](py::tuple args, py::dict kwargs, std::vector<ArgumentBuckets> buckets, uint64_t function_id, int training) {
+      [](py::tuple args, py::dict kwargs, std::vector<ArgumentBuckets> buckets, uint64_t function_id, int training,
+         std::vector<std::string> parameter_names) {
         CallContext context;
         context.function_id = function_id;
         context.training = training;
+        context.parameter_names = &parameter_names;
         CallKey key = make_call_key(context, args, kwargs, buckets);
         py::dict out;
         out["words"] = py::tuple(py::cast(key.key.words()));
@@ -137,7 +139,7 @@ void bind_cache(py::module_& m) {
         return out;
       },
       py::arg("args"), py::arg("kwargs"), py::arg("buckets") = std::vector<ArgumentBuckets>{},
-      py::arg("function_id") = 0, py::arg("training") = -1,
+      py::arg("function_id") = 0, py::arg("training") = -1, py::arg("parameter_names") = std::vector<std::string>{},
       "The key of calling a function with `args` and `kwargs` (for tests and debugging).");
 
   m.def(

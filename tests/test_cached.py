@@ -32,7 +32,7 @@ def test_module_outputs_equal_plain_calls_and_hits_count(conv_net, form):
                 assert torch.equal(net(inputs(s)), expected[s])
     st = sc.stats(net)
     assert (st["misses"], st["builds"], st["hits"], st["evictions"]) == (len(SIZES), len(SIZES), len(SIZES), 0)
-    assert {e["bucket"] for e in st["entries"]} == {f"(1, 3, {h}, {w}) float32 cpu" for h, w in SIZES}
+    assert {e["bucket"] for e in st["entries"]} == {f"x=(1, 3, {h}, {w}) float32 cpu" for h, w in SIZES}
     assert all(e["hits"] == 1 and e["bytes"] == 0 and e["backend"] == "eager" for e in st["entries"])
 
 
@@ -47,7 +47,7 @@ def test_max_entries_evicts_least_recently_used_and_outputs_stay_equal(conv_net)
     st = sc.stats(conv_net)
     assert st["evictions"] == 3 and st["hits"] == 1 and st["misses"] == 5
     held = [e["bucket"] for e in st["entries"]]
-    assert held == [f"(1, 3, {h}, {w}) float32 cpu" for h, w in (sizes[4], sizes[3])]
+    assert held == [f"x=(1, 3, {h}, {w}) float32 cpu" for h, w in (sizes[4], sizes[3])]
     assert st["devices"]["cpu"]["entries"] == 2
 
 
@@ -175,9 +175,9 @@ def test_batch_padding_matches_plain_calls_and_shares_entries(conv_net):
             assert out.shape == expected[b].shape
             torch.testing.assert_close(out, expected[b], rtol=1e-5, atol=1e-6)
     assert [e["bucket"] for e in sc.stats(conv_net)["entries"]] == [
-        "(8, 3, 8, 8) float32 cpu",
-        "(4, 3, 8, 8) float32 cpu",
-        "(1, 3, 8, 8) float32 cpu",
+        "x=(8, 3, 8, 8) float32 cpu",
+        "x=(4, 3, 8, 8) float32 cpu",
+        "x=(1, 3, 8, 8) float32 cpu",
     ]
 
 
@@ -221,7 +221,7 @@ def test_byte_budget_evicts_through_the_call_path():
         assert torch.equal(f(torch.ones(n)), torch.full((n,), 2.0))
     st = f.stats()
     assert st["entry_bytes"] == 80 and st["evictions"] == 3 and st["peak_bytes"] == 80
-    assert [e["bucket"] for e in st["entries"]] == ["(5,) float32 cpu", "(4,) float32 cpu"]
+    assert [e["bucket"] for e in st["entries"]] == ["x=(5,) float32 cpu", "x=(4,) float32 cpu"]
 
 
 def test_entry_larger_than_budget_falls_back_with_one_warning():
@@ -253,7 +253,7 @@ def test_entry_running_is_pinned_against_eviction():
 
     g = make_cached(f, nbytes=60, budget=100)
     g(torch.ones(1))  # build: nested (2,) entry is built first, then (1,) evicts it
-    with pytest.warns(RuntimeWarning, match="the entry for \\(2,\\) float32 cpu holds 60 bytes"):
+    with pytest.warns(RuntimeWarning, match="the entry for x=\\(2,\\) float32 cpu holds 60 bytes"):
         g(torch.ones(1))  # hit: pinned while it runs; the nested (2,) entry cannot fit and falls back
-    assert seen["entries"] == ["(1,) float32 cpu"]
+    assert seen["entries"] == ["x=(1,) float32 cpu"]
     assert g.stats()["fallbacks"] == 1

@@ -58,6 +58,26 @@ def test_keyword_order_does_not_matter():
     assert key(a=1, b=torch.ones(2))["words"] == key(b=torch.ones(2), a=1)["words"]
 
 
+def test_named_parameters_key_the_same_by_position_or_keyword():
+    def named(*args, **kwargs):
+        return _C.call_key(args, kwargs, [], 0, -1, ["x", "t"])
+
+    x, t = torch.ones(2, 3), torch.tensor(5)
+    by_position = named(x, t, scale=2)
+    assert named(x, t=t, scale=2)["words"] == by_position["words"]
+    assert named(t=t, scale=2, x=x)["words"] == by_position["words"]
+    assert by_position["description"] == "scale=2, t=() int64 cpu, x=(2, 3) float32 cpu"
+    # a positional tail beyond the named parameters stays positional and ordered
+    assert named(x, t, 1, 2)["words"] != named(x, t, 2, 1)["words"]
+    assert named(x, t, 1)["description"] == "1, t=() int64 cpu, x=(2, 3) float32 cpu"
+
+
+def test_padding_by_keyword_uses_the_named_policy():
+    buckets = [_C.ArgumentBuckets(0, "x", [(0, sc.power_of_two())])]
+    k = _C.call_key((), {"x": torch.ones(3, 2)}, buckets, 0, -1, ["x"])
+    assert k["padded"] and k["kwargs"]["x"].shape == (4, 2) and k["args"] == ()
+
+
 def test_autograd_mode_and_training_are_part_of_the_key():
     x = torch.ones(2)
     with torch.no_grad():

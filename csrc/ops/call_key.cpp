@@ -197,11 +197,13 @@ const ArgumentBuckets* buckets_for_name(const std::vector<ArgumentBuckets>& buck
   return nullptr;
 }
 
-std::string positional_name(const CallContext& context, int64_t position) {
-  const std::vector<std::string>* names = context.parameter_names;
-  if (names != nullptr && position < static_cast<int64_t>(names->size())) return (*names)[position];
-  return "args[" + std::to_string(position) + "]";
-}
+// One argument of a call: by name when it has one, by position when passed positionally.
+struct NamedArgument {
+  std::string_view name;  // empty for a positional argument without a parameter name
+  PyObject* value;
+  int64_t position;       // index in *args, or -1 when passed by keyword
+  PyObject* keyword;      // the keyword's str object when passed by keyword, else nullptr
+};
 
 at::Tensor crop_tensor(const at::Tensor& t, const std::vector<CropDim>& crop) {
   at::Tensor out = t;
@@ -230,53 +232,63 @@ CallKey make_call_key(const CallContext& context, const py::tuple& args, const p
   key.add_word(context_flags(context.training));
 
   KeyWriter writer(out);
-  const Py_ssize_t n = PyTuple_GET_SIZE(args.ptr());
-  key.begin_container(KeyTag::kTuple, static_cast<size_t>(n));
   std::optional<py::list> padded_args;
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* item = PyTuple_GET_ITEM(args.ptr(), i);
-    const ArgumentBuckets* spec = buckets.empty() ? nullptr : buckets_for_position(buckets, i);
+  std::optional<py::dict> padded_kwargs;
+  auto write = [&](const NamedArgument& argument) {
+    const ArgumentBuckets* spec = nullptr;
+    if (!buckets.empty()) {
+      spec = argument.position >= 0 ? buckets_for_position(buckets, argument.position) : nullptr;
+      if (spec == nullptr && !argument.name.empty()) spec = buckets_for_name(buckets, argument.name);
+    }
+    const std::string name = argument.name.empty() ? "args[" + std::to_string(argument.position) + "]"
+                                                   : std::string(argument.name);
     if (spec == nullptr) {
       try {
-        writer.add_value(item, 0);
+        writer.add_value(argument.value, 0);
       } catch (const UnkeyableArgument& e) {
-        throw UnkeyableArgument("argument '" + positional_name(context, i) + "' is " + e.what());
+        throw UnkeyableArgument("argument '" + name + "' is " + e.what());
       }
-      continue;
+      return;
     }
-    if (auto padded = writer.add_bucketed(item, *spec, positional_name(context, i))) {
+    auto padded = writer.add_bucketed(argument.value, *spec, name);
+    if (!padded) return;
+    if (argument.keyword == nullptr) {
       if (!padded_args) padded_args = py::list(args);
-      (*padded_args)[i] = *padded;
+      (*padded_args)[argument.position] = *padded;
+    } else {
+      if (!padded_kwargs) padded_kwargs = py::dict(kwargs);
+      (*padded_kwargs)[argument.keyword] = *padded;
     }
+  };
+
+  // Positional arguments past the named parameters (a *args tail) are keyed in order.
+  const Py_ssize_t n = PyTuple_GET_SIZE(args.ptr());
+  const std::vector<std::string>* names = context.parameter_names;
+  const Py_ssize_t named_positional = names ? std::min<Py_ssize_t>(n, static_cast<Py_ssize_t>(names->size())) : 0;
+  key.begin_container(KeyTag::kTuple, static_cast<size_t>(n - named_positional));
+  for (Py_ssize_t i = named_positional; i < n; ++i) {
+    write(NamedArgument{{}, PyTuple_GET_ITEM(args.ptr(), i), i, nullptr});
   }
 
-  // Keywords in name order, so that f(a=1, b=2) and f(b=2, a=1) share an entry.
-  std::vector<std::pair<std::string_view, PyObject*>> keywords;
-  keywords.reserve(static_cast<size_t>(PyDict_Size(kwargs.ptr())));
+  // Every argument with a name, passed by position or by keyword, keyed by name in name
+  // order: f(x, t), f(x, t=t) and f(t=t, x=x) are the same call and share an entry.
+  std::vector<NamedArgument> named;
+  named.reserve(static_cast<size_t>(named_positional + PyDict_Size(kwargs.ptr())));
+  for (Py_ssize_t i = 0; i < named_positional; ++i) {
+    named.push_back(NamedArgument{(*names)[i], PyTuple_GET_ITEM(args.ptr(), i), i, nullptr});
+  }
   Py_ssize_t position = 0;
-  PyObject* name = nullptr;
+  PyObject* keyword = nullptr;
   PyObject* value = nullptr;
-  while (PyDict_Next(kwargs.ptr(), &position, &name, &value)) keywords.emplace_back(utf8_of(name), value);
-  std::sort(keywords.begin(), keywords.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-
-  key.begin_container(KeyTag::kDict, keywords.size());
-  std::optional<py::dict> padded_kwargs;
-  for (const auto& [keyword, item] : keywords) {
+  while (PyDict_Next(kwargs.ptr(), &position, &keyword, &value)) {
+    named.push_back(NamedArgument{utf8_of(keyword), value, -1, keyword});
+  }
+  std::sort(named.begin(), named.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
+  key.begin_container(KeyTag::kDict, named.size());
+  for (const NamedArgument& argument : named) {
     key.add_tag(KeyTag::kKeyword);
-    key.add_string(keyword);
-    const ArgumentBuckets* spec = buckets.empty() ? nullptr : buckets_for_name(buckets, keyword);
-    if (spec == nullptr) {
-      try {
-        writer.add_value(item, 0);
-      } catch (const UnkeyableArgument& e) {
-        throw UnkeyableArgument("argument '" + std::string(keyword) + "' is " + e.what());
-      }
-      continue;
-    }
-    if (auto padded = writer.add_bucketed(item, *spec, std::string(keyword))) {
-      if (!padded_kwargs) padded_kwargs = py::dict(kwargs);
-      (*padded_kwargs)[py::str(keyword.data(), keyword.size())] = *padded;
-    }
+    key.add_string(argument.name);
+    write(argument);
   }
 
   out.device = writer.device();

@@ -1,6 +1,7 @@
 // CallKey: the ShapeKey of one call of a cached function, built from its Python arguments.
 //
-// Tensors are keyed by bucketed sizes, dtype, device, memory layout and requires_grad;
+// Arguments with a parameter name are keyed by name, however they were passed; the rest of
+// the positional arguments in order. Tensors are keyed by bucketed sizes, dtype, device, memory layout and requires_grad;
 // ints, floats, bools, strings, None, dtypes, devices and tuples/lists/dicts of those by
 // value. Anything else cannot be keyed: UnkeyableArgument, and the call runs uncached.
 //
@@ -53,7 +54,9 @@ struct CallKey {
 struct CallContext {
   uint64_t function_id = 0;
   int training = -1;  // -1: not a module; 0/1: module.training
-  const std::vector<std::string>* parameter_names = nullptr;  // positional names, for messages
+  // Names of the positional parameters: arguments passed in those positions are keyed by
+  // name, so passing one by position or by keyword makes no difference.
+  const std::vector<std::string>* parameter_names = nullptr;
 };
 
 // Builds the key of calling with `args` and `kwargs`; pads bucketed arguments.

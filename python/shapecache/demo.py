@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> dict:
                 row["hit_ms"].append(elapsed)
 
     st = sc.stats(net)
-    held_shapes = {e["bucket"].split(")")[0] + ")" for e in st["entries"]}
+    held = [e["bucket"] for e in st["entries"]]
     print(f"shapecache demo: {len(stream)} requests over {len(sizes)} sizes on {device}, "
           f"backend={args.backend}, budget={st['budget'] and format_bytes(st['budget'])}, "
           f"max_entries={args.max_entries}")
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> dict:
         print(
             f"{s[0]:>4}x{s[1]:<4} {row['requests']:>8} {row['builds']:>6} {len(row['hit_ms']):>5} "
             f"{_fmt(row['build_ms'], max):>9} {_fmt(row['hit_ms'], statistics.median):>8} "
-            f"{plain_ms[s]:>9.3f} {'yes' if shape in held_shapes else 'no':>5}"
+            f"{plain_ms[s]:>9.3f} {'yes' if any(shape in b for b in held) else 'no':>5}"
         )
     print(
         f"cache: {len(st['entries'])} entries, {format_bytes(st['bytes'])} held (peak {format_bytes(st['peak_bytes'])}), "
