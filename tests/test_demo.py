@@ -28,3 +28,15 @@ def test_demo_rejects_bad_sizes():
         [sys.executable, "-m", "shapecache", "demo", "--sizes", "16by16"], capture_output=True, text=True, timeout=120
     )
     assert result.returncode != 0 and "--sizes: cannot read '16by16'" in result.stderr
+
+
+def test_tiny_sd_demo_prewarms_everything_the_pipeline_uses():
+    result = subprocess.run(
+        [sys.executable, "-m", "shapecache", "demo", "--model", "tiny-sd", "--sizes", "32x32,32x48,48x48"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "pre-warm order: 48x48, 32x48, 32x32" in result.stdout
+    rows = [line.split() for line in result.stdout.splitlines() if re.match(r"^\s*\d+x\d+\s", line)]
+    assert [r[0] for r in rows] == ["32x32", "32x48", "48x48"]
+    assert all(r[-2] == "0" and r[-1] == "yes" for r in rows), result.stdout  # built in call, equal

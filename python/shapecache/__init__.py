@@ -15,6 +15,8 @@ from shapecache import _C  # noqa: F401
 from shapecache.budget import Budget, parse_budget
 from shapecache.buckets import exact, multiple_of, power_of_two, sizes
 from shapecache.cached import CachedFunction, cached, clear, stats, uncached
+from shapecache.prompts import encode_prompts
+from shapecache.wrap import prewarm, unwrap, wrap
 
 __version__ = "0.1.0"
 
@@ -23,11 +25,15 @@ __all__ = [
     "CachedFunction",
     "cached",
     "clear",
+    "encode_prompts",
     "exact",
     "multiple_of",
     "parse_budget",
     "power_of_two",
+    "prewarm",
     "sizes",
     "stats",
     "uncached",
+    "unwrap",
+    "wrap",
 ]

@@ -68,12 +68,15 @@ class CacheOptions:
 class CachedFunction(_C.CachedFunction):
     """A function whose calls are served per shape bucket (the call itself runs in C++)."""
 
-    def __init__(self, function: Callable, options: CacheOptions, *, owner=None, key_training: bool = False):
+    def __init__(
+        self, function: Callable, options: CacheOptions, *, owner=None, key_training: bool = False, cache=None
+    ):
         self.options = options
         has_owner = owner is not None
         buckets = resolve_buckets(function, options.buckets, skip_first=has_owner)
         names = positional_parameter_names(function, skip_first=has_owner)
-        cache = _C.ShapeCache(options.budget.bytes_for, options.max_entries)
+        if cache is None:  # a cache of its own; functions given one share its budget
+            cache = make_cache(options)
         builder = make_builder(function, options.backend, options.compile_options)
         super().__init__(function, builder, cache, buckets, names, owner, key_training)
         functools.update_wrapper(self, function)
@@ -98,6 +101,11 @@ class CachedFunction(_C.CachedFunction):
             f"<shapecache.cached {getattr(self, '__qualname__', '?')}: {len(s['entries'])} entries, "
             f"{format_bytes(s['bytes'])} held, budget {self.options.budget}>"
         )
+
+
+def make_cache(options: CacheOptions):
+    """An empty cache: one budget domain, shared by the functions built with it."""
+    return _C.ShapeCache(options.budget.bytes_for, options.max_entries)
 
 
 def cached(
@@ -147,7 +155,7 @@ def _cache(function, options: CacheOptions, disable: bool):
     return CachedFunction(function, options)
 
 
-def _cache_module(module: torch.nn.Module, options: CacheOptions) -> torch.nn.Module:
+def _cache_module(module: torch.nn.Module, options: CacheOptions, cache=None) -> torch.nn.Module:
     own_forward = module.__dict__.get("forward")
     if isinstance(own_forward, CachedFunction):
         raise ValueError(f"{type(module).__name__} is cached already; call shapecache.uncached on it first")
@@ -156,10 +164,10 @@ def _cache_module(module: torch.nn.Module, options: CacheOptions) -> torch.nn.Mo
         forward = type(module).forward
         if isinstance(forward, CachedFunction):  # decorated in the class body
             forward = forward.function
-        wrapper = CachedFunction(forward, options, owner=module, key_training=True)
+        wrapper = CachedFunction(forward, options, owner=module, key_training=True, cache=cache)
     else:
         # Someone set an instance-level forward (a hook library, say): wrap it as it is.
-        wrapper = CachedFunction(own_forward, options)
+        wrapper = CachedFunction(own_forward, options, cache=cache)
     wrapper._shapecache_previous_forward = own_forward
     module.forward = wrapper
     return module
@@ -179,7 +187,8 @@ def _find(obj, what: str) -> CachedFunction:
 
 
 def stats(obj) -> dict:
-    """Counters and holdings of a cached function or module.
+    """Counters and holdings of a cached function or module (for a wrapped pipeline, see
+    shapecache.wrap.pipeline_stats).
 
     Keys: calls, hits, misses, builds, evictions, fallbacks, uncached_calls, rejections,
     bytes (entries + pool + workspace), entry_bytes, pool_bytes, workspace_bytes,
@@ -187,6 +196,10 @@ def stats(obj) -> dict:
     max_entries, backend, devices ({device: figures}), entries ([{bucket, device, backend,
     bytes, hits, build_seconds, last_use, pinned}], most recently used first).
     """
+    if hasattr(obj, "_shapecache"):  # a pipeline wrapped by shapecache.wrap
+        from shapecache.wrap import pipeline_stats
+
+        return pipeline_stats(obj)
     wrapper = _find(obj, "stats")
     out = wrapper.stats()
     budgets = [figures["budget"] for figures in out["devices"].values()]

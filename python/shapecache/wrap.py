@@ -1,0 +1,229 @@
+"""``sc.wrap(pipe)``: cache a diffusers pipeline's denoiser and VAE decoder under one budget,
+and build every size's entries before the first request, largest first.
+
+Largest first because memory that later entries reuse (allocator blocks, a shared graph
+pool, a convolution workspace) then reaches its final size on the first build; built
+smallest first, each larger size allocates again and the earlier, smaller blocks cannot
+serve it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from shapecache.budget import format_bytes
+from shapecache.cached import CacheOptions, CachedFunction, _cache_module, make_cache, uncached
+from shapecache.pipeline_families import Family, family_of
+
+logger = logging.getLogger("shapecache")
+
+
+@dataclass
+class WrapState:
+    """What ``wrap`` did to a pipeline, kept on it as ``pipe._shapecache``."""
+
+    family: Family
+    options: CacheOptions
+    cache: object  # the ShapeCache that the components share
+    components: dict  # name -> cached module: "denoiser", "vae_decoder"
+    prewarmed: list = field(default_factory=list)  # one record per size built, in build order
+
+
+def wrap(
+    pipe,
+    sizes: Iterable | None = None,
+    budget=None,
+    backend: str = "auto",
+    prewarm: bool = True,
+    *,
+    max_entries: int | None = None,
+    batch_size: int = 1,
+    guidance: bool | None = None,
+    text_length: int | None = None,
+    progress: bool | None = None,
+):
+    """Caches `pipe`'s denoiser and VAE decoder under one `budget`; returns `pipe`.
+
+    Args:
+        sizes: (height, width) pairs to build before the first call (any order, duplicates
+            allowed); built largest first when `prewarm` is true. See ``prewarm`` for
+            `batch_size`, `guidance`, `text_length` and `progress`.
+        budget, backend, max_entries: as for ``sc.cached``; the budget covers both components.
+    """
+    family = family_of(pipe)
+    if isinstance(getattr(pipe, "_shapecache", None), WrapState):
+        raise ValueError(f"{type(pipe).__name__} is wrapped already; call shapecache.unwrap(pipe) first")
+    options = CacheOptions.from_arguments(
+        budget=budget, backend=backend, buckets=None, max_entries=max_entries, compile_options=None
+    )
+    checked_sizes = _check_sizes(pipe, family, sizes) if sizes is not None else []
+    components = {"denoiser": getattr(pipe, family.denoiser_attribute)}
+    decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
+    if isinstance(decoder, torch.nn.Module):
+        components["vae_decoder"] = decoder
+    for name, module in components.items():
+        if isinstance(module.__dict__.get("forward"), CachedFunction):
+            raise ValueError(f"the pipeline's {name} is cached already; call shapecache.uncached on it first")
+
+    cache = make_cache(options)
+    for module in components.values():
+        _cache_module(module, options, cache)
+    object.__setattr__(pipe, "_shapecache", WrapState(family, options, cache, components))
+    if prewarm and checked_sizes:
+        _prewarm(pipe, checked_sizes, batch_size, guidance, text_length, progress)
+    return pipe
+
+
+def unwrap(pipe):
+    """Undoes ``wrap``: the components get their forwards back; returns `pipe`."""
+    state = wrap_state(pipe, "unwrap")
+    for module in state.components.values():
+        uncached(module)
+    object.__delattr__(pipe, "_shapecache")
+    return pipe
+
+
+def prewarm(pipe, sizes: Iterable, *, batch_size: int = 1, guidance: bool | None = None,
+            text_length: int | None = None, progress: bool | None = None) -> list:
+    """Builds the entries of `sizes` for a wrapped pipeline, largest pixel count first (of two
+    sizes with as many pixels, the taller first).
+
+    Args:
+        sizes: (height, width) pairs in pixels, each a multiple of the VAE's factor.
+        batch_size: images per pipeline call (batch size x num_images_per_prompt).
+        guidance: whether calls use classifier-free guidance (doubling the denoiser's batch);
+            None: the family's default (SD, SDXL, SD3: yes; Flux: no).
+        text_length: tokens in the prompt embeddings; None: what the pipeline's tokenizers make.
+        progress: show a progress bar; None: only when stderr is a terminal.
+
+    Returns:
+        The records of this call's sizes: {size, batch, seconds, bytes}, in build order.
+    """
+    state = wrap_state(pipe, "prewarm")
+    return _prewarm(pipe, _check_sizes(pipe, state.family, sizes), batch_size, guidance, text_length, progress)
+
+
+def wrap_state(pipe, what: str) -> WrapState:
+    state = getattr(pipe, "_shapecache", None)
+    if not isinstance(state, WrapState):
+        raise TypeError(f"{what}: expected a pipeline wrapped by shapecache.wrap, got {type(pipe).__name__}")
+    return state
+
+
+def pipeline_stats(pipe) -> dict:
+    """The cache's totals, each component's stats, the pre-warm records and device memory."""
+    state = wrap_state(pipe, "stats")
+    totals = state.cache.stats()
+    components = {}
+    for name, module in state.components.items():
+        component = module.forward.stats()
+        component["backend"] = state.options.backend
+        components[name] = component
+    budgets = [figures["budget"] for figures in totals["devices"].values()]
+    totals["budget"] = budgets[0] if budgets else None
+    totals["backend"] = state.options.backend
+    totals["components"] = components
+    totals["prewarmed"] = list(state.prewarmed)
+    totals["memory"] = device_memory(totals["devices"])
+    for counter in ("calls", "hits", "misses", "builds", "fallbacks", "uncached_calls"):
+        totals[counter] = sum(c[counter] for c in components.values())
+    return totals
+
+
+def device_memory(devices: Iterable[str]) -> dict:
+    """CUDA allocator figures of each CUDA device the cache has used, read now."""
+    figures = {}
+    for name in devices:
+        device = torch.device(name)
+        if device.type == "cuda":
+            figures[name] = {
+                "memory_allocated": torch.cuda.memory_allocated(device),
+                "max_memory_allocated": torch.cuda.max_memory_allocated(device),
+                "memory_reserved": torch.cuda.memory_reserved(device),
+            }
+    return figures
+
+
+def _check_sizes(pipe, family: Family, sizes) -> list:
+    """Sizes as (height, width) ints, deduplicated, largest pixel count first."""
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+        raise TypeError(f"sizes={sizes!r}: expected a list of (height, width) pairs such as [(1024, 1024), (1152, 896)]")
+    multiple = family.size_multiple(pipe)
+    checked = []
+    for index, size in enumerate(sizes):
+        try:
+            height, width = size
+        except (TypeError, ValueError):
+            raise TypeError(f"sizes[{index}]={size!r}: expected a (height, width) pair of ints") from None
+        for name, value in (("height", height), ("width", width)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise TypeError(f"sizes[{index}]={size!r}: {name} must be a positive int, got {value!r}")
+            if value % multiple:
+                raise ValueError(
+                    f"sizes[{index}]={size!r}: {name} {value} is not a multiple of {multiple}, which "
+                    f"{type(pipe).__name__} needs (its VAE downsamples by that factor); "
+                    f"nearest: {value // multiple * multiple or multiple} or {(value // multiple + 1) * multiple}"
+                )
+        checked.append((height, width))
+    return sorted(set(checked), key=lambda hw: (hw[0] * hw[1], hw), reverse=True)
+
+
+def _prewarm(pipe, sizes, batch_size, guidance, text_length, progress) -> list:
+    state = wrap_state(pipe, "prewarm")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}: expected a positive int (images per pipeline call)")
+    family = state.family
+    use_cfg = family.uses_cfg if guidance is None else bool(guidance)
+    denoiser_batch = batch_size * (2 if use_cfg else 1)
+    if text_length is None:
+        text_length = family.default_text_length(pipe)
+    denoiser = state.components["denoiser"]
+    decoder = state.components.get("vae_decoder")
+    if progress is None:
+        progress = sys.stderr.isatty()
+
+    from tqdm.auto import tqdm
+
+    records = []
+    with torch.no_grad():  # as the pipelines' __call__ run: the autograd mode is part of the key
+        for height, width in tqdm(sizes, desc="shapecache prewarm", disable=not progress):
+            bytes_before = state.cache.stats()["bytes"]
+            start = time.perf_counter()
+            denoiser(**family.denoiser_inputs(pipe, height, width, denoiser_batch, text_length))
+            if decoder is not None:
+                decoder(_decoder_input(pipe, decoder, height, width, batch_size))
+            _synchronize(denoiser)
+            record = {
+                "size": (height, width),
+                "batch": batch_size,
+                "seconds": time.perf_counter() - start,
+                "bytes": state.cache.stats()["bytes"] - bytes_before,
+            }
+            records.append(record)
+            state.prewarmed.append(record)
+            logger.info(
+                "shapecache: warmed %dx%d (batch %d) in %.2f s, %s more held",
+                height, width, batch_size, record["seconds"], format_bytes(record["bytes"]),
+            )
+    return records
+
+
+def _decoder_input(pipe, decoder, height, width, batch):
+    """What AutoencoderKL.decode hands its decoder: latents after post_quant_conv."""
+    vae = pipe.vae
+    factor = pipe.vae_scale_factor
+    parameter = next(decoder.parameters())
+    channels = vae.config.latent_channels
+    return torch.randn(batch, channels, height // factor, width // factor, device=parameter.device, dtype=parameter.dtype)
+
+
+def _synchronize(module):
+    device = next(module.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
