@@ -4,9 +4,11 @@
 #include <pybind11/stl.h>
 
 #include <torch/csrc/Device.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
@@ -17,7 +19,10 @@
 #include "core/budgeted_lru.h"
 #include "ops/cached_function.h"
 #include "ops/call_key.h"
+#include "ops/conv2d.h"
+#include "ops/conv_tuner.h"
 #include "ops/shape_cache.h"
+#include "ops/workspace_arena.h"
 
 namespace py = pybind11;
 using namespace shapecache;
@@ -178,10 +183,148 @@ void bind_cache(py::module_& m) {
       .def_property_readonly("cache", &CachedFunction::cache);
 }
 
+// Tuning records cross to Python as plain dicts (the file format's fields).
+py::dict record_to_dict(const TuningRecord& r) {
+  const ConvProblem& p = r.problem;
+  py::dict d;
+  d["environment"] = r.environment;
+  d["device_type"] = c10::DeviceTypeName(static_cast<c10::DeviceType>(p.device_type), /*lower_case=*/true);
+  d["dtype"] = std::string(torch::getTHPDtype(static_cast<c10::ScalarType>(p.dtype))->name);
+  d["layout"] = p.layout ? "channels_last" : "contiguous";
+  d["input"] = py::make_tuple(p.n, p.c, p.h, p.w);
+  d["weight"] = py::make_tuple(p.k, p.c / p.groups, p.r, p.s);
+  d["stride"] = py::make_tuple(p.stride[0], p.stride[1]);
+  d["padding"] = py::make_tuple(p.padding[0], p.padding[1]);
+  d["dilation"] = py::make_tuple(p.dilation[0], p.dilation[1]);
+  d["groups"] = p.groups;
+  d["bias"] = static_cast<bool>(p.has_bias);
+  d["algorithm"] = r.algorithm;
+  d["workspace_bytes"] = r.workspace_bytes;
+  d["microseconds"] = r.microseconds;
+  return d;
+}
+
+c10::ScalarType dtype_from_name(const std::string& name) {
+  for (int i = 0; i < static_cast<int>(c10::ScalarType::NumOptions); ++i) {
+    const auto type = static_cast<c10::ScalarType>(i);
+    THPDtype* dtype = torch::getTHPDtype(type);
+    if (dtype != nullptr && name == dtype->name) return type;
+  }
+  throw py::value_error("unknown dtype '" + name + "'");
+}
+
+// Raises KeyError/TypeError/ValueError on a malformed record (the file is then set aside).
+TuningRecord record_from_dict(const py::dict& d) {
+  TuningRecord r;
+  ConvProblem& p = r.problem;
+  std::memset(&p, 0, sizeof(p));
+  r.environment = d["environment"].cast<std::string>();
+  p.environment = hash_environment(r.environment);
+  p.device_type = static_cast<int8_t>(c10::Device(d["device_type"].cast<std::string>()).type());
+  p.dtype = static_cast<int8_t>(dtype_from_name(d["dtype"].cast<std::string>()));
+  const auto layout = d["layout"].cast<std::string>();
+  if (layout != "contiguous" && layout != "channels_last") throw py::value_error("unknown layout '" + layout + "'");
+  p.layout = layout == "channels_last" ? 1 : 0;
+  const auto input = d["input"].cast<std::vector<int64_t>>();
+  const auto weight = d["weight"].cast<std::vector<int64_t>>();
+  const auto stride = d["stride"].cast<std::vector<int64_t>>();
+  const auto padding = d["padding"].cast<std::vector<int64_t>>();
+  const auto dilation = d["dilation"].cast<std::vector<int64_t>>();
+  if (input.size() != 4 || weight.size() != 4 || stride.size() != 2 || padding.size() != 2 || dilation.size() != 2) {
+    throw py::value_error("a tuning record has sizes of the wrong length");
+  }
+  p.n = input[0], p.c = input[1], p.h = input[2], p.w = input[3];
+  p.k = weight[0], p.r = weight[2], p.s = weight[3];
+  for (int i = 0; i < 2; ++i) p.stride[i] = stride[i], p.padding[i] = padding[i], p.dilation[i] = dilation[i];
+  p.groups = d["groups"].cast<int64_t>();
+  p.has_bias = d["bias"].cast<bool>() ? 1 : 0;
+  r.algorithm = d["algorithm"].cast<std::string>();
+  r.workspace_bytes = d["workspace_bytes"].cast<int64_t>();
+  r.microseconds = d["microseconds"].cast<double>();
+  return r;
+}
+
+void bind_tuning(py::module_& m) {
+  m.def(
+      "tune_conv2d",
+      [](const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+         std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups) {
+        const TuningResult result =
+            ConvTuner::instance().tune(make_conv_args(input, weight, bias, stride, padding, dilation, groups));
+        py::dict out = record_to_dict(result.record);
+        py::list candidates;
+        for (const CandidateTiming& c : result.candidates) {
+          py::dict t;
+          t["algorithm"] = c.algorithm;
+          t["workspace_bytes"] = c.workspace_bytes;
+          t["microseconds"] = c.microseconds < 0 ? py::object(py::none()) : py::float_(c.microseconds);
+          t["skipped"] = c.skipped;
+          candidates.append(t);
+        }
+        out["candidates"] = candidates;
+        return out;
+      },
+      py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"), py::arg("dilation"),
+      py::arg("groups"), "Times every algorithm for this problem and records the fastest that fits.");
+  m.def(
+      "conv2d_algorithm",
+      [](const std::string& algorithm, const at::Tensor& input, const at::Tensor& weight,
+         const std::optional<at::Tensor>& bias, std::vector<int64_t> stride, std::vector<int64_t> padding,
+         std::vector<int64_t> dilation, int64_t groups) {
+        return ConvTuner::instance().run_named(make_conv_args(input, weight, bias, stride, padding, dilation, groups),
+                                               algorithm);
+      },
+      py::arg("algorithm"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("stride"),
+      py::arg("padding"), py::arg("dilation"), py::arg("groups"), "Runs one named algorithm (no tuning).");
+  m.def("tuning_load", [](const py::list& records) {
+    std::vector<TuningRecord> parsed;
+    for (py::handle r : records) parsed.push_back(record_from_dict(py::reinterpret_borrow<py::dict>(r)));
+    return ConvTuner::instance().load(parsed);
+  });
+  m.def("tuning_take_unsaved", [] {
+    py::list out;
+    for (const TuningRecord& r : ConvTuner::instance().take_unsaved()) out.append(record_to_dict(r));
+    return out;
+  });
+  m.def("tuning_has_unsaved", [] { return ConvTuner::instance().has_unsaved(); });
+  m.def("tuning_stats", [] {
+    const TunerStats s = ConvTuner::instance().stats();
+    py::dict d;
+    d["tuned"] = s.tuned;
+    d["loaded"] = s.loaded;
+    d["hits"] = s.hits;
+    d["records"] = s.records;
+    return d;
+  });
+  m.def("tuning_clear", [] { ConvTuner::instance().clear(); });
+  m.def("tuning_set_enabled", [](bool enabled) { ConvTuner::instance().set_enabled(enabled); });
+  m.def("tuning_environment", [](c10::Device device) { return ConvTuner::instance().environment(device); });
+  m.def("record_key", [](const py::dict& record) {  // the identity of a record's problem, for merging files
+    const TuningRecord r = record_from_dict(record);
+    return py::bytes(reinterpret_cast<const char*>(&r.problem), sizeof(r.problem));
+  });
+
+  m.def("workspace_stats", [](c10::Device device) {
+    WorkspaceArena& arena = WorkspaceArena::of(device);
+    py::dict d;
+    d["bytes"] = arena.bytes();
+    d["cap"] = arena.cap() == WorkspaceArena::kUnlimited ? py::object(py::none()) : py::int_(arena.cap());
+    d["generation"] = arena.generation();
+    return d;
+  });
+  m.def(
+      "set_workspace_cap",
+      [](c10::Device device, std::optional<int64_t> bytes) {
+        WorkspaceArena::of(device).set_cap(bytes ? *bytes : WorkspaceArena::kUnlimited);
+      },
+      py::arg("device"), py::arg("bytes"));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "shapecache's C++ core: shape keys, bucket policies, the budgeted LRU and the cached call";
+  m.doc() = "shapecache's C++ core: shape keys, bucket policies, the budgeted LRU, the cached call, conv tuning";
   bind_core(m);
   bind_cache(m);
+  bind_tuning(m);
 }

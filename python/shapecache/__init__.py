@@ -12,10 +12,12 @@
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from shapecache import _C  # noqa: F401
+from shapecache import ops  # noqa: F401  (fake and autograd registrations of the C++ ops)
 from shapecache.budget import Budget, parse_budget
 from shapecache.buckets import exact, multiple_of, power_of_two, sizes
 from shapecache.cached import CachedFunction, cached, clear, stats, uncached
 from shapecache.prompts import encode_prompts
+from shapecache.tuning import TunedConvs, TuningDb, tune_convs
 from shapecache.wrap import prewarm, unwrap, wrap
 
 __version__ = "0.1.0"
@@ -23,6 +25,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Budget",
     "CachedFunction",
+    "TunedConvs",
+    "TuningDb",
     "cached",
     "clear",
     "encode_prompts",
@@ -33,6 +37,7 @@ __all__ = [
     "prewarm",
     "sizes",
     "stats",
+    "tune_convs",
     "uncached",
     "unwrap",
     "wrap",

@@ -37,9 +37,12 @@ class CacheOptions:
     buckets: Mapping | None = None
     max_entries: int | None = None
     compile_options: dict = field(default_factory=dict)
+    tune_convs: bool = False
 
     @classmethod
-    def from_arguments(cls, *, budget, backend, buckets, max_entries, compile_options) -> CacheOptions:
+    def from_arguments(
+        cls, *, budget, backend, buckets, max_entries, compile_options, tune_convs=False
+    ) -> CacheOptions:
         parsed = parse_budget(budget)
         if not isinstance(backend, str) or backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: expected one of {', '.join(repr(b) for b in BACKENDS)}")
@@ -62,7 +65,9 @@ class CacheOptions:
             raise ValueError(
                 "compile_options: 'dynamic' is fixed to False; shapecache compiles one static graph per bucket"
             )
-        return cls(parsed, backend, buckets, max_entries, dict(compile_options))
+        if not isinstance(tune_convs, bool):
+            raise TypeError(f"tune_convs={tune_convs!r}: expected True or False")
+        return cls(parsed, backend, buckets, max_entries, dict(compile_options), tune_convs)
 
 
 class CachedFunction(_C.CachedFunction):
@@ -78,6 +83,8 @@ class CachedFunction(_C.CachedFunction):
         if cache is None:  # a cache of its own; functions given one share its budget
             cache = make_cache(options)
         builder = make_builder(function, options.backend, options.compile_options)
+        if options.tune_convs:
+            builder = _charging_workspace(builder, cache)
         super().__init__(function, builder, cache, buckets, names, owner, key_training)
         functools.update_wrapper(self, function)
 
@@ -103,6 +110,17 @@ class CachedFunction(_C.CachedFunction):
         )
 
 
+def _charging_workspace(builder, cache):
+    """`builder`, then the device's convolution workspace charged to `cache`'s budget."""
+
+    def build(args, kwargs, device):
+        entry = builder(args, kwargs, device)
+        cache.set_shared_bytes(device, workspace=_C.workspace_stats(device)["bytes"])
+        return entry
+
+    return build
+
+
 def make_cache(options: CacheOptions):
     """An empty cache: one budget domain, shared by the functions built with it."""
     return _C.ShapeCache(options.budget.bytes_for, options.max_entries)
@@ -117,6 +135,7 @@ def cached(
     buckets: Mapping | None = None,
     max_entries: int | None = None,
     compile_options: Mapping | None = None,
+    tune_convs: bool = False,
     disable: bool = False,
 ):
     """Serve `function` (or an ``nn.Module``'s forward) from one compiled entry per shape bucket.
@@ -130,13 +149,16 @@ def cached(
         buckets: {argument: {dimension: policy}}; unlisted dimensions are exact.
         max_entries: at most this many entries per device (None: no count limit).
         compile_options: keyword arguments for torch.compile (mode, backend, options, ...).
+        tune_convs: route the module's Conv2d layers through shapecache's tuned convolution
+            (shapecache.tune_convs, default records file); its workspace counts against the budget.
         disable: return `function` unchanged.
 
     Returns:
         A callable with the function's signature; for a module, the module itself.
     """
     options = CacheOptions.from_arguments(
-        budget=budget, backend=backend, buckets=buckets, max_entries=max_entries, compile_options=compile_options
+        budget=budget, backend=backend, buckets=buckets, max_entries=max_entries, compile_options=compile_options,
+        tune_convs=tune_convs,
     )
     if function is None:
         return lambda f: _cache(f, options, disable)
@@ -152,6 +174,8 @@ def _cache(function, options: CacheOptions, disable: bool):
         return function
     if isinstance(function, torch.nn.Module):
         return _cache_module(function, options)
+    if options.tune_convs:
+        raise ValueError("tune_convs=True needs an nn.Module (its Conv2d layers are routed); got a function")
     return CachedFunction(function, options)
 
 
@@ -169,6 +193,11 @@ def _cache_module(module: torch.nn.Module, options: CacheOptions, cache=None) ->
         # Someone set an instance-level forward (a hook library, say): wrap it as it is.
         wrapper = CachedFunction(own_forward, options, cache=cache)
     wrapper._shapecache_previous_forward = own_forward
+    wrapper._shapecache_tuned_convs = None
+    if options.tune_convs:
+        from shapecache.tuning import tune_convs
+
+        wrapper._shapecache_tuned_convs = tune_convs(module)
     module.forward = wrapper
     return module
 
@@ -224,6 +253,8 @@ def uncached(obj):
         )
     wrapper.clear()
     if isinstance(obj, torch.nn.Module):
+        if wrapper._shapecache_tuned_convs is not None:
+            wrapper._shapecache_tuned_convs.remove()
         previous = wrapper._shapecache_previous_forward
         if previous is None:
             del obj.__dict__["forward"]

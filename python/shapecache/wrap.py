@@ -40,6 +40,7 @@ def wrap(
     sizes: Iterable | None = None,
     budget=None,
     backend: str = "auto",
+    tune_convs: bool | None = None,
     prewarm: bool = True,
     *,
     max_entries: int | None = None,
@@ -55,12 +56,15 @@ def wrap(
             allowed); built largest first when `prewarm` is true. See ``prewarm`` for
             `batch_size`, `guidance`, `text_length` and `progress`.
         budget, backend, max_entries: as for ``sc.cached``; the budget covers both components.
+        tune_convs: route both components' Conv2d layers through the tuned convolution
+            (None: no). Pre-warming then tunes every size's convolutions before the first call.
     """
     family = family_of(pipe)
     if isinstance(getattr(pipe, "_shapecache", None), WrapState):
         raise ValueError(f"{type(pipe).__name__} is wrapped already; call shapecache.unwrap(pipe) first")
     options = CacheOptions.from_arguments(
-        budget=budget, backend=backend, buckets=None, max_entries=max_entries, compile_options=None
+        budget=budget, backend=backend, buckets=None, max_entries=max_entries, compile_options=None,
+        tune_convs=bool(tune_convs),
     )
     checked_sizes = _check_sizes(pipe, family, sizes) if sizes is not None else []
     components = {"denoiser": getattr(pipe, family.denoiser_attribute)}
