@@ -100,6 +100,18 @@ def test_tuner_picks_the_measured_fastest_that_fits():
         assert result["microseconds"] == fastest["microseconds"]
 
 
+def test_the_arena_grows_for_chosen_algorithms_only():
+    # im2col_gemm needs 4 * 9 * 40 * 40 * 64 bytes here, more than earlier tests grew the arena to
+    x, w = torch.randn(1, 64, 40, 40), torch.randn(8, 64, 3, 3)
+    before = _C.workspace_stats(CPU)["bytes"]
+    result = _C.tune_conv2d(x, w, None, [1, 1], [1, 1], [1, 1], 1)
+    im2col = next(c for c in result["candidates"] if c["algorithm"] == "im2col_gemm")
+    assert im2col["workspace_bytes"] > before and im2col["microseconds"] is not None  # timed, on scratch
+    assert _C.workspace_stats(CPU)["bytes"] == before  # tuning alone grows nothing
+    torch.ops.shapecache.conv2d(x, w, None, [1, 1], [1, 1], [1, 1], 1)
+    assert _C.workspace_stats(CPU)["bytes"] == max(before, result["workspace_bytes"])
+
+
 @pytest.fixture
 def workspace_cap():
     before = _C.workspace_stats(CPU)["cap"]

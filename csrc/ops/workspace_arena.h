@@ -3,7 +3,8 @@
 // Policy:
 //   - One buffer per device, from torch's allocator on that device (so the caching
 //     allocator and its statistics see it, and CUDA use is stream-ordered).
-//   - It only grows, to the largest workspace a chosen algorithm needs: every bucket's
+//   - It only grows, to the largest workspace a chosen algorithm needs (candidates that need
+//     more are timed on scratch memory freed after timing): every bucket's
 //     convolutions share it, so it is sized by the largest, not the sum. Built largest
 //     first, it reaches its final size on the first build.
 //   - Growth bumps `generation`: a CUDA graph that captured the old address must be rebuilt.
