@@ -142,6 +142,13 @@ class BudgetedLru {
     return remove(it->second);
   }
 
+  // Evicts every unpinned entry (counted as evictions, unlike clear); returns them.
+  std::vector<Evicted> evict_unpinned() {
+    std::vector<Evicted> removed = clear();
+    counters_.evictions += static_cast<int64_t>(removed.size());
+    return removed;
+  }
+
   // Removes every unpinned entry; returns them.
   std::vector<Evicted> clear() {
     std::vector<Evicted> removed;

@@ -35,6 +35,14 @@ class PinGuard {
   const ShapeKey& key_;
 };
 
+// torch.OutOfMemoryError, looked up once.
+const py::object& out_of_memory_type() {
+  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> storage;
+  return storage.call_once_and_store_result([] { return py::module_::import("torch").attr("OutOfMemoryError"); }).get_stored();
+}
+
+bool is_out_of_memory(py::error_already_set& error) { return error.matches(out_of_memory_type()); }
+
 // `args` with the owner in front, when there is one.
 py::tuple with_owner(const py::object& self, const py::tuple& args) {
   if (self.is_none()) return args;
@@ -126,9 +134,10 @@ py::object CachedFunction::call(const py::args& args, const py::kwargs& kwargs) 
 }
 
 py::object CachedFunction::build(CallKey& key, PyObject* args, PyObject* kwargs) {
-  py::object device = py::reinterpret_steal<py::object>(THPDevice_New(key.device));
   const auto start = std::chrono::steady_clock::now();
-  py::tuple built = builder_(py::reinterpret_borrow<py::tuple>(args), py::reinterpret_borrow<py::dict>(kwargs), device);
+  std::optional<py::tuple> maybe_built = run_builder(key.device, args, kwargs);
+  if (!maybe_built) return run_uncached_after_out_of_memory(key.device, args, kwargs);
+  py::tuple built = std::move(*maybe_built);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ++counters_.builds;
   if (built.size() != 4) throw py::type_error("shapecache: a builder must return (runner, bytes, output, backend)");
@@ -159,6 +168,47 @@ py::object CachedFunction::build(CallKey& key, PyObject* args, PyObject* kwargs)
   return output;  // `result` (evicted and returned entries) is destroyed here, after the cache is consistent
 }
 
+std::optional<py::tuple> CachedFunction::run_builder(const c10::Device& device, PyObject* args, PyObject* kwargs) {
+  py::object device_obj = py::reinterpret_steal<py::object>(THPDevice_New(device));
+  for (int attempt = 0;; ++attempt) {
+    try {
+      return builder_(py::reinterpret_borrow<py::tuple>(args), py::reinterpret_borrow<py::dict>(kwargs), device_obj)
+          .cast<py::tuple>();
+    } catch (py::error_already_set& error) {
+      if (!is_out_of_memory(error)) throw;
+    }  // the error, and the traceback that holds the failed build's tensors, are released here
+    if (attempt == 1) return std::nullopt;
+    ++counters_.oom_retries;
+    free_device_memory(device);
+  }
+}
+
+void CachedFunction::free_device_memory(const c10::Device& device) {
+  {
+    auto evicted = cache_->evict_unpinned(device);
+  }  // the evicted entries are destroyed before the allocator's cache is emptied
+  py::object device_obj = py::reinterpret_steal<py::object>(THPDevice_New(device));
+  py::module_::import("shapecache.backends").attr("release_device_memory")(device_obj);
+}
+
+py::object CachedFunction::run_uncached_after_out_of_memory(const c10::Device& device, PyObject* args,
+                                                            PyObject* kwargs) {
+  ++counters_.fallbacks;
+  warn_once(warned_out_of_memory_, "shapecache: building an entry on " + device.str() +
+                                       " ran out of memory twice (after evicting and emptying the allocator's "
+                                       "cache); such calls run uncached");
+  try {
+    return call_python(function_.ptr(), args, kwargs);
+  } catch (py::error_already_set& error) {
+    if (!is_out_of_memory(error)) throw;
+    const std::string state = "shapecache: " + cache_->describe(device) +
+                              ". Building an entry ran out of memory twice, so the call ran uncached, and the "
+                              "uncached call ran out of memory too: the model does not fit beside what the cache holds";
+    py::raise_from(error, out_of_memory_type().ptr(), state.c_str());
+    throw py::error_already_set();
+  }
+}
+
 py::dict CachedFunction::stats() const {
   py::dict out = cache_->stats(id_);
   out["calls"] = counters_.calls;
@@ -167,6 +217,7 @@ py::dict CachedFunction::stats() const {
   out["builds"] = counters_.builds;
   out["fallbacks"] = counters_.fallbacks;
   out["uncached_calls"] = counters_.uncached_calls;
+  out["oom_retries"] = counters_.oom_retries;
   return out;
 }
 

@@ -5,12 +5,17 @@
 // it, run it, unpin it, crop padded outputs. A miss asks the Python builder for an entry
 // (the slow path: compiling and measuring belong to Python and torch) and inserts it under
 // the budget. An argument that cannot be keyed runs the call uncached, with one warning.
+//
+// Out of memory while building (invariant 3): evict the device's unpinned entries, empty
+// the allocator's cache, retry once; then run the call uncached and count a fallback. Only an
+// out-of-memory error of the plain uncached call reaches the user, with the cache's state.
 #pragma once
 
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,8 +32,9 @@ struct FunctionCounters {
   int64_t hits = 0;            // served by an existing entry
   int64_t misses = 0;          // no entry: one was built
   int64_t builds = 0;          // entries built (== misses unless a build failed)
-  int64_t fallbacks = 0;       // built but not kept (no room under the budget): ran uncached
+  int64_t fallbacks = 0;       // ran uncached: the entry did not fit, or building ran out of memory twice
   int64_t uncached_calls = 0;  // calls with an argument that cannot be keyed
+  int64_t oom_retries = 0;     // builds retried after an out-of-memory error
 };
 
 class CachedFunction {
@@ -55,6 +61,9 @@ class CachedFunction {
 
  private:
   py::object build(CallKey& key, PyObject* args, PyObject* kwargs);
+  std::optional<py::tuple> run_builder(const c10::Device& device, PyObject* args, PyObject* kwargs);
+  py::object run_uncached_after_out_of_memory(const c10::Device& device, PyObject* args, PyObject* kwargs);
+  void free_device_memory(const c10::Device& device);
   py::object owner() const;
   void warn_once(bool& warned, const std::string& message);
 
@@ -69,6 +78,7 @@ class CachedFunction {
   FunctionCounters counters_;
   bool warned_unkeyable_ = false;
   bool warned_rejected_ = false;
+  bool warned_out_of_memory_ = false;
 };
 
 }  // namespace shapecache

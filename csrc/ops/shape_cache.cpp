@@ -45,6 +45,27 @@ std::vector<EntryLru::Evicted> ShapeCache::clear(std::optional<uint64_t> functio
   return removed;
 }
 
+std::vector<EntryLru::Evicted> ShapeCache::evict_unpinned(const c10::Device& device) {
+  return lru(device).evict_unpinned();
+}
+
+std::string ShapeCache::describe(const c10::Device& device) {
+  EntryLru& entries = lru(device);
+  const SharedBytes& shared = devices_.at(device).shared;
+  int64_t pinned = 0;
+  entries.for_each([&](const ShapeKey&, const Entry&, int64_t, int pins) { pinned += pins > 0 ? 1 : 0; });
+  std::ostringstream out;
+  out << "the cache on " << device << " holds " << entries.entry_bytes() << " bytes in " << entries.size()
+      << " entries (" << pinned << " pinned) + " << shared.pool << " bytes of graph pool + " << shared.workspace
+      << " bytes of workspace; budget ";
+  if (entries.budget_bytes() == EntryLru::kUnlimited) {
+    out << "unlimited";
+  } else {
+    out << entries.budget_bytes() << " bytes";
+  }
+  return out.str();
+}
+
 std::vector<EntryLru::Evicted> ShapeCache::set_shared_bytes(const c10::Device& device, SharedBytes bytes) {
   if (bytes.pool < 0 || bytes.workspace < 0) {
     throw py::value_error("shared bytes must be >= 0, got pool=" + std::to_string(bytes.pool) +

@@ -55,6 +55,12 @@ class ShapeCache {
   // Removes every unpinned entry (of one function, or of all when `function_id` is empty).
   std::vector<EntryLru::Evicted> clear(std::optional<uint64_t> function_id = std::nullopt);
 
+  // Evicts every unpinned entry of a device (to free memory after an out-of-memory error).
+  std::vector<EntryLru::Evicted> evict_unpinned(const c10::Device& device);
+
+  // "holds 1.2 GiB in 3 entries (1 pinned) + 512 MiB pool + 64 MiB workspace; budget 8 GiB"
+  std::string describe(const c10::Device& device);
+
   // Charges the shared bytes of a device against its budget; may evict.
   std::vector<EntryLru::Evicted> set_shared_bytes(const c10::Device& device, SharedBytes bytes);
 

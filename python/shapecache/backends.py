@@ -19,6 +19,7 @@ behind (allocator figures on CUDA; on the CPU, compiled code holds no tensors: 0
 
 from __future__ import annotations
 
+import gc
 import types
 import warnings
 from collections.abc import Callable
@@ -66,6 +67,15 @@ def _build_compiled(function, compile_options, args, kwargs, device):
         )
         return runner, held, output, "eager"
     return runner, held, output, "compile"
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Frees what an out-of-memory error left behind on `device`: garbage (a failed call's
+    frames and tensors) and the allocator's cached blocks."""
+    gc.collect()
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()
 
 
 def fresh_code_copy(function: Callable) -> Callable:

@@ -135,7 +135,7 @@ def pipeline_stats(pipe) -> dict:
     totals["components"] = components
     totals["prewarmed"] = list(state.prewarmed)
     totals["memory"] = device_memory(totals["devices"])
-    for counter in ("calls", "hits", "misses", "builds", "fallbacks", "uncached_calls"):
+    for counter in ("calls", "hits", "misses", "builds", "fallbacks", "uncached_calls", "oom_retries"):
         totals[counter] = sum(c[counter] for c in components.values())
     return totals
 
