@@ -197,13 +197,6 @@ const ArgumentBuckets* buckets_for_name(const std::vector<ArgumentBuckets>& buck
   return nullptr;
 }
 
-// One argument of a call: by name when it has one, by position when passed positionally.
-struct NamedArgument {
-  std::string_view name;  // empty for a positional argument without a parameter name
-  PyObject* value;
-  int64_t position;       // index in *args, or -1 when passed by keyword
-  PyObject* keyword;      // the keyword's str object when passed by keyword, else nullptr
-};
 
 at::Tensor crop_tensor(const at::Tensor& t, const std::vector<CropDim>& crop) {
   at::Tensor out = t;
@@ -261,34 +254,15 @@ CallKey make_call_key(const CallContext& context, const py::tuple& args, const p
     }
   };
 
-  // Positional arguments past the named parameters (a *args tail) are keyed in order.
-  const Py_ssize_t n = PyTuple_GET_SIZE(args.ptr());
-  const std::vector<std::string>* names = context.parameter_names;
-  const Py_ssize_t named_positional = names ? std::min<Py_ssize_t>(n, static_cast<Py_ssize_t>(names->size())) : 0;
-  key.begin_container(KeyTag::kTuple, static_cast<size_t>(n - named_positional));
-  for (Py_ssize_t i = named_positional; i < n; ++i) {
-    write(NamedArgument{{}, PyTuple_GET_ITEM(args.ptr(), i), i, nullptr});
-  }
-
-  // Every argument with a name, passed by position or by keyword, keyed by name in name
-  // order: f(x, t), f(x, t=t) and f(t=t, x=x) are the same call and share an entry.
-  std::vector<NamedArgument> named;
-  named.reserve(static_cast<size_t>(named_positional + PyDict_Size(kwargs.ptr())));
-  for (Py_ssize_t i = 0; i < named_positional; ++i) {
-    named.push_back(NamedArgument{(*names)[i], PyTuple_GET_ITEM(args.ptr(), i), i, nullptr});
-  }
-  Py_ssize_t position = 0;
-  PyObject* keyword = nullptr;
-  PyObject* value = nullptr;
-  while (PyDict_Next(kwargs.ptr(), &position, &keyword, &value)) {
-    named.push_back(NamedArgument{utf8_of(keyword), value, -1, keyword});
-  }
-  std::sort(named.begin(), named.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
-  key.begin_container(KeyTag::kDict, named.size());
-  for (const NamedArgument& argument : named) {
+  size_t unnamed = 0;
+  const std::vector<NamedArgument> arguments = canonical_arguments(args, kwargs, context.parameter_names, &unnamed);
+  key.begin_container(KeyTag::kTuple, unnamed);
+  for (size_t i = 0; i < unnamed; ++i) write(arguments[i]);
+  key.begin_container(KeyTag::kDict, arguments.size() - unnamed);
+  for (size_t i = unnamed; i < arguments.size(); ++i) {
     key.add_tag(KeyTag::kKeyword);
-    key.add_string(argument.name);
-    write(argument);
+    key.add_string(arguments[i].name);
+    write(arguments[i]);
   }
 
   out.device = writer.device();
@@ -299,31 +273,71 @@ CallKey make_call_key(const CallContext& context, const py::tuple& args, const p
   return out;
 }
 
-py::object crop_outputs(const py::object& outputs, const std::vector<CropDim>& crop) {
-  PyObject* obj = outputs.ptr();
-  if (THPVariable_Check(obj)) {
-    return py::reinterpret_steal<py::object>(THPVariable_Wrap(crop_tensor(THPVariable_Unpack(obj), crop)));
+std::vector<NamedArgument> canonical_arguments(const py::tuple& args, const py::dict& kwargs,
+                                               const std::vector<std::string>* parameter_names, size_t* unnamed) {
+  const Py_ssize_t n = PyTuple_GET_SIZE(args.ptr());
+  const Py_ssize_t named_positional =
+      parameter_names ? std::min<Py_ssize_t>(n, static_cast<Py_ssize_t>(parameter_names->size())) : 0;
+  std::vector<NamedArgument> out;
+  out.reserve(static_cast<size_t>(n + PyDict_Size(kwargs.ptr())));
+  for (Py_ssize_t i = named_positional; i < n; ++i) out.push_back(NamedArgument{{}, PyTuple_GET_ITEM(args.ptr(), i), i, nullptr});
+  *unnamed = out.size();
+  for (Py_ssize_t i = 0; i < named_positional; ++i) {
+    out.push_back(NamedArgument{(*parameter_names)[i], PyTuple_GET_ITEM(args.ptr(), i), i, nullptr});
   }
+  Py_ssize_t position = 0;
+  PyObject* keyword = nullptr;
+  PyObject* value = nullptr;
+  while (PyDict_Next(kwargs.ptr(), &position, &keyword, &value)) {
+    out.push_back(NamedArgument{utf8_of(keyword), value, -1, keyword});
+  }
+  std::sort(out.begin() + static_cast<std::ptrdiff_t>(*unnamed), out.end(),
+            [](const NamedArgument& a, const NamedArgument& b) { return a.name < b.name; });
+  return out;
+}
+
+void for_each_tensor(PyObject* value, const std::function<void(const at::Tensor&)>& visit) {
+  if (THPVariable_Check(value)) {
+    visit(THPVariable_Unpack(value));
+  } else if (PyTuple_Check(value)) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(value); ++i) for_each_tensor(PyTuple_GET_ITEM(value, i), visit);
+  } else if (PyList_Check(value)) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(value); ++i) for_each_tensor(PyList_GET_ITEM(value, i), visit);
+  } else if (PyDict_Check(value)) {
+    Py_ssize_t position = 0;
+    PyObject* key = nullptr;
+    PyObject* item = nullptr;
+    while (PyDict_Next(value, &position, &key, &item)) for_each_tensor(item, visit);
+  }
+}
+
+py::object map_tensors(const py::object& value, const std::function<at::Tensor(const at::Tensor&)>& map) {
+  PyObject* obj = value.ptr();
+  if (THPVariable_Check(obj)) return py::reinterpret_steal<py::object>(THPVariable_Wrap(map(THPVariable_Unpack(obj))));
   if (obj == Py_None || PyBool_Check(obj) || PyLong_Check(obj) || PyFloat_Check(obj) || PyUnicode_Check(obj)) {
-    return outputs;
+    return value;
   }
   if (PyTuple_Check(obj) || PyList_Check(obj)) {
     py::list items;
-    for (py::handle item : outputs) items.append(crop_outputs(py::reinterpret_borrow<py::object>(item), crop));
+    for (py::handle item : value) items.append(map_tensors(py::reinterpret_borrow<py::object>(item), map));
     if (PyList_CheckExact(obj)) return std::move(items);
     if (PyTuple_CheckExact(obj)) return py::tuple(items);
-    if (py::hasattr(outputs, "_make")) return outputs.attr("_make")(items);  // a namedtuple
+    if (py::hasattr(value, "_make")) return value.attr("_make")(items);  // a namedtuple
   } else if (PyDict_Check(obj)) {
     py::dict items;
-    for (auto [name, item] : py::reinterpret_borrow<py::dict>(outputs)) {
-      items[name] = crop_outputs(py::reinterpret_borrow<py::object>(item), crop);
+    for (auto [name, item] : py::reinterpret_borrow<py::dict>(value)) {
+      items[name] = map_tensors(py::reinterpret_borrow<py::object>(item), map);
     }
     if (PyDict_CheckExact(obj)) return std::move(items);
     return py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(Py_TYPE(obj)))(**items);
   }
-  throw py::type_error(std::string("shapecache cannot crop a padded call's output of type ") + Py_TYPE(obj)->tp_name +
-                       "; padded buckets need outputs that are tensors or tuples, lists and dicts of them "
-                       "(or use exact buckets for this function)");
+  throw py::type_error(std::string("shapecache cannot walk an output of type ") + Py_TYPE(obj)->tp_name +
+                       " (padded buckets and CUDA graphs need outputs that are tensors, or tuples, lists and dicts "
+                       "of them)");
+}
+
+py::object crop_outputs(const py::object& outputs, const std::vector<CropDim>& crop) {
+  return map_tensors(outputs, [&](const at::Tensor& t) { return crop_tensor(t, crop); });
 }
 
 namespace {

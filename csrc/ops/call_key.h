@@ -14,11 +14,14 @@
 
 #include <pybind11/pybind11.h>
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/bucket_policy.h"
@@ -58,6 +61,29 @@ struct CallContext {
   // name, so passing one by position or by keyword makes no difference.
   const std::vector<std::string>* parameter_names = nullptr;
 };
+
+// One argument of a call: by name when it has one, by position when passed positionally.
+struct NamedArgument {
+  std::string_view name;  // empty for a positional argument without a parameter name
+  PyObject* value;
+  int64_t position;       // index in *args, or -1 when passed by keyword
+  PyObject* keyword;      // the keyword's str object when passed by keyword, else nullptr
+};
+
+// A call's arguments in key order: the positional ones past the named parameters (a *args
+// tail) in order, then every named one, however it was passed, in name order. Everything
+// that must agree between calls sharing an entry (the key, a graph's static inputs) uses it.
+// `unnamed` receives how many come first without a name. Borrowed references into the call.
+std::vector<NamedArgument> canonical_arguments(const py::tuple& args, const py::dict& kwargs,
+                                               const std::vector<std::string>* parameter_names, size_t* unnamed);
+
+// Visits every tensor in `value` (itself, or inside tuples, lists and dict values, in order).
+void for_each_tensor(PyObject* value, const std::function<void(const at::Tensor&)>& visit);
+
+// `value` with every tensor t replaced by map(t): tuples, lists (namedtuples) and dicts (and
+// dict subclasses such as diffusers' outputs) rebuilt; None, numbers and strings kept.
+// Raises TypeError for other objects, which could hide tensors.
+py::object map_tensors(const py::object& value, const std::function<at::Tensor(const at::Tensor&)>& map);
 
 // Builds the key of calling with `args` and `kwargs`; pads bucketed arguments.
 // Throws UnkeyableArgument naming the argument; py::value_error / py::type_error for an
