@@ -22,7 +22,12 @@
 #include "ops/conv2d.h"
 #include "ops/conv_tuner.h"
 #include "ops/shape_cache.h"
+#include "ops/entry_runner.h"
+#include "ops/weight_snapshot.h"
 #include "ops/workspace_arena.h"
+#if SHAPECACHE_WITH_CUDA
+#include "ops/cuda/cuda_graph_runner.h"
+#endif
 
 namespace py = pybind11;
 using namespace shapecache;
@@ -170,6 +175,17 @@ void bind_cache(py::module_& m) {
             cache.set_shared_bytes(device, SharedBytes{pool, workspace});
           },
           py::arg("device"), py::arg("pool") = 0, py::arg("workspace") = 0);
+
+  py::class_<EntryRunner, std::shared_ptr<EntryRunner>>(m, "EntryRunner")
+      .def("valid", &EntryRunner::valid)
+      .def("__call__", [](EntryRunner& runner, py::args args, py::kwargs kwargs) { return runner.run(args, kwargs); });
+
+  py::class_<WeightSnapshot, std::shared_ptr<WeightSnapshot>>(m, "WeightSnapshot")
+      .def(py::init<const py::object&, py::object>(), py::arg("owner"), py::arg("tensors_of"))
+      .def("unchanged", &WeightSnapshot::unchanged)
+      .def("__len__", &WeightSnapshot::size);
+  m.def("bump_module_generation", &bump_module_generation);
+  m.def("module_generation", &module_generation);
 
   py::class_<CachedFunction>(m, "CachedFunction", py::dynamic_attr())
       .def(py::init<py::object, py::object, std::shared_ptr<ShapeCache>, std::vector<ArgumentBuckets>,
@@ -327,4 +343,10 @@ PYBIND11_MODULE(_C, m) {
   bind_core(m);
   bind_cache(m);
   bind_tuning(m);
+#if SHAPECACHE_WITH_CUDA
+  bind_cuda_graphs(m);
+  m.attr("has_cuda_graphs") = true;
+#else
+  m.attr("has_cuda_graphs") = false;
+#endif
 }

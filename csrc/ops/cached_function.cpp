@@ -119,13 +119,28 @@ py::object CachedFunction::call(const py::args& args, const py::kwargs& kwargs) 
 
   EntryLru& lru = cache_->lru(key.device);
   py::object out;
-  if (Entry* entry = lru.find(key.key)) {
+  Entry* entry = lru.find(key.key);
+  if (entry != nullptr && entry->native && !entry->native->valid()) {
+    // What the entry captured was replaced: it must not run. Rebuild it (or, if a call up the
+    // stack is running it, run this call uncached).
+    ++counters_.invalidations;
+    if (lru.pin_count(key.key) > 0) return call_python(function_.ptr(), call_args.ptr(), call_kwargs);
+    { auto stale = lru.erase(key.key); }
+    entry = nullptr;
+  }
+  if (entry != nullptr) {
     ++counters_.hits;
     ++entry->hits;
     entry->last_use = unix_seconds();
     py::object runner = entry->runner;
+    std::shared_ptr<EntryRunner> native = entry->native;
     PinGuard pinned(lru, key.key);
-    out = call_python(runner.ptr(), call_args.ptr(), call_kwargs);
+    if (native) {
+      out = native->run(key.padded ? key.args : static_cast<const py::tuple&>(args),
+                        key.padded ? key.kwargs : static_cast<const py::dict&>(kwargs));
+    } else {
+      out = call_python(runner.ptr(), call_args.ptr(), call_kwargs);
+    }
   } else {
     ++counters_.misses;
     out = build(key, call_args.ptr(), call_kwargs);
@@ -144,6 +159,7 @@ py::object CachedFunction::build(CallKey& key, PyObject* args, PyObject* kwargs)
 
   Entry entry;
   entry.runner = built[0];
+  if (py::isinstance<EntryRunner>(entry.runner)) entry.native = entry.runner.cast<std::shared_ptr<EntryRunner>>();
   entry.function_id = id_;
   entry.bucket = describe_key(key.key);
   entry.backend = built[3].cast<std::string>();
@@ -218,6 +234,7 @@ py::dict CachedFunction::stats() const {
   out["fallbacks"] = counters_.fallbacks;
   out["uncached_calls"] = counters_.uncached_calls;
   out["oom_retries"] = counters_.oom_retries;
+  out["invalidations"] = counters_.invalidations;
   return out;
 }
 

@@ -35,6 +35,7 @@ struct FunctionCounters {
   int64_t fallbacks = 0;       // ran uncached: the entry did not fit, or building ran out of memory twice
   int64_t uncached_calls = 0;  // calls with an argument that cannot be keyed
   int64_t oom_retries = 0;     // builds retried after an out-of-memory error
+  int64_t invalidations = 0;   // entries found stale (weights replaced) and rebuilt
 };
 
 class CachedFunction {

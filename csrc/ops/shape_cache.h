@@ -19,6 +19,7 @@
 
 #include "core/budgeted_lru.h"
 #include "core/shape_key.h"
+#include "ops/entry_runner.h"
 
 namespace shapecache {
 
@@ -27,6 +28,7 @@ namespace py = pybind11;
 // The compiled artifact of one bucket of one cached function.
 struct Entry {
   py::object runner;          // called with the (padded) call's arguments
+  std::shared_ptr<EntryRunner> native;  // set when the runner serves calls from C++ (a graph)
   uint64_t function_id = 0;   // the CachedFunction that built it
   std::string bucket;         // the key, readable
   std::string backend;        // what built the runner: "eager", "compile", ...

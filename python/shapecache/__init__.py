@@ -13,6 +13,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from shapecache import _C  # noqa: F401
 from shapecache import ops  # noqa: F401  (fake and autograd registrations of the C++ ops)
+from shapecache import weights  # noqa: F401  (module registration hooks for stale-weight checks)
 from shapecache.budget import Budget, parse_budget
 from shapecache.buckets import exact, multiple_of, power_of_two, sizes
 from shapecache.cached import CachedFunction, cached, clear, stats, uncached
