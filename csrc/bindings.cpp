@@ -171,10 +171,16 @@ void bind_cache(py::module_& m) {
       .def("clear", [](ShapeCache& cache) { cache.clear(); })
       .def(
           "set_shared_bytes",
-          [](ShapeCache& cache, c10::Device device, int64_t pool, int64_t workspace) {
-            cache.set_shared_bytes(device, SharedBytes{pool, workspace});
+          [](ShapeCache& cache, c10::Device device, std::optional<int64_t> pool, std::optional<int64_t> workspace) {
+            SharedBytes bytes = cache.shared_bytes(device);  // a figure not given stays as it is
+            if (pool) bytes.pool = *pool;
+            if (workspace) bytes.workspace = *workspace;
+            cache.set_shared_bytes(device, bytes);
           },
-          py::arg("device"), py::arg("pool") = 0, py::arg("workspace") = 0);
+          py::arg("device"), py::arg("pool") = py::none(), py::arg("workspace") = py::none())
+      .def(
+          "evict_unpinned", [](ShapeCache& cache, c10::Device device) { return cache.evict_unpinned(device).size(); },
+          py::arg("device"));
 
   py::class_<EntryRunner, std::shared_ptr<EntryRunner>>(m, "EntryRunner")
       .def("valid", &EntryRunner::valid)

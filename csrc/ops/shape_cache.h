@@ -63,6 +63,11 @@ class ShapeCache {
   // "holds 1.2 GiB in 3 entries (1 pinned) + 512 MiB pool + 64 MiB workspace; budget 8 GiB"
   std::string describe(const c10::Device& device);
 
+  SharedBytes shared_bytes(const c10::Device& device) {
+    lru(device);
+    return devices_.at(device).shared;
+  }
+
   // Charges the shared bytes of a device against its budget; may evict.
   std::vector<EntryLru::Evicted> set_shared_bytes(const c10::Device& device, SharedBytes bytes);
 

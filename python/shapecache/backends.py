@@ -8,44 +8,83 @@
   recompile limit (which would silently run the 9th shape eager), guards are checked
   against one bucket's entry instead of all of them, and evicting a bucket frees its
   compiled code with the copy.
-- ``"auto"``: ``"compile"`` on CUDA devices, ``"eager"`` elsewhere (on the CPU, inductor's
-  builds cost seconds per bucket and need a C++ toolchain, for a smaller gain than on GPUs).
+- ``"cuda_graph"``: the bucket captured as a CUDA graph (csrc/ops/cuda/cuda_graph_runner.h:
+  one pool and one stream per device, largest first), replayed from C++.
+- ``"compile+cuda_graph"``: the bucket's ``torch.compile`` graph, captured as a CUDA graph.
+- ``"auto"``: for CUDA inputs, a CUDA graph when its replay is faster than the eager call
+  (measured when the bucket is built), else eager; ``"eager"`` elsewhere (on the CPU,
+  inductor's builds cost seconds per bucket and need a C++ toolchain, for a smaller gain).
 
 A builder returns ``(runner, bytes, output, backend)``: the runner serves later calls of the
 bucket, ``bytes`` is the device memory the entry holds beyond what the uncached call leaves
-behind (allocator figures on CUDA; on the CPU, compiled code holds no tensors: 0), and
-``output`` is the result of the call that built it.
+behind (allocator figures on CUDA), and ``output`` is the result of the call that built it.
 """
 
 from __future__ import annotations
 
 import gc
+import time
 import types
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-BACKENDS = ("auto", "eager", "compile")
+from shapecache import _C
+
+BACKENDS = ("auto", "eager", "compile", "cuda_graph", "compile+cuda_graph")
+GRAPH_BACKENDS = ("cuda_graph", "compile+cuda_graph")
+
+
+def check_available(backend: str) -> None:
+    """Raises ValueError when `backend` cannot run here at all."""
+    if backend not in GRAPH_BACKENDS:
+        return
+    if not _C.has_cuda_graphs:
+        raise ValueError(
+            f"backend={backend!r} is not available: this build of shapecache has no CUDA code (it was built "
+            "against a torch without CUDA); use 'auto', 'eager' or 'compile'"
+        )
+    if not torch.cuda.is_available():
+        raise ValueError(f"backend={backend!r} is not available: no CUDA device is visible; use 'auto' or 'eager'")
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a builder needs besides the call: where entries go and how calls are spelled."""
+
+    cache: object  # the ShapeCache the entry will join (its budget, its shared bytes)
+    has_owner: bool  # the call's first argument is the module a method belongs to
+    parameter_names: tuple  # positional parameter names (without the owner), as keys use them
+    compile_options: dict
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     """The backend that builds entries on `device`."""
     if backend == "auto":
-        return "compile" if device.type == "cuda" else "eager"
+        return "cuda_graph" if device.type == "cuda" and _C.has_cuda_graphs else "eager"
+    if backend in GRAPH_BACKENDS and device.type != "cuda":
+        return "eager"
     return backend
 
 
-def make_builder(function: Callable, backend: str, compile_options: dict) -> Callable:
+def make_builder(function: Callable, backend: str, context: BuildContext) -> Callable:
     """The builder the C++ cache calls on a miss: (args, kwargs, device) -> entry."""
+    warned = []
 
     def build(args: tuple, kwargs: dict, device: torch.device):
         chosen = resolve_backend(backend, device)
+        if backend in GRAPH_BACKENDS and chosen == "eager" and not warned:
+            warned.append(True)
+            warnings.warn(f"shapecache: backend={backend!r} got tensors on {device}; such calls run eager",
+                          RuntimeWarning, stacklevel=2)
         if chosen == "eager":
             return function, 0, function(*args, **kwargs), "eager"
         if chosen == "compile":
-            return _build_compiled(function, compile_options, args, kwargs, device)
-        raise ValueError(f"backend={chosen!r}: expected one of {BACKENDS}")
+            return _build_compiled(function, context.compile_options, args, kwargs, device)
+        return _build_graph(function, args, kwargs, device, context, compiled=chosen == "compile+cuda_graph",
+                            keep_only_if_faster=backend == "auto")
 
     return build
 
@@ -67,6 +106,77 @@ def _build_compiled(function, compile_options, args, kwargs, device):
         )
         return runner, held, output, "eager"
     return runner, held, output, "compile"
+
+
+def _build_graph(function, args, kwargs, device, context: BuildContext, *, compiled: bool, keep_only_if_faster: bool):
+    from shapecache.weights import snapshot
+
+    owner, call_args = (args[0], args[1:]) if context.has_owner else (None, args)
+    runnable = torch.compile(fresh_code_copy(function), dynamic=False, **context.compile_options) if compiled \
+        else function
+    weights = snapshot(owner) if isinstance(owner, torch.nn.Module) else None
+
+    # Warm-up on a side stream: cuDNN's benchmarking, lazy initialisation and compilation
+    # happen here, never inside capture. Its output is the call's result (the eager numbers).
+    caller = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(caller)
+    with torch.cuda.device(device), torch.cuda.stream(side):
+        output = runnable(*args, **kwargs)
+    caller.wait_stream(side)
+    for t in _tensors(output):
+        t.record_stream(caller)  # made on the side stream, used and freed on the caller's
+
+    eager_seconds = None
+    if keep_only_if_faster:
+        eager_seconds = _seconds(lambda: runnable(*args, **kwargs), device)
+
+    runner, entry_bytes = _capture(runnable, owner, call_args, kwargs, device, context, weights)
+    if _over_budget(device, context.cache, entry_bytes):
+        # The pool itself has grown past the budget: drop every graph of the device so the pool
+        # empties, and capture this bucket alone into it (largest first from here on).
+        del runner
+        context.cache.evict_unpinned(device)
+        release_device_memory(device)
+        runner, entry_bytes = _capture(runnable, owner, call_args, kwargs, device, context, weights)
+
+    name = "compile+cuda_graph" if compiled else "cuda_graph"
+    if keep_only_if_faster:
+        replay_seconds = _seconds(lambda: runner(*call_args, **kwargs), device)
+        if replay_seconds >= eager_seconds:
+            return function, 0, output, "eager"
+    return runner, entry_bytes, output, name
+
+
+def _capture(runnable, owner, call_args, kwargs, device, context: BuildContext, weights):
+    """Captures the call; charges the pool to the cache; returns (runner, the entry's own bytes)."""
+    torch.cuda.synchronize(device)
+    free_before, _ = torch.cuda.mem_get_info(device)
+    reserved_before = torch.cuda.memory_reserved(device)
+    runner = _C.capture_cuda_graph(runnable, owner, tuple(call_args), dict(kwargs), list(context.parameter_names),
+                                   weights)
+    torch.cuda.synchronize(device)
+    free_after, _ = torch.cuda.mem_get_info(device)
+    reserved_after = torch.cuda.memory_reserved(device)
+    # Device memory the allocator does not see (the instantiated graph's own), beside its static inputs.
+    unseen = max(0, (free_before - free_after) - (reserved_after - reserved_before))
+    context.cache.set_shared_bytes(device, pool=_C.cuda_graph_pool_bytes(device),
+                                   workspace=_C.workspace_stats(device)["bytes"])
+    return runner, runner.static_input_bytes + unseen
+
+
+def _over_budget(device, cache, entry_bytes: int) -> bool:
+    figures = cache.stats()["devices"][str(device)]
+    return figures["budget"] is not None and figures["pool_bytes"] + figures["workspace_bytes"] + entry_bytes > \
+        figures["budget"]
+
+
+def _seconds(call, device) -> float:
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    call()
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
 def release_device_memory(device: torch.device) -> None:

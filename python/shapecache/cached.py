@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shapecache import _C
-from shapecache.backends import BACKENDS, make_builder
+from shapecache.backends import BACKENDS, BuildContext, check_available, make_builder
 from shapecache.budget import Budget, format_bytes, parse_budget
 from shapecache.buckets import positional_parameter_names, resolve_buckets
 
@@ -46,6 +46,7 @@ class CacheOptions:
         parsed = parse_budget(budget)
         if not isinstance(backend, str) or backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: expected one of {', '.join(repr(b) for b in BACKENDS)}")
+        check_available(backend)
         if max_entries is not None and (
             isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1
         ):
@@ -82,7 +83,8 @@ class CachedFunction(_C.CachedFunction):
         names = positional_parameter_names(function, skip_first=has_owner)
         if cache is None:  # a cache of its own; functions given one share its budget
             cache = make_cache(options)
-        builder = make_builder(function, options.backend, options.compile_options)
+        context = BuildContext(cache, has_owner, tuple(names), options.compile_options)
+        builder = make_builder(function, options.backend, context)
         if options.tune_convs:
             builder = _charging_workspace(builder, cache)
         super().__init__(function, builder, cache, buckets, names, owner, key_training)
@@ -145,7 +147,8 @@ def cached(
             float fraction in (0, 1] of the device's memory, or None (SHAPECACHE_BUDGET, else
             half of the device's memory). Least recently used entries are evicted to stay
             under it.
-        backend: "auto", "eager" or "compile" (see shapecache.backends).
+        backend: "auto", "eager", "compile", "cuda_graph" or "compile+cuda_graph" (see
+            shapecache.backends).
         buckets: {argument: {dimension: policy}}; unlisted dimensions are exact.
         max_entries: at most this many entries per device (None: no count limit).
         compile_options: keyword arguments for torch.compile (mode, backend, options, ...).
