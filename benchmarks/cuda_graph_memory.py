@@ -1,0 +1,173 @@
+"""Peak memory and per-call time over the seed-000 sizes: CUDA graphs per size, side by side.
+
+    python benchmarks/cuda_graph_memory.py [--dtype float16] [--batch 2] [--calls 10] [--json out.json]
+
+A UNet of SD1.5 architecture with random weights is called at each size (latents = pixels/8),
+in the order given, by each strategy in a process of its own (so peaks do not mix):
+
+  eager              the module itself
+  naive_graphs       one torch.cuda.CUDAGraph per size, each with its own pool, all kept
+                     (what per-size graph caches such as stable-fast do)
+  reduce_overhead    torch.compile(mode="reduce-overhead", dynamic=False): CUDA graph trees
+  shapecache         sc.cached(backend="cuda_graph"): one pool per device, replayed from C++
+  shapecache_compile sc.cached(backend="compile+cuda_graph")
+  largest_alone      shapecache at the largest size only: the floor for peak memory
+
+Each row: peak reserved memory over the whole loop, the median per-call time (CUDA events,
+after each size's first call) per size, and the first call's time (build). Ratios are
+against `shapecache`. Goal: shapecache's peak <= 1.15x largest_alone's; its per-call time
+within 3% of naive_graphs'. Needs a CUDA device and diffusers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+SEED_SIZES = [(1024, 1024), (1024, 1152), (1152, 1024), (1360, 1536), (1536, 1360), (1536, 1536)]
+STRATEGIES = ["eager", "naive_graphs", "reduce_overhead", "shapecache", "shapecache_compile", "largest_alone"]
+
+
+def run_strategy(strategy: str, dtype_name: str, batch: int, calls: int) -> dict:
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    import shapecache as sc
+
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        unet = UNet2DConditionModel(cross_attention_dim=768, sample_size=64).to(dtype).eval()
+    sizes = SEED_SIZES[-1:] if strategy == "largest_alone" else SEED_SIZES
+
+    def inputs(size):
+        h, w = size[0] // 8, size[1] // 8
+        return (torch.randn(batch, 4, h, w, device="cuda", dtype=dtype), torch.tensor(500, device="cuda"),
+                torch.randn(batch, 77, 768, device="cuda", dtype=dtype))
+
+    if strategy == "eager":
+        def call(x, t, e):
+            return unet(x, t, encoder_hidden_states=e, return_dict=False)[0]
+    elif strategy == "naive_graphs":
+        graphs = {}
+
+        def call(x, t, e):
+            key = tuple(x.shape)
+            if key not in graphs:
+                static = [x.clone(), t.clone(), e.clone()]
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    unet(*static[:2], encoder_hidden_states=static[2], return_dict=False)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):  # a private pool of its own
+                    out = unet(*static[:2], encoder_hidden_states=static[2], return_dict=False)[0]
+                graphs[key] = (graph, static, out)
+            graph, static, out = graphs[key]
+            for s, v in zip(static, (x, t, e)):
+                s.copy_(v)
+            graph.replay()
+            return out.clone()
+    elif strategy == "reduce_overhead":
+        compiled = torch.compile(unet, mode="reduce-overhead", dynamic=False)
+
+        def call(x, t, e):
+            return compiled(x, t, encoder_hidden_states=e, return_dict=False)[0].clone()
+    else:
+        backend = "compile+cuda_graph" if strategy == "shapecache_compile" else "cuda_graph"
+        sc.cached(unet, backend=backend, budget=1.0)
+
+        def call(x, t, e):
+            return unet(x, t, encoder_hidden_states=e, return_dict=False)[0]
+
+    torch.cuda.reset_peak_memory_stats()
+    rows = []
+    with torch.no_grad():
+        for size in sizes:
+            args = inputs(size)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            call(*args)
+            torch.cuda.synchronize()
+            first = time.perf_counter() - start
+            times = []
+            for _ in range(calls):
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                call(*args)
+                end.record()
+                end.synchronize()
+                times.append(begin.elapsed_time(end))
+            rows.append({"size": size, "first_s": first, "median_ms": statistics.median(times)})
+    result = {"strategy": strategy, "peak_reserved": torch.cuda.max_memory_reserved(), "sizes": rows,
+              "device": torch.cuda.get_device_name()}
+    if strategy.startswith("shapecache") or strategy == "largest_alone":
+        st = sc.stats(unet)
+        result.update(pool_bytes=st["pool_bytes"], entries=len(st["entries"]), evictions=st["evictions"])
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--strategy", default=None, help=argparse.SUPPRESS)  # one strategy, in this process
+    args = parser.parse_args(argv)
+    if args.strategy:
+        print(json.dumps(run_strategy(args.strategy, args.dtype, args.batch, args.calls)))
+        return 0
+
+    results = {}
+    for strategy in args.strategies.split(","):
+        proc = subprocess.run([sys.executable, __file__, "--strategy", strategy, "--dtype", args.dtype,
+                               "--batch", str(args.batch), "--calls", str(args.calls)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = proc.stderr.strip().splitlines()[-1:] or ["?"]
+            results[strategy] = {"strategy": strategy, "error": tail[0]}
+            continue
+        results[strategy] = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    reference = results.get("shapecache", {})
+    gib = 2**30
+    device = next((r["device"] for r in results.values() if "device" in r), "?")
+    print(f"{device}; SD1.5 UNet, {args.dtype}, batch {args.batch}; sizes {', '.join(f'{h}x{w}' for h, w in SEED_SIZES)}")
+    header = f"{'strategy':<20} {'peak GiB':>9} {'vs sc':>6} {'ms/call':>8} {'vs sc':>6} {'build s':>8}  per size ms"
+    print(header)
+    print("-" * len(header))
+    for strategy, r in results.items():
+        if "error" in r:
+            print(f"{strategy:<20} failed: {r['error']}")
+            continue
+        per_call = statistics.mean(s["median_ms"] for s in r["sizes"])
+        build = sum(s["first_s"] for s in r["sizes"])
+        ref_calls = statistics.mean(s["median_ms"] for s in reference["sizes"]) if "sizes" in reference else None
+        peak_ratio = r["peak_reserved"] / reference["peak_reserved"] if "peak_reserved" in reference else float("nan")
+        call_ratio = per_call / ref_calls if ref_calls else float("nan")
+        sizes = " ".join(f"{s['median_ms']:.1f}" for s in r["sizes"])
+        print(f"{strategy:<20} {r['peak_reserved'] / gib:>9.2f} {peak_ratio:>6.2f} {per_call:>8.2f} {call_ratio:>6.2f} "
+              f"{build:>8.1f}  {sizes}")
+    if "shapecache" in results and "largest_alone" in results and "peak_reserved" in reference:
+        floor = results["largest_alone"].get("peak_reserved")
+        if floor:
+            print(f"shapecache peak / largest size alone: {reference['peak_reserved'] / floor:.3f} (goal <= 1.15)")
+    if "naive_graphs" in results and "sizes" in results["naive_graphs"] and "sizes" in reference:
+        naive = statistics.mean(s["median_ms"] for s in results["naive_graphs"]["sizes"])
+        ours = statistics.mean(s["median_ms"] for s in reference["sizes"])
+        print(f"shapecache per call / naive graphs: {ours / naive:.3f} (goal <= 1.03)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
