@@ -31,3 +31,6 @@ def conv_net():
 
 # Five or more distinct (height, width) sizes, as a diffusion service sees them.
 SIZES = [(8, 8), (8, 12), (12, 8), (16, 16), (16, 24), (24, 16)]
+
+
+pytest_plugins = ["pytester"]

@@ -1,0 +1,216 @@
+"""The out-of-memory scenario of the source reports, as a function: one model asked for many
+image sizes in a loop, under a strategy.
+
+    records = size_loop(unet, [(1024, 1024), (1024, 1152), (1360, 1536)], strategy="naive")
+
+Strategies:
+  naive          what the anchors do: a new compiled artifact per size, each with its own
+                 memory, none ever dropped (CUDA: a CUDA graph per size in a pool of its own;
+                 CPU: a torch.compile graph per size)
+  torch_compile  torch.compile(mode="reduce-overhead", dynamic=False) (CUDA graph trees on CUDA)
+  shapecache     sc.cached (a module) or sc.wrap (a pipeline) under `budget`
+
+Each size gets a record: build seconds (its first call), call seconds (its second call),
+allocated / reserved / peak bytes after it (shapecache.memory), the cache's evictions and
+fallbacks (shapecache only), and the error that ended the loop, if any: like the reported
+processes, the loop stops at the first out-of-memory error.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+import shapecache as sc
+from shapecache.backends import fresh_code_copy
+from shapecache.memory import memory_figures
+
+STRATEGIES = ("naive", "torch_compile", "shapecache")
+ORDERS = ("given", "largest_first")
+
+
+@dataclass
+class SizeRecord:
+    size: tuple
+    build_seconds: float = 0.0
+    call_seconds: float = 0.0
+    allocated: int = 0
+    reserved: int = 0
+    peak: int = 0
+    evictions: int = 0
+    fallbacks: int = 0
+    error: str | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def size_loop(model_or_pipe, sizes: Sequence, order: str = "given", strategy: str = "shapecache", budget=None, *,
+              batch: int = 1, steps: int = 2, compile_options: dict | None = None,
+              inputs: Callable | None = None) -> list[SizeRecord]:
+    """Runs `model_or_pipe` at every size of `sizes` (pixels, (height, width)) under `strategy`.
+
+    Args:
+        model_or_pipe: a diffusers pipeline, a UNet2DConditionModel, or any module when
+            `inputs(size) -> (args, kwargs)` says how to call it.
+        order: "given", or "largest_first" (by pixel count).
+        budget: the cache's budget for the shapecache strategy (see shapecache.budget).
+        batch: images per call (a UNet's batch is doubled, as with classifier-free guidance).
+        steps: denoising steps per pipeline call.
+        compile_options: extra torch.compile arguments for the naive and torch_compile strategies.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r}: expected one of {STRATEGIES}")
+    if order not in ORDERS:
+        raise ValueError(f"order={order!r}: expected one of {ORDERS}")
+    sizes = [tuple(s) for s in sizes]
+    if order == "largest_first":
+        sizes = sorted(sizes, key=lambda s: (s[0] * s[1], s), reverse=True)
+    compile_options = dict(compile_options or {})
+    is_pipe = hasattr(model_or_pipe, "components") and hasattr(model_or_pipe, "__call__") and \
+        not isinstance(model_or_pipe, torch.nn.Module)
+    module = _denoiser(model_or_pipe) if is_pipe else model_or_pipe
+    device = next(module.parameters()).device
+    call = _pipeline_call(model_or_pipe, batch, steps) if is_pipe else _module_call(module, batch, inputs)
+
+    undo = _apply(strategy, model_or_pipe, module, is_pipe, device, budget, compile_options)
+    records = []
+    try:
+        with torch.no_grad():
+            for size in sizes:
+                record = SizeRecord(size=size)
+                records.append(record)
+                try:
+                    record.build_seconds = _timed(lambda: call(size), device)
+                    record.call_seconds = _timed(lambda: call(size), device)
+                except torch.OutOfMemoryError as error:
+                    record.error = f"OutOfMemoryError: {str(error).splitlines()[0]}"
+                figures = memory_figures(device)
+                record.allocated, record.reserved, record.peak = figures.allocated, figures.reserved, figures.peak
+                if strategy == "shapecache":
+                    st = sc.stats(model_or_pipe if is_pipe else module)
+                    record.evictions, record.fallbacks = st["evictions"], st["fallbacks"]
+                if record.error:
+                    break
+    finally:
+        undo()
+    return records
+
+
+def _denoiser(pipe) -> torch.nn.Module:
+    for name in ("unet", "transformer"):
+        if isinstance(getattr(pipe, name, None), torch.nn.Module):
+            return getattr(pipe, name)
+    raise ValueError(f"size_loop: {type(pipe).__name__} has no unet or transformer")
+
+
+def _pipeline_call(pipe, batch, steps):
+    def call(size):
+        pipe(prompt=["a photo of a cat"] * batch, height=size[0], width=size[1], num_inference_steps=steps,
+             output_type="latent")
+
+    return call
+
+
+def _module_call(module, batch, inputs):
+    if inputs is not None:
+        def call(size):
+            args, kwargs = inputs(size)
+            return module(*args, **kwargs)
+
+        return call
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "cross_attention_dim"):
+        raise ValueError(f"size_loop: pass inputs=... to say how to call a {type(module).__name__}")
+    parameter = next(module.parameters())
+    device, dtype = parameter.device, parameter.dtype
+
+    def call(size):
+        h, w = size[0] // 8, size[1] // 8
+        kwargs = {"encoder_hidden_states": torch.randn(2 * batch, 77, config.cross_attention_dim, device=device,
+                                                       dtype=dtype), "return_dict": False}
+        if config.addition_embed_type == "text_time":  # SDXL: pooled text embeddings and 6 time ids
+            pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
+            kwargs["added_cond_kwargs"] = {"text_embeds": torch.randn(2 * batch, pooled, device=device, dtype=dtype),
+                                           "time_ids": torch.zeros(2 * batch, 6, device=device, dtype=dtype)}
+        sample = torch.randn(2 * batch, config.in_channels, h, w, device=device, dtype=dtype)
+        return module(sample, torch.tensor(500, device=device), **kwargs)
+
+    return call
+
+
+def _apply(strategy, model_or_pipe, module, is_pipe, device, budget, compile_options) -> Callable:
+    """Puts `strategy` in place; returns what undoes it."""
+    if strategy == "shapecache":
+        if is_pipe:
+            sc.wrap(model_or_pipe, budget=budget, progress=False)
+            return lambda: sc.unwrap(model_or_pipe)
+        sc.cached(module, budget=budget)
+        return lambda: sc.uncached(module)
+    if strategy == "torch_compile":
+        options = {"mode": "reduce-overhead"} if device.type == "cuda" else {}
+        options.update(compile_options)
+        module.forward = torch.compile(module.forward, dynamic=False, **options)
+        return lambda: module.__dict__.pop("forward", None)
+    module.forward = types.MethodType(_naive_forward(type(module).forward, device, compile_options), module)
+    return lambda: module.__dict__.pop("forward", None)
+
+
+def _naive_forward(forward, device, compile_options):
+    """A new artifact per input shape, each with memory of its own, all kept."""
+    artifacts = {}
+
+    def shape_key(args, kwargs):
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        return tuple((tuple(t.shape), t.dtype) for t in tensors)
+
+    def naive(self, *args, **kwargs):
+        key = shape_key(args, kwargs)
+        if key not in artifacts:
+            if device.type == "cuda":
+                artifacts[key] = _capture_in_own_pool(forward, self, args, kwargs)
+            else:
+                artifacts[key] = torch.compile(fresh_code_copy(forward), dynamic=False, **compile_options)
+        artifact = artifacts[key]
+        return artifact(self, *args, **kwargs)
+
+    return naive
+
+
+def _capture_in_own_pool(forward, module, args, kwargs):
+    static = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    static_kwargs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward(module, *static, **static_kwargs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # no pool argument: a private pool of its own
+        out = forward(module, *static, **static_kwargs)
+
+    def replay(_module, *call_args, **call_kwargs):
+        for s, a in zip(static, call_args):
+            if isinstance(s, torch.Tensor):
+                s.copy_(a)
+        for k, v in call_kwargs.items():
+            if isinstance(v, torch.Tensor):
+                static_kwargs[k].copy_(v)
+        graph.replay()
+        return out
+
+    return replay
+
+
+def _timed(call, device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
