@@ -30,60 +30,66 @@ import time
 
 SEED_SIZES = [(1024, 1024), (1024, 1152), (1152, 1024), (1360, 1536), (1536, 1360), (1536, 1536)]
 STRATEGIES = ["eager", "naive_graphs", "reduce_overhead", "shapecache", "shapecache_compile", "largest_alone"]
+# also: "compile_dynamic" (torch.compile(dynamic=True)), "shapecache_tuned" (cuda_graph + tune_convs)
 
 
-def run_strategy(strategy: str, dtype_name: str, batch: int, calls: int) -> dict:
+def run_strategy(strategy: str, dtype_name: str, batch: int, calls: int, model: str = "sd15") -> dict:
     import torch
-    from diffusers import UNet2DConditionModel
 
     import shapecache as sc
+    from shapecache.repro import build_model
 
     dtype = getattr(torch, dtype_name)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        unet = UNet2DConditionModel(cross_attention_dim=768, sample_size=64).to(dtype).eval()
+    unet = build_model(model, torch.device("cuda")).to(dtype)
+    config = unet.config
     sizes = SEED_SIZES[-1:] if strategy == "largest_alone" else SEED_SIZES
 
     def inputs(size):
         h, w = size[0] // 8, size[1] // 8
+        kwargs = {}
+        if config.addition_embed_type == "text_time":  # SDXL
+            pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
+            kwargs["added_cond_kwargs"] = {"text_embeds": torch.randn(batch, pooled, device="cuda", dtype=dtype),
+                                           "time_ids": torch.zeros(batch, 6, device="cuda", dtype=dtype)}
         return (torch.randn(batch, 4, h, w, device="cuda", dtype=dtype), torch.tensor(500, device="cuda"),
-                torch.randn(batch, 77, 768, device="cuda", dtype=dtype))
+                torch.randn(batch, 77, config.cross_attention_dim, device="cuda", dtype=dtype), kwargs)
 
     if strategy == "eager":
-        def call(x, t, e):
-            return unet(x, t, encoder_hidden_states=e, return_dict=False)[0]
+        def call(x, t, e, kw):
+            return unet(x, t, encoder_hidden_states=e, return_dict=False, **kw)[0]
     elif strategy == "naive_graphs":
         graphs = {}
 
-        def call(x, t, e):
+        def call(x, t, e, kw):
             key = tuple(x.shape)
             if key not in graphs:
                 static = [x.clone(), t.clone(), e.clone()]
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    unet(*static[:2], encoder_hidden_states=static[2], return_dict=False)
+                    unet(*static[:2], encoder_hidden_states=static[2], return_dict=False, **kw)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):  # a private pool of its own
-                    out = unet(*static[:2], encoder_hidden_states=static[2], return_dict=False)[0]
+                    out = unet(*static[:2], encoder_hidden_states=static[2], return_dict=False, **kw)[0]
                 graphs[key] = (graph, static, out)
             graph, static, out = graphs[key]
             for s, v in zip(static, (x, t, e)):
                 s.copy_(v)
             graph.replay()
             return out.clone()
-    elif strategy == "reduce_overhead":
-        compiled = torch.compile(unet, mode="reduce-overhead", dynamic=False)
+    elif strategy in ("reduce_overhead", "compile_dynamic"):
+        options = {"mode": "reduce-overhead", "dynamic": False} if strategy == "reduce_overhead" else {"dynamic": True}
+        compiled = torch.compile(unet, **options)
 
-        def call(x, t, e):
-            return compiled(x, t, encoder_hidden_states=e, return_dict=False)[0].clone()
+        def call(x, t, e, kw):
+            return compiled(x, t, encoder_hidden_states=e, return_dict=False, **kw)[0].clone()
     else:
         backend = "compile+cuda_graph" if strategy == "shapecache_compile" else "cuda_graph"
-        sc.cached(unet, backend=backend, budget=1.0)
+        sc.cached(unet, backend=backend, budget=1.0, tune_convs=strategy == "shapecache_tuned")
 
-        def call(x, t, e):
-            return unet(x, t, encoder_hidden_states=e, return_dict=False)[0]
+        def call(x, t, e, kw):
+            return unet(x, t, encoder_hidden_states=e, return_dict=False, **kw)[0]
 
     torch.cuda.reset_peak_memory_stats()
     rows = []
@@ -104,8 +110,12 @@ def run_strategy(strategy: str, dtype_name: str, batch: int, calls: int) -> dict
                 end.synchronize()
                 times.append(begin.elapsed_time(end))
             rows.append({"size": size, "first_s": first, "median_ms": statistics.median(times)})
-    result = {"strategy": strategy, "peak_reserved": torch.cuda.max_memory_reserved(), "sizes": rows,
+    result = {"strategy": strategy, "model": model, "peak_reserved": torch.cuda.max_memory_reserved(), "sizes": rows,
               "device": torch.cuda.get_device_name()}
+    if strategy == "shapecache_tuned":
+        from shapecache import _C
+
+        result["tuning"] = _C.tuning_stats()
     if strategy.startswith("shapecache") or strategy == "largest_alone":
         st = sc.stats(unet)
         result.update(pool_bytes=st["pool_bytes"], entries=len(st["entries"]), evictions=st["evictions"])
@@ -119,16 +129,17 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--json", default=None)
+    parser.add_argument("--model", choices=("sd15", "sdxl"), default="sd15")
     parser.add_argument("--strategy", default=None, help=argparse.SUPPRESS)  # one strategy, in this process
     args = parser.parse_args(argv)
     if args.strategy:
-        print(json.dumps(run_strategy(args.strategy, args.dtype, args.batch, args.calls)))
+        print(json.dumps(run_strategy(args.strategy, args.dtype, args.batch, args.calls, args.model)))
         return 0
 
     results = {}
     for strategy in args.strategies.split(","):
         proc = subprocess.run([sys.executable, __file__, "--strategy", strategy, "--dtype", args.dtype,
-                               "--batch", str(args.batch), "--calls", str(args.calls)],
+                               "--batch", str(args.batch), "--calls", str(args.calls), "--model", args.model],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             tail = proc.stderr.strip().splitlines()[-1:] or ["?"]
@@ -139,7 +150,7 @@ def main(argv=None) -> int:
     reference = results.get("shapecache", {})
     gib = 2**30
     device = next((r["device"] for r in results.values() if "device" in r), "?")
-    print(f"{device}; SD1.5 UNet, {args.dtype}, batch {args.batch}; sizes {', '.join(f'{h}x{w}' for h, w in SEED_SIZES)}")
+    print(f"{device}; {args.model} UNet, {args.dtype}, batch {args.batch}; sizes {', '.join(f'{h}x{w}' for h, w in SEED_SIZES)}")
     header = f"{'strategy':<20} {'peak GiB':>9} {'vs sc':>6} {'ms/call':>8} {'vs sc':>6} {'build s':>8}  per size ms"
     print(header)
     print("-" * len(header))
