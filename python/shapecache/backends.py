@@ -90,14 +90,13 @@ def make_builder(function: Callable, backend: str, context: BuildContext) -> Cal
 
 
 def _build_compiled(function, compile_options, args, kwargs, device):
-    from torch._dynamo.utils import counters
-
-    runner = torch.compile(fresh_code_copy(function), dynamic=False, **compile_options)
-    graphs_before = counters["stats"]["unique_graphs"]
+    copy = fresh_code_copy(function)
+    runner = torch.compile(copy, dynamic=False, **compile_options)
+    compiled = _dynamo_compiled(copy)
     allocated_before = _allocated(device)
     output = runner(*args, **kwargs)
     held = max(0, _allocated(device) - allocated_before - _tensor_bytes(output, device))
-    if counters["stats"]["unique_graphs"] == graphs_before:
+    if not compiled():
         warnings.warn(
             f"shapecache: torch.compile made no graph for a new bucket of {getattr(function, '__qualname__', function)}; "
             "that bucket runs eager (is torch.compile disabled, or does the function run no tensor code?)",
@@ -106,6 +105,22 @@ def _build_compiled(function, compile_options, args, kwargs, device):
         )
         return runner, held, output, "eager"
     return runner, held, output, "compile"
+
+
+def _dynamo_compiled(copy) -> Callable[[], bool]:
+    """A check, to run after the first call, of whether Dynamo compiled `copy`: its own code
+    object has cache entries. (Callables without a code object of their own fall back to
+    Dynamo's process-wide graph counter, which misses graphs that hit Dynamo's cache.)"""
+    from torch._dynamo import eval_frame
+    from torch._dynamo.utils import counters
+
+    function = copy.__func__ if isinstance(copy, types.MethodType) else copy
+    code = getattr(function, "__code__", None)
+    entries = getattr(eval_frame, "_debug_get_cache_entry_list", None)
+    if isinstance(function, types.FunctionType) and code is not None and entries is not None:
+        return lambda: len(entries(code)) > 0
+    before = counters["stats"]["unique_graphs"]
+    return lambda: counters["stats"]["unique_graphs"] > before
 
 
 def _build_graph(function, args, kwargs, device, context: BuildContext, *, compiled: bool, keep_only_if_faster: bool):

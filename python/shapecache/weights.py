@@ -24,7 +24,10 @@ def snapshot(module: torch.nn.Module) -> _C.WeightSnapshot:
 
 
 def _bump(*_):
-    _C.bump_module_generation()
+    # While Dynamo traces a forward that registers something, the hook would only break its
+    # graph: the registration itself happens when the compiled code runs, and bumps then.
+    if not torch.compiler.is_compiling():
+        _C.bump_module_generation()
 
 
 _module.register_module_parameter_registration_hook(_bump)
