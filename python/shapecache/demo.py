@@ -23,6 +23,7 @@ import torch
 
 import shapecache as sc
 from shapecache.budget import format_bytes
+from shapecache.scenarios import parse_sizes
 
 DEFAULT_SIZES = "64x64,64x96,96x64,96x96,128x128"
 
@@ -42,17 +43,6 @@ class DemoNet(torch.nn.Module):
 
     def forward(self, x):
         return self.layers(x)
-
-
-def parse_sizes(text: str) -> list[tuple[int, int]]:
-    sizes = []
-    for item in text.split(","):
-        try:
-            height, width = (int(v) for v in item.lower().split("x"))
-        except ValueError:
-            raise SystemExit(f"--sizes: cannot read {item!r}; expected HEIGHTxWIDTH items such as 64x96") from None
-        sizes.append((height, width))
-    return sizes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

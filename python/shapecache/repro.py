@@ -18,6 +18,7 @@ import sys
 import torch
 
 from shapecache.budget import format_bytes, parse_budget
+from shapecache.scenarios import parse_sizes
 
 MODELS = ("tiny-sd", "sd15", "sdxl")
 DEFAULT_SIZES = {"tiny-sd": "32x32,32x48,48x32,48x64,64x64",
@@ -60,17 +61,6 @@ def build_model(name: str, device: torch.device):
                 use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
                 projection_class_embeddings_input_dim=2816)
     return unet.to(dtype).eval()
-
-
-def parse_sizes(text: str) -> list[tuple[int, int]]:
-    sizes = []
-    for item in text.split(","):
-        try:
-            height, width = (int(v) for v in item.lower().split("x"))
-        except ValueError:
-            raise SystemExit(f"--sizes: cannot read {item!r}; expected HEIGHTxWIDTH items such as 1024x1152") from None
-        sizes.append((height, width))
-    return sizes
 
 
 def run_child(args) -> dict:

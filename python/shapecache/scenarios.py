@@ -49,6 +49,18 @@ class SizeRecord:
         return asdict(self)
 
 
+def parse_sizes(text: str, option: str = "--sizes") -> list[tuple[int, int]]:
+    """'1024x1024,1152x896' -> [(1024, 1024), (1152, 896)]; exits with a message naming `option`."""
+    sizes = []
+    for item in text.split(","):
+        try:
+            height, width = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"{option}: cannot read {item!r}; expected HEIGHTxWIDTH items such as 1024x1152") from None
+        sizes.append((height, width))
+    return sizes
+
+
 def size_loop(model_or_pipe, sizes: Sequence, order: str = "given", strategy: str = "shapecache", budget=None, *,
               batch: int = 1, steps: int = 2, compile_options: dict | None = None,
               inputs: Callable | None = None) -> list[SizeRecord]:
