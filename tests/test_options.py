@@ -53,9 +53,10 @@ def test_budget_from_environment(monkeypatch):
         ({"max_entries": 0}, ValueError, r"max_entries=0: expected a positive int, or None"),
         ({"max_entries": "3"}, ValueError, r"max_entries='3'"),
         ({"buckets": [0]}, TypeError, r"buckets=\[0\]: expected a dict mapping an argument name or position"),
-        ({"compile_options": {"mode": "max-autotune"}, "backend": "eager"}, ValueError, r"compile_options were given with backend='eager'"),
-        ({"compile_options": {"dynamic": True}}, ValueError, r"'dynamic' is fixed to False"),
-        ({"compile_options": "fast"}, TypeError, r"compile_options='fast'"),
+        ({"compile_options": {"mode": "max-autotune"}, "backend": "eager"}, ValueError, r"compile_options were given with backend='eager', which compiles nothing"),
+        ({"compile_options": {"mode": "max-autotune"}}, ValueError, r"compile_options were given with backend='auto'"),
+        ({"compile_options": {"dynamic": True}, "backend": "compile"}, ValueError, r"'dynamic' is fixed to False"),
+        ({"compile_options": "fast", "backend": "compile"}, TypeError, r"compile_options='fast'"),
     ],
 )
 def test_bad_options(kwargs, error, message):

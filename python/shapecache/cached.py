@@ -60,8 +60,11 @@ class CacheOptions:
             compile_options = {}
         if not isinstance(compile_options, Mapping):
             raise TypeError(f"compile_options={compile_options!r}: expected a dict of torch.compile keyword arguments")
-        if compile_options and backend == "eager":
-            raise ValueError("compile_options were given with backend='eager', which compiles nothing")
+        if compile_options and backend not in ("compile", "compile+cuda_graph"):
+            raise ValueError(
+                f"compile_options were given with backend={backend!r}, which compiles nothing; "
+                "use backend='compile' or 'compile+cuda_graph'"
+            )
         if "dynamic" in compile_options:
             raise ValueError(
                 "compile_options: 'dynamic' is fixed to False; shapecache compiles one static graph per bucket"
