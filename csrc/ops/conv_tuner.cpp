@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 #include <set>
+#include <tuple>
 #include <sstream>
 
 #include "ops/workspace_arena.h"
@@ -67,11 +68,14 @@ ConvProblem ConvTuner::problem_of(const ConvArgs& a) {
   std::memset(&p, 0, sizeof(p));
   // The environment text is the same for every problem of a device (and thread count, which
   // CPU timings depend on); hash it once per pair.
-  static thread_local std::map<std::string, uint64_t> environment_hashes;
-  const std::string device = a.input.device().str() + "/" + std::to_string(at::get_num_threads());
-  auto it = environment_hashes.find(device);
+  // Keyed by plain integers: this runs on every tuned convolution call, with no string to build.
+  static thread_local std::map<std::tuple<int, int, int>, uint64_t> environment_hashes;
+  const c10::Device& device = a.input.device();
+  const auto where = std::make_tuple(static_cast<int>(device.type()), static_cast<int>(device.index()),
+                                     at::get_num_threads());
+  auto it = environment_hashes.find(where);
   if (it == environment_hashes.end()) {
-    it = environment_hashes.emplace(device, hash_environment(environment(a.input.device()))).first;
+    it = environment_hashes.emplace(where, hash_environment(environment(device))).first;
   }
   p.environment = it->second;
   p.n = a.input.size(0);
