@@ -98,6 +98,7 @@ void bind_core(py::module_& m) {
           },
           py::arg("budget"), py::arg("max_entries") = py::none())
       .def("set_external_bytes", [](IntLru& lru, int64_t bytes) { return evicted_keys(lru.set_external_bytes(bytes)); })
+      .def("set_bytes", [](IntLru& lru, int64_t key, int64_t bytes) { return evicted_keys(lru.set_bytes(key, bytes)); })
       .def("keys",
            [](const IntLru& lru) {
              py::list keys;  // most recently used first

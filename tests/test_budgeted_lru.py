@@ -61,6 +61,23 @@ class LruModel:
         self.order.insert(0, key)
         return True
 
+    def set_bytes(self, key, nbytes):
+        """The entry never evicts itself for its own room; if it cannot fit beside the pinned
+        ones, it alone goes (unless pinned: then it stays and the others go as far as they can)."""
+        others_pinned = sum(b for k, b in self.bytes.items() if k != key and self.pins[k] > 0)
+        if nbytes > self.budget - self.external - others_pinned:
+            if self.pins[key] == 0:
+                self._remove(key)
+                return [key]
+            self.bytes[key] = nbytes
+            return self._evict_while_over(0, 0)
+        self.bytes[key] = 0
+        self.pins[key] += 1
+        evicted = self._evict_while_over(nbytes, 0)
+        self.pins[key] -= 1
+        self.bytes[key] = nbytes
+        return evicted
+
     def set_external(self, nbytes):
         self.external = nbytes
         return self._evict_while_over(0, 0)
@@ -115,6 +132,14 @@ class LruMachine(RuleBasedStateMachine):
         assert self.lru.erase(key) == removable
         if removable:
             self.model._remove(key)
+
+    @precondition(lambda self: self.model.order)
+    @rule(data=st.data(), nbytes=st.integers(min_value=0, max_value=120))
+    def set_bytes(self, data, nbytes):
+        key = data.draw(st.sampled_from(self.model.order))
+        assert self.lru.set_bytes(key, nbytes) == self.model.set_bytes(key, nbytes)
+        if self.lru.pin_count(key) == 0 and key in self.lru.keys():
+            assert self.lru.total_bytes <= self.lru.budget
 
     @rule(nbytes=st.integers(min_value=0, max_value=80))
     def set_external_bytes(self, nbytes):
@@ -191,3 +216,27 @@ def test_unpin_without_pin_is_an_error():
 def test_negative_limits_rejected():
     with pytest.raises(ValueError, match="budget must be >= 0"):
         _C.IntLru(budget=-1)
+
+
+def test_set_bytes_evicts_others_least_recent_first_and_never_itself():
+    lru = _C.IntLru(budget=100)
+    for key in (1, 2, 3):
+        lru.insert(key, key, 20)
+    # 1 is the least recently used; growing it to 70 needs 30 more bytes: 1 itself stays,
+    # 2 (now the least recent of the others) goes, and 3 then still fits.
+    assert lru.set_bytes(1, 70) == [2]
+    assert lru.keys() == [3, 1]
+    assert lru.total_bytes == 90
+
+
+def test_set_bytes_that_cannot_fit_removes_only_that_entry():
+    lru = _C.IntLru(budget=100)
+    lru.insert(1, 1, 30)
+    lru.insert(2, 2, 30)
+    lru.pin(2)
+    assert lru.set_bytes(1, 80) == [1]  # 80 beside the pinned 30 cannot fit: 1 goes, 2 stays
+    assert lru.keys() == [2]
+    with pytest.raises(ValueError, match="bytes must be >= 0"):
+        lru.set_bytes(2, -1)
+    with pytest.raises(IndexError):
+        lru.set_bytes(7, 1)

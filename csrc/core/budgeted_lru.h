@@ -135,6 +135,33 @@ class BudgetedLru {
     return evict_while_over(0, 0);
   }
 
+  // `key`'s artifact was rebuilt and now holds `bytes`. Kept under the budget rule like an
+  // insertion, the entry itself never evicted to make its own room: if it cannot fit even
+  // after evicting every other unpinned entry, it alone is removed (returned, as evicted);
+  // otherwise least recently used others are evicted until it fits. A pinned entry that
+  // cannot fit stays, and the others go as far as they allow (as external growth does).
+  std::vector<Evicted> set_bytes(const Key& key, int64_t bytes) {
+    if (bytes < 0) throw std::invalid_argument("BudgetedLru::set_bytes: bytes must be >= 0");
+    auto it = index_.find(key);
+    if (it == index_.end()) throw std::out_of_range("BudgetedLru: no entry for this key");
+    Node& n = *it->second;
+    entry_bytes_ -= n.bytes;
+    n.bytes = 0;
+    ++n.pins;  // out of reach of its own evictions
+    Room room = make_room(bytes, 0);
+    --n.pins;
+    if (!room.fits && n.pins == 0) {
+      room.evicted.push_back(remove(it->second));
+      ++counters_.evictions;
+      return std::move(room.evicted);
+    }
+    n.bytes = bytes;
+    entry_bytes_ += bytes;
+    note_peak();
+    if (!room.fits) room.evicted = evict_while_over(0, 0);
+    return std::move(room.evicted);
+  }
+
   // Removes `key` unless it is pinned; returns it.
   std::optional<Evicted> erase(const Key& key) {
     auto it = index_.find(key);
