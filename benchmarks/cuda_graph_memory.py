@@ -118,7 +118,8 @@ def run_strategy(strategy: str, dtype_name: str, batch: int, calls: int, model: 
         result["tuning"] = _C.tuning_stats()
     if strategy.startswith("shapecache") or strategy == "largest_alone":
         st = sc.stats(unet)
-        result.update(pool_bytes=st["pool_bytes"], entries=len(st["entries"]), evictions=st["evictions"])
+        result.update(pool_bytes=st["pool_bytes"], entries=len(st["entries"]), evictions=st["evictions"],
+                      pool_rebuilds=st["pool_rebuilds"])
     return result
 
 

@@ -181,7 +181,22 @@ void bind_cache(py::module_& m) {
           py::arg("device"), py::arg("pool") = py::none(), py::arg("workspace") = py::none())
       .def(
           "evict_unpinned", [](ShapeCache& cache, c10::Device device) { return cache.evict_unpinned(device).size(); },
-          py::arg("device"));
+          py::arg("device"))
+      .def("entries", &ShapeCache::entries, py::arg("device"),
+           "The device's entries, most recently used first: (id, runner, pinned) each.")
+      .def(
+          "set_entry_bytes",
+          [](ShapeCache& cache, c10::Device device, uint64_t id, int64_t bytes) {
+            py::list ids;  // what left the cache; the entries themselves are destroyed on return
+            for (const auto& gone : cache.set_entry_bytes(device, id, bytes)) ids.append(gone.value.id);
+            return ids;
+          },
+          py::arg("device"), py::arg("id"), py::arg("bytes"))
+      .def(
+          "erase_entry", [](ShapeCache& cache, c10::Device device, uint64_t id) { return cache.erase_entry(device, id).has_value(); },
+          py::arg("device"), py::arg("id"))
+      .def("contains_entry", &ShapeCache::contains_entry, py::arg("device"), py::arg("id"))
+      .def("count_pool_rebuild", &ShapeCache::count_pool_rebuild, py::arg("device"));
 
   py::class_<EntryRunner, std::shared_ptr<EntryRunner>>(m, "EntryRunner")
       .def("valid", &EntryRunner::valid)

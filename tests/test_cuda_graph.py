@@ -45,6 +45,51 @@ def test_shared_bytes_are_set_independently_and_count_against_the_budget():
     assert cache.evict_unpinned(cpu) == 1 and cache.stats()["entries"] == []
 
 
+def test_entries_are_named_by_id_and_resized_under_the_budget_rule():
+    cache = _C.ShapeCache(lambda device: 1000, None)
+    cpu = torch.device("cpu")
+
+    def builder(args, kwargs, device):
+        return (lambda x: x), 300, args[0], "eager"
+
+    f = _C.CachedFunction(lambda x: x, builder, cache, [], ["x"], None, False)
+    for n in (1, 2, 3):
+        f(torch.ones(n))
+    entries = cache.entries(cpu)  # most recently used first
+    ids = [entry_id for entry_id, _, _ in entries]
+    assert len(set(ids)) == 3 and [e["id"] for e in cache.stats()["entries"]] == ids
+    assert all(not pinned for _, _, pinned in entries)
+    newest, middle, oldest = ids
+    # The oldest entry, rebuilt at 600 bytes, stays; the least recent of the others goes.
+    assert cache.set_entry_bytes(cpu, oldest, 600) == [middle]
+    assert [e["id"] for e in cache.stats()["entries"]] == [newest, oldest]
+    assert cache.stats()["devices"]["cpu"]["bytes"] == 900
+    # An entry that cannot fit even alone goes by itself; the other stays.
+    assert cache.set_entry_bytes(cpu, newest, 1001) == [newest]
+    assert not cache.contains_entry(cpu, newest) and cache.contains_entry(cpu, oldest)
+    with pytest.raises(KeyError, match=f"no entry {newest} on cpu"):
+        cache.set_entry_bytes(cpu, newest, 1)
+    with pytest.raises(ValueError, match="bytes must be >= 0, got -1"):
+        cache.set_entry_bytes(cpu, oldest, -1)
+    assert cache.erase_entry(cpu, oldest) and not cache.erase_entry(cpu, oldest)
+    assert cache.stats()["entries"] == [] and cache.stats()["devices"]["cpu"]["bytes"] == 0
+
+
+def test_pool_over_budget_counts_what_evictions_cannot_free():
+    from shapecache.graph_pool import pool_over_budget
+
+    cache = _C.ShapeCache(lambda device: 1000, None)
+    cpu = torch.device("cpu")
+    cache.set_shared_bytes(cpu, pool=600, workspace=100)
+    assert not pool_over_budget(cpu, cache, 300)
+    assert pool_over_budget(cpu, cache, 301)
+    unlimited = _C.ShapeCache(lambda device: 2**62, None)
+    unlimited.set_shared_bytes(cpu, pool=10**15)
+    assert not pool_over_budget(cpu, unlimited, 0)
+    cache.count_pool_rebuild(cpu)
+    assert cache.stats()["pool_rebuilds"] == 1 and cache.stats()["devices"]["cpu"]["pool_rebuilds"] == 1
+
+
 # --- on a GPU -----------------------------------------------------------------------------
 
 
@@ -116,6 +161,33 @@ def test_seed_sizes_under_a_budget_that_fits_fewer_graphs_than_sizes():
             assert sc.stats(unet)["bytes"] <= budget
     st = sc.stats(unet)
     assert st["evictions"] > 0 and len(st["entries"]) < len(SEED_SIZES) and st["fallbacks"] == 0
+
+
+@pytest.mark.cuda
+def test_a_pool_grown_smallest_first_past_the_budget_is_rebuilt_largest_first():
+    dtype = torch.float16
+    unet = sd15_unet(dtype)
+    sizes = sorted(SEED_SIZES, key=lambda s: s[0] * s[1])  # the order that grows the pool most
+    largest = sizes[-1]
+    with torch.no_grad():
+        sc.cached(unet, backend="cuda_graph")
+        expected = unet(*unet_call(largest, dtype)[0], **unet_call(largest, dtype)[1])[0].clone()
+        alone = sc.stats(unet)
+        sc.uncached(unet)
+        torch.cuda.empty_cache()
+        # Room for the pool at the size the largest bucket needs alone (5% slack) and every
+        # bucket's own bytes; not for a pool grown bucket by bucket, smallest first.
+        budget = int(1.05 * alone["pool_bytes"]) + alone["workspace_bytes"] + 2 * len(sizes) * alone["entry_bytes"]
+        sc.cached(unet, backend="cuda_graph", budget=budget)
+        for size in sizes:
+            out = unet(*unet_call(size, dtype)[0], **unet_call(size, dtype)[1])[0]
+            assert sc.stats(unet)["bytes"] <= budget
+        torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-3)
+        for size in sizes:  # every bucket still replays, from the rebuilt pool
+            assert torch.isfinite(unet(*unet_call(size, dtype)[0], **unet_call(size, dtype)[1])[0]).all()
+    st = sc.stats(unet)
+    assert st["pool_rebuilds"] >= 1 and st["fallbacks"] == 0
+    assert st["pool_bytes"] <= 1.15 * alone["pool_bytes"]
 
 
 @pytest.mark.cuda

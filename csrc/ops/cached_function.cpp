@@ -158,6 +158,7 @@ py::object CachedFunction::build(CallKey& key, PyObject* args, PyObject* kwargs)
   if (built.size() != 4) throw py::type_error("shapecache: a builder must return (runner, bytes, output, backend)");
 
   Entry entry;
+  entry.id = ShapeCache::next_entry_id();
   entry.runner = built[0];
   if (py::isinstance<EntryRunner>(entry.runner)) entry.native = entry.runner.cast<std::shared_ptr<EntryRunner>>();
   entry.function_id = id_;
@@ -204,7 +205,7 @@ void CachedFunction::free_device_memory(const c10::Device& device) {
     auto evicted = cache_->evict_unpinned(device);
   }  // the evicted entries are destroyed before the allocator's cache is emptied
   py::object device_obj = py::reinterpret_steal<py::object>(THPDevice_New(device));
-  py::module_::import("shapecache.backends").attr("release_device_memory")(device_obj);
+  py::module_::import("shapecache.graph_pool").attr("release_device_memory")(device_obj, py::cast(cache_));
 }
 
 py::object CachedFunction::run_uncached_after_out_of_memory(const c10::Device& device, PyObject* args,

@@ -2,6 +2,7 @@
 
 #include <torch/csrc/Device.h>
 
+#include <atomic>
 #include <sstream>
 
 namespace shapecache {
@@ -66,6 +67,40 @@ std::string ShapeCache::describe(const c10::Device& device) {
   return out.str();
 }
 
+uint64_t ShapeCache::next_entry_id() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1);
+}
+
+std::optional<ShapeKey> ShapeCache::key_of(const c10::Device& device, uint64_t id) {
+  std::optional<ShapeKey> found;
+  lru(device).for_each([&](const ShapeKey& key, const Entry& entry, int64_t, int) {
+    if (entry.id == id) found = key;
+  });
+  return found;
+}
+
+py::list ShapeCache::entries(const c10::Device& device) {
+  py::list out;
+  lru(device).for_each([&](const ShapeKey&, const Entry& entry, int64_t, int pins) {
+    out.append(py::make_tuple(entry.id, entry.runner, pins > 0));
+  });
+  return out;
+}
+
+std::vector<EntryLru::Evicted> ShapeCache::set_entry_bytes(const c10::Device& device, uint64_t id, int64_t bytes) {
+  if (bytes < 0) throw py::value_error("bytes must be >= 0, got " + std::to_string(bytes));
+  const std::optional<ShapeKey> key = key_of(device, id);
+  if (!key) throw py::key_error("no entry " + std::to_string(id) + " on " + device.str());
+  return lru(device).set_bytes(*key, bytes);
+}
+
+std::optional<EntryLru::Evicted> ShapeCache::erase_entry(const c10::Device& device, uint64_t id) {
+  const std::optional<ShapeKey> key = key_of(device, id);
+  if (!key) return std::nullopt;
+  return lru(device).erase(*key);
+}
+
 std::vector<EntryLru::Evicted> ShapeCache::set_shared_bytes(const c10::Device& device, SharedBytes bytes) {
   if (bytes.pool < 0 || bytes.workspace < 0) {
     throw py::value_error("shared bytes must be >= 0, got pool=" + std::to_string(bytes.pool) +
@@ -77,7 +112,8 @@ std::vector<EntryLru::Evicted> ShapeCache::set_shared_bytes(const c10::Device& d
 }
 
 py::dict ShapeCache::stats(std::optional<uint64_t> function_id) const {
-  int64_t entry_bytes = 0, pool_bytes = 0, workspace_bytes = 0, evictions = 0, rejections = 0, peak_bytes = 0;
+  int64_t entry_bytes = 0, pool_bytes = 0, workspace_bytes = 0, evictions = 0, rejections = 0, peak_bytes = 0,
+          pool_rebuilds = 0;
   py::list entries;
   py::dict per_device;
   for (const c10::Device& device : device_order_) {
@@ -96,6 +132,7 @@ py::dict ShapeCache::stats(std::optional<uint64_t> function_id) const {
     figures["entries"] = lru.size();
     figures["evictions"] = c.evictions;
     figures["rejections"] = c.rejections;
+    figures["pool_rebuilds"] = cache.pool_rebuilds;
     per_device[py::str(name.str())] = figures;
     entry_bytes += lru.entry_bytes();
     pool_bytes += cache.shared.pool;
@@ -103,9 +140,11 @@ py::dict ShapeCache::stats(std::optional<uint64_t> function_id) const {
     evictions += c.evictions;
     rejections += c.rejections;
     peak_bytes += c.peak_bytes;
+    pool_rebuilds += cache.pool_rebuilds;
     lru.for_each([&](const ShapeKey&, const Entry& entry, int64_t bytes, int pins) {
       if (function_id && entry.function_id != *function_id) return;
       py::dict e;
+      e["id"] = entry.id;
       e["bucket"] = entry.bucket;
       e["device"] = name.str();
       e["backend"] = entry.backend;
@@ -125,6 +164,7 @@ py::dict ShapeCache::stats(std::optional<uint64_t> function_id) const {
   out["peak_bytes"] = peak_bytes;
   out["evictions"] = evictions;
   out["rejections"] = rejections;
+  out["pool_rebuilds"] = pool_rebuilds;
   out["max_entries"] = max_entries_ == EntryLru::kUnlimited ? py::object(py::none()) : py::int_(max_entries_);
   out["devices"] = per_device;
   out["entries"] = entries;

@@ -27,6 +27,7 @@ namespace py = pybind11;
 
 // The compiled artifact of one bucket of one cached function.
 struct Entry {
+  uint64_t id = 0;            // unique in the process: how Python names an entry it rebuilds
   py::object runner;          // called with the (padded) call's arguments
   std::shared_ptr<EntryRunner> native;  // set when the runner serves calls from C++ (a graph)
   uint64_t function_id = 0;   // the CachedFunction that built it
@@ -68,6 +69,25 @@ class ShapeCache {
     return devices_.at(device).shared;
   }
 
+  // The device's entries, most recently used first: (id, runner, pinned) per entry.
+  py::list entries(const c10::Device& device);
+
+  // An entry's artifact was rebuilt and holds `bytes` now; kept under the budget rule
+  // (BudgetedLru::set_bytes). Returns what left the cache, possibly the entry itself.
+  std::vector<EntryLru::Evicted> set_entry_bytes(const c10::Device& device, uint64_t id, int64_t bytes);
+
+  // Removes an entry unless it is pinned; returns it. None when no entry has that id.
+  std::optional<EntryLru::Evicted> erase_entry(const c10::Device& device, uint64_t id);
+
+  bool contains_entry(const c10::Device& device, uint64_t id) { return key_of(device, id).has_value(); }
+
+  static uint64_t next_entry_id();
+
+  void count_pool_rebuild(const c10::Device& device) {
+    lru(device);
+    ++devices_.at(device).pool_rebuilds;
+  }
+
   // Charges the shared bytes of a device against its budget; may evict.
   std::vector<EntryLru::Evicted> set_shared_bytes(const c10::Device& device, SharedBytes bytes);
 
@@ -80,7 +100,10 @@ class ShapeCache {
   struct DeviceCache {
     std::unique_ptr<EntryLru> lru;
     SharedBytes shared;
+    int64_t pool_rebuilds = 0;  // times every graph of the device was captured again, largest first
   };
+
+  std::optional<ShapeKey> key_of(const c10::Device& device, uint64_t id);
 
   py::object budget_for_device_;
   int64_t max_entries_;

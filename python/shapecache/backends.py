@@ -22,7 +22,6 @@ behind (allocator figures on CUDA), and ``output`` is the result of the call tha
 
 from __future__ import annotations
 
-import gc
 import time
 import types
 import warnings
@@ -31,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shapecache import _C
+from shapecache import _C, graph_pool
+from shapecache.graph_pool import release_device_memory
 
 BACKENDS = ("auto", "eager", "compile", "cuda_graph", "compile+cuda_graph")
 GRAPH_BACKENDS = ("cuda_graph", "compile+cuda_graph")
@@ -144,63 +144,41 @@ def _build_graph(function, args, kwargs, device, context: BuildContext, *, compi
 
     eager_seconds = None
     if keep_only_if_faster:
-        eager_seconds = _seconds(lambda: runnable(*args, **kwargs), device)
+        eager_seconds = _best_seconds(lambda: runnable(*args, **kwargs), device, repeats=2)
 
-    runner, entry_bytes = _capture(runnable, owner, call_args, kwargs, device, context, weights)
-    if _over_budget(device, context.cache, entry_bytes):
-        # The pool itself has grown past the budget: drop every graph of the device so the pool
-        # empties, and capture this bucket alone into it (largest first from here on).
-        del runner
-        context.cache.evict_unpinned(device)
-        release_device_memory(device)
-        runner, entry_bytes = _capture(runnable, owner, call_args, kwargs, device, context, weights)
+    cache = context.cache
+    runner, entry_bytes = graph_pool.measured_capture(
+        lambda: _C.capture_cuda_graph(runnable, owner, tuple(call_args), dict(kwargs), list(context.parameter_names),
+                                      weights),
+        device, cache)
+    if graph_pool.pool_over_budget(device, cache, entry_bytes):
+        # Evicting entries cannot shrink the pool (see shapecache/graph_pool.py): rebuild it.
+        rebuilt = graph_pool.rebuild_largest_first(device, cache, runner)
+        if rebuilt is None:  # a graph of the device is running up the stack: keep what runs
+            cache.evict_unpinned(device)
+            runner.release()
+            graph_pool.release_device_memory(device, cache)
+            rebuilt = graph_pool.measured_recapture(runner, device, cache)
+        entry_bytes = rebuilt
 
     name = "compile+cuda_graph" if compiled else "cuda_graph"
     if keep_only_if_faster:
-        replay_seconds = _seconds(lambda: runner(*call_args, **kwargs), device)
+        replay_seconds = _best_seconds(lambda: runner(*call_args, **kwargs), device, repeats=3)
         if replay_seconds >= eager_seconds:
             return function, 0, output, "eager"
     return runner, entry_bytes, output, name
 
 
-def _capture(runnable, owner, call_args, kwargs, device, context: BuildContext, weights):
-    """Captures the call; charges the pool to the cache; returns (runner, the entry's own bytes)."""
-    torch.cuda.synchronize(device)
-    free_before, _ = torch.cuda.mem_get_info(device)
-    reserved_before = torch.cuda.memory_reserved(device)
-    runner = _C.capture_cuda_graph(runnable, owner, tuple(call_args), dict(kwargs), list(context.parameter_names),
-                                   weights)
-    torch.cuda.synchronize(device)
-    free_after, _ = torch.cuda.mem_get_info(device)
-    reserved_after = torch.cuda.memory_reserved(device)
-    # Device memory the allocator does not see (the instantiated graph's own), beside its static inputs.
-    unseen = max(0, (free_before - free_after) - (reserved_after - reserved_before))
-    context.cache.set_shared_bytes(device, pool=_C.cuda_graph_pool_bytes(device),
-                                   workspace=_C.workspace_stats(device)["bytes"])
-    return runner, runner.static_input_bytes + unseen
-
-
-def _over_budget(device, cache, entry_bytes: int) -> bool:
-    figures = cache.stats()["devices"][str(device)]
-    return figures["budget"] is not None and figures["pool_bytes"] + figures["workspace_bytes"] + entry_bytes > \
-        figures["budget"]
-
-
-def _seconds(call, device) -> float:
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    call()
-    torch.cuda.synchronize(device)
-    return time.perf_counter() - start
-
-
-def release_device_memory(device: torch.device) -> None:
-    """Frees what an out-of-memory error left behind on `device`: garbage (a failed call's
-    frames and tensors) and the allocator's cached blocks."""
-    gc.collect()
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            torch.cuda.empty_cache()
+def _best_seconds(call, device, repeats: int) -> float:
+    """The fastest of `repeats` timed calls (the first replay of a graph includes its upload)."""
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def fresh_code_copy(function: Callable) -> Callable:

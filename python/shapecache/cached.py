@@ -226,10 +226,12 @@ def stats(obj) -> dict:
     shapecache.wrap.pipeline_stats).
 
     Keys: calls, hits, misses, builds, evictions, fallbacks, uncached_calls, rejections,
-    bytes (entries + pool + workspace), entry_bytes, pool_bytes, workspace_bytes,
-    peak_bytes, budget (bytes on the device used first; None before the first call),
-    max_entries, backend, devices ({device: figures}), entries ([{bucket, device, backend,
-    bytes, hits, build_seconds, last_use, pinned}], most recently used first).
+    oom_retries, invalidations, pool_rebuilds (the device's graphs captured again largest
+    first, see shapecache.graph_pool), bytes (entries + pool + workspace), entry_bytes,
+    pool_bytes, workspace_bytes, peak_bytes, budget (bytes on the device used first; None
+    before the first call), max_entries, backend, devices ({device: figures}), entries
+    ([{id, bucket, device, backend, bytes, hits, build_seconds, last_use, pinned}], most
+    recently used first).
     """
     if hasattr(obj, "_shapecache"):  # a pipeline wrapped by shapecache.wrap
         from shapecache.wrap import pipeline_stats

@@ -11,10 +11,17 @@
 //     the pool reaches its final size with the first capture.
 //   - Inputs are copied into a graph's static inputs and outputs copied out of its static
 //     outputs, so a caller's results stay valid after later replays of any graph in the pool.
+//     That also makes any replay order safe, though a graph captured later may have placed
+//     its temporaries, or its static outputs, in blocks an earlier graph used for its own
+//     temporaries: a replay writes those blocks, but every graph reads its static outputs
+//     right after its own replay, under the lock, before any other graph runs.
+//   - Static inputs are allocated outside the pool, on the graphs' stream, and used only
+//     there: freeing them (an eviction) is ordered after the last replay that read them.
 //   - A graph is stale when the weights it captured were replaced or the workspace arena it
 //     may have captured moved: it is then rebuilt, never replayed.
 #pragma once
 
+#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAStream.h>
 #include <pybind11/pybind11.h>
@@ -41,10 +48,25 @@ struct DeviceGraphs {
   const c10::DeviceIndex device;
   const decltype(at::cuda::graph_pool_handle()) pool;
   c10::cuda::CUDAStream stream;  // every capture and every replay of the device
-  std::mutex mutex;              // one capture or replay at a time
+  // One capture or replay at a time; guards the events too. Recursive: the function being
+  // captured may call another cached function of the device (which then fails to replay
+  // inside a capture with an error, instead of waiting forever on this lock).
+  std::recursive_mutex mutex;
+  at::cuda::CUDAEvent caller_done;  // orders the graphs' stream after a caller's work
+  at::cuda::CUDAEvent graphs_done;  // orders a caller's later work after the graphs' stream
 
  private:
   explicit DeviceGraphs(c10::DeviceIndex index);
+};
+
+// at::cuda::CUDAGraph, plus the clean-up of a capture that failed. When cudaStreamEndCapture
+// fails (the capture was invalidated, by a synchronising call inside it, say), capture_end()
+// throws before it tells the allocator the capture is over, and reset() then never gives
+// back the graph's hold on the pool: the pool could never be emptied again. abandon() does
+// what capture_end() and reset() left undone, whichever step failed.
+class PoolGraph final : public at::cuda::CUDAGraph {
+ public:
+  void abandon() noexcept;
 };
 
 class CudaGraphRunner final : public EntryRunner {
@@ -60,16 +82,30 @@ class CudaGraphRunner final : public EntryRunner {
   py::object run(const py::tuple& args, const py::dict& kwargs) override;
   bool valid() override;
 
+  // Drops the graph and its outputs: every block it held in the pool goes back to the pool,
+  // and when no graph of the pool is left, emptying the allocator's cache frees the pool.
+  // The static inputs stay (they are outside the pool), so the bucket can be recaptured.
+  void release();
+  // Captures the bucket again, on the same static inputs, into the device's pool (which
+  // has emptied meanwhile: see shapecache/graph_pool.py, which rebuilds largest first).
+  void recapture();
+  bool captured() const { return graph_ != nullptr; }
+
   int64_t static_input_bytes() const;
   c10::DeviceIndex device() const { return device_->device; }
 
  private:
   CudaGraphRunner() = default;
   std::vector<at::Tensor> inputs_in_key_order(const py::tuple& args, const py::dict& kwargs) const;
+  void capture_graph(const py::object& owner);
 
-  at::cuda::CUDAGraph graph_;
+  std::unique_ptr<PoolGraph> graph_;          // null while released
   DeviceGraphs* device_ = nullptr;
+  py::object function_;                       // what is captured
+  py::object owner_;                          // weak reference to the module (None for functions)
   std::vector<std::string> parameter_names_;  // canonical argument order, as in the key
+  py::tuple static_args_;                     // the call, with static tensors in place of the caller's
+  py::dict static_kwargs_;
   std::vector<at::Tensor> static_inputs_;     // one per tensor of a call, in canonical order
   std::vector<at::Tensor> static_outputs_;    // every tensor of the outputs, in walk order
   py::object output_structure_;               // the outputs as captured (static tensors inside)
