@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map
 
 import shapecache as sc
 from shapecache.backends import fresh_code_copy
@@ -194,26 +195,23 @@ def _naive_forward(forward, device, compile_options):
 
 
 def _capture_in_own_pool(forward, module, args, kwargs):
-    static = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    static_kwargs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    static_args, static_kwargs = tree_map(lambda a: a.clone() if isinstance(a, torch.Tensor) else a, (args, kwargs))
+    static_inputs = [t for t in tree_leaves((static_args, static_kwargs)) if isinstance(t, torch.Tensor)]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        forward(module, *static, **static_kwargs)
+        forward(module, *static_args, **static_kwargs)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # no pool argument: a private pool of its own
-        out = forward(module, *static, **static_kwargs)
+        out = forward(module, *static_args, **static_kwargs)
 
     def replay(_module, *call_args, **call_kwargs):
-        for s, a in zip(static, call_args):
-            if isinstance(s, torch.Tensor):
-                s.copy_(a)
-        for k, v in call_kwargs.items():
-            if isinstance(v, torch.Tensor):
-                static_kwargs[k].copy_(v)
+        inputs = [t for t in tree_leaves((call_args, call_kwargs)) if isinstance(t, torch.Tensor)]
+        for static, given in zip(static_inputs, inputs, strict=True):
+            static.copy_(given)
         graph.replay()
-        return out
+        return out  # the graph's own output, overwritten by its next replay, as in per-size graph caches
 
     return replay
 
