@@ -11,16 +11,16 @@ import torch
 
 import shapecache as sc
 from shapecache import _C
-from shapecache.demo import DemoNet
+from shapecache.serve import ConvNet
 from shapecache.tuning import FORMAT, VERSION, TuningDb
 
 RUN_TUNED_NET = textwrap.dedent(
     """
     import json, sys, torch, shapecache as sc
     from shapecache import _C
-    from shapecache.demo import DemoNet
+    from shapecache.serve import ConvNet
     torch.manual_seed(0)
-    net = DemoNet(hidden=int(sys.argv[1])).eval()
+    net = ConvNet(hidden=int(sys.argv[1])).eval()
     sc.tune_convs(net)
     with torch.no_grad():
         for size in (16, 24):
@@ -132,7 +132,7 @@ def test_tune_convs_bad_arguments():
 
 def test_cached_with_tuned_convs_charges_the_workspace_to_the_budget(tmp_path, monkeypatch):
     monkeypatch.setenv("SHAPECACHE_TUNING_DB", str(tmp_path / "tuning.json"))
-    net = DemoNet().eval()
+    net = ConvNet().eval()
     x = torch.randn(1, 3, 32, 32)
     expected = net(x)
     sc.cached(net, tune_convs=True)

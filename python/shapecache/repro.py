@@ -1,5 +1,6 @@
 """``python -m shapecache repro``: the out-of-memory scenario, strategy by strategy, in one table
-and one picture.
+and one picture. ``python -m shapecache demo`` is the same command with its defaults: the tiny
+pipeline, on CUDA where there is a device, else on the CPU.
 
 Each strategy runs the size loop (shapecache.scenarios) in a process of its own, so that one
 strategy's memory does not count against the next. On CUDA the process is capped at
@@ -105,7 +106,7 @@ def run(args) -> dict:
         else:
             results[strategy] = json.loads(lines[-1])
 
-    print(f"shapecache repro: {args.model} on {args.device}, {len(sizes)} sizes ({args.order}), "
+    print(f"shapecache {getattr(args, 'command', 'repro')}: {args.model} on {args.device}, {len(sizes)} sizes ({args.order}), "
           f"budget {args.budget or 'none'}")
     for strategy, result in results.items():
         print(f"\n{strategy}: {verdict(result, len(sizes))}")

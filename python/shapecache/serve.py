@@ -1,4 +1,4 @@
-"""``python -m shapecache demo``: a model served at several sizes under a budget.
+"""``python -m shapecache serve``: a model served at several sizes under a budget.
 
 ``--model convnet`` (default): a seeded stream of requests at mixed sizes goes through
 ``sc.cached``; the table shows, per size, how often it was asked for, how many times its
@@ -28,7 +28,7 @@ from shapecache.scenarios import parse_sizes
 DEFAULT_SIZES = "64x64,64x96,96x64,96x96,128x128"
 
 
-class DemoNet(torch.nn.Module):
+class ConvNet(torch.nn.Module):
     """Three convolutions with a nonlinearity: any image size in, the same size out."""
 
     def __init__(self, channels: int = 3, hidden: int = 16):
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> dict:
     sizes = parse_sizes(args.sizes)
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
-    net = DemoNet().to(device).eval()
+    net = ConvNet().to(device).eval()
     inputs = {s: torch.randn(1, 3, *s, device=device) for s in sizes}
 
     # Requests skewed towards the first sizes, as a service sees them.
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
 
     st = sc.stats(net)
     held = [e["bucket"] for e in st["entries"]]
-    print(f"shapecache demo: {len(stream)} requests over {len(sizes)} sizes on {device}, "
+    print(f"shapecache serve: {len(stream)} requests over {len(sizes)} sizes on {device}, "
           f"backend={args.backend}, budget={st['budget'] and format_bytes(st['budget'])}, "
           f"max_entries={args.max_entries}")
     header = f"{'size':>9} {'requests':>8} {'builds':>6} {'hits':>5} {'build ms':>9} {'hit ms':>8} {'plain ms':>9} {'held':>5}"
@@ -143,7 +143,7 @@ def run_pipeline(args: argparse.Namespace) -> dict:
                    "wrapped_ms": _median_ms(lambda s=s: call(s), device, repeats=3)}
 
     st = sc.stats(pipe)
-    print(f"shapecache demo: tiny Stable Diffusion pipeline, {args.steps} steps, {len(sizes)} sizes on {device}, "
+    print(f"shapecache serve: tiny Stable Diffusion pipeline, {args.steps} steps, {len(sizes)} sizes on {device}, "
           f"backend={args.backend}, budget={st['budget'] and format_bytes(st['budget'])}")
     print(f"pre-warm order: {', '.join(f'{h}x{w}' for h, w in warmed)}")
     header = (f"{'size':>9} {'warm s':>7} {'warm bytes':>10} {'plain ms':>9} {'wrapped ms':>10} "
