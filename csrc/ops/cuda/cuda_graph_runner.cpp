@@ -202,6 +202,9 @@ py::object CudaGraphRunner::run(const py::tuple& args, const py::dict& kwargs) {
 }
 
 bool CudaGraphRunner::valid() {
+  // A released graph whose recapture did not happen (a rebuild cut short by an error) is
+  // rebuilt from its caller's next call, like a stale one.
+  if (!graph_) return false;
   if (WorkspaceArena::of(c10::Device(c10::DeviceType::CUDA, device_->device)).generation() != workspace_generation_) {
     return false;
   }

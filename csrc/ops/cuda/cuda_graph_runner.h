@@ -85,6 +85,7 @@ class CudaGraphRunner final : public EntryRunner {
   // Drops the graph and its outputs: every block it held in the pool goes back to the pool,
   // and when no graph of the pool is left, emptying the allocator's cache frees the pool.
   // The static inputs stay (they are outside the pool), so the bucket can be recaptured.
+  // Until it is, valid() is false.
   void release();
   // Captures the bucket again, on the same static inputs, into the device's pool (which
   // has emptied meanwhile: see shapecache/graph_pool.py, which rebuilds largest first).
