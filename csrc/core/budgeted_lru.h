@@ -147,19 +147,24 @@ class BudgetedLru {
     Node& n = *it->second;
     entry_bytes_ -= n.bytes;
     n.bytes = 0;
-    ++n.pins;  // out of reach of its own evictions
-    Room room = make_room(bytes, 0);
-    --n.pins;
-    if (!room.fits && n.pins == 0) {
-      room.evicted.push_back(remove(it->second));
+    // Whether it fits is a question of bytes: a count over the limit (lowered while entries
+    // were pinned) is not this entry's doing, and others are evicted for it as usual.
+    const bool fits = bytes <= budget_bytes_ - external_bytes_ - pinned_bytes();
+    std::vector<Evicted> evicted;
+    if (fits) {
+      ++n.pins;  // out of reach of its own evictions
+      evicted = evict_while_over(bytes, 0);
+      --n.pins;
+    } else if (n.pins == 0) {
+      evicted.push_back(remove(it->second));
       ++counters_.evictions;
-      return std::move(room.evicted);
+      return evicted;
     }
     n.bytes = bytes;
     entry_bytes_ += bytes;
     note_peak();
-    if (!room.fits) room.evicted = evict_while_over(0, 0);
-    return std::move(room.evicted);
+    if (!fits) evicted = evict_while_over(0, 0);
+    return evicted;
   }
 
   // Removes `key` unless it is pinned; returns it.
@@ -231,16 +236,16 @@ class BudgetedLru {
   }
 
   bool fits_after_evicting_all_unpinned(int64_t incoming_bytes, int64_t incoming_count) const {
-    int64_t pinned_bytes = 0;
     int64_t pinned_count = 0;
-    for (const Node& n : order_) {
-      if (n.pins > 0) {
-        pinned_bytes += n.bytes;
-        ++pinned_count;
-      }
-    }
-    return incoming_bytes <= budget_bytes_ - external_bytes_ - pinned_bytes &&
+    for (const Node& n : order_) pinned_count += n.pins > 0 ? 1 : 0;
+    return incoming_bytes <= budget_bytes_ - external_bytes_ - pinned_bytes() &&
            incoming_count <= max_entries_ - pinned_count;
+  }
+
+  int64_t pinned_bytes() const {
+    int64_t bytes = 0;
+    for (const Node& n : order_) bytes += n.pins > 0 ? n.bytes : 0;
+    return bytes;
   }
 
   std::vector<Evicted> evict_while_over(int64_t incoming_bytes, int64_t incoming_count) {
