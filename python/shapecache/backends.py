@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 
 from shapecache import _C, graph_pool
-from shapecache.graph_pool import release_device_memory
 
 BACKENDS = ("auto", "eager", "compile", "cuda_graph", "compile+cuda_graph")
 GRAPH_BACKENDS = ("cuda_graph", "compile+cuda_graph")
