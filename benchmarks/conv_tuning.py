@@ -22,7 +22,7 @@ import time
 import torch
 
 import shapecache as sc
-from shapecache import _C
+from shapecache import _C, timing
 from shapecache.tuning import TuningDb
 
 
@@ -61,16 +61,7 @@ def conv_problems(batch, resolution, dtype) -> list[tuple]:
 
 
 def median_ms(call, device, repeats):
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return statistics.median(timing.timings(call, device, repeats)) * 1e3
 
 
 def peak_memory(device):

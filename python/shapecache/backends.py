@@ -22,7 +22,6 @@ behind (allocator figures on CUDA), and ``output`` is the result of the call tha
 
 from __future__ import annotations
 
-import time
 import types
 import warnings
 from collections.abc import Callable
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shapecache import _C, graph_pool
+from shapecache import _C, graph_pool, timing
 
 BACKENDS = ("auto", "eager", "compile", "cuda_graph", "compile+cuda_graph")
 GRAPH_BACKENDS = ("cuda_graph", "compile+cuda_graph")
@@ -143,7 +142,7 @@ def _build_graph(function, args, kwargs, device, context: BuildContext, *, compi
 
     eager_seconds = None
     if keep_only_if_faster:
-        eager_seconds = _best_seconds(lambda: runnable(*args, **kwargs), device, repeats=2)
+        eager_seconds = min(timing.timings(lambda: runnable(*args, **kwargs), device, repeats=2))
 
     cache = context.cache
     runner, entry_bytes = graph_pool.measured_capture(
@@ -162,22 +161,11 @@ def _build_graph(function, args, kwargs, device, context: BuildContext, *, compi
 
     name = "compile+cuda_graph" if compiled else "cuda_graph"
     if keep_only_if_faster:
-        replay_seconds = _best_seconds(lambda: runner(*call_args, **kwargs), device, repeats=3)
+        # The best of several: the first replay of a graph includes its upload.
+        replay_seconds = min(timing.timings(lambda: runner(*call_args, **kwargs), device, repeats=3))
         if replay_seconds >= eager_seconds:
             return function, 0, output, "eager"
     return runner, entry_bytes, output, name
-
-
-def _best_seconds(call, device, repeats: int) -> float:
-    """The fastest of `repeats` timed calls (the first replay of a graph includes its upload)."""
-    best = float("inf")
-    for _ in range(repeats):
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        call()
-        torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def fresh_code_copy(function: Callable) -> Callable:

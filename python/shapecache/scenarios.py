@@ -18,7 +18,6 @@ processes, the loop stops at the first out-of-memory error.
 
 from __future__ import annotations
 
-import time
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -27,6 +26,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 import shapecache as sc
+from shapecache import timing
 from shapecache.backends import fresh_code_copy
 from shapecache.memory import memory_figures
 
@@ -98,8 +98,8 @@ def size_loop(model_or_pipe, sizes: Sequence, order: str = "given", strategy: st
                 record = SizeRecord(size=size)
                 records.append(record)
                 try:
-                    record.build_seconds = _timed(lambda: call(size), device)
-                    record.call_seconds = _timed(lambda: call(size), device)
+                    record.build_seconds = timing.seconds(lambda: call(size), device)
+                    record.call_seconds = timing.seconds(lambda: call(size), device)
                 except torch.OutOfMemoryError as error:
                     record.error = f"OutOfMemoryError: {str(error).splitlines()[0]}"
                 figures = memory_figures(device)
@@ -214,13 +214,3 @@ def _capture_in_own_pool(forward, module, args, kwargs):
         return out  # the graph's own output, overwritten by its next replay, as in per-size graph caches
 
     return replay
-
-
-def _timed(call, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    call()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start

@@ -22,6 +22,7 @@ import time
 import torch
 
 import shapecache as sc
+from shapecache import timing
 from shapecache.budget import format_bytes
 from shapecache.scenarios import parse_sizes
 
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> dict:
             builds_before = sc.stats(net)["builds"]
             start = time.perf_counter()
             net(inputs[s])
-            _sync(device)
+            timing.synchronize(device)
             elapsed = (time.perf_counter() - start) * 1e3
             row["requests"] += 1
             if sc.stats(net)["builds"] > builds_before:
@@ -160,18 +161,7 @@ def run_pipeline(args: argparse.Namespace) -> dict:
 
 
 def _median_ms(call, device, repeats: int = 20) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return statistics.median(timing.timings(call, device, repeats)) * 1e3
 
 
 def _fmt(values, reduce) -> str:
