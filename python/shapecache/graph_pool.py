@@ -19,6 +19,7 @@ go, and captures them all again, largest first, under the budget rule.
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import torch
@@ -30,8 +31,6 @@ def release_device_memory(device: torch.device, cache=None) -> None:
     """Frees what an out-of-memory error or an eviction left behind on `device`: garbage
     (a failed call's frames and tensors) and the allocator's cached blocks; then charges the
     pool's new size to `cache`, if given."""
-    import gc
-
     gc.collect()
     if device.type == "cuda":
         with torch.cuda.device(device):
