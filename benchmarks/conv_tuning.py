@@ -22,8 +22,10 @@ import time
 import torch
 
 import shapecache as sc
-from shapecache import _C, timing
-from shapecache.tuning import TuningDb
+from shapecache import _timing
+from shapecache._extension import _C
+from shapecache.diffusers import unet_inputs
+from shapecache.ops import TuningDb
 
 
 def sd15_unet(device, dtype):
@@ -32,13 +34,6 @@ def sd15_unet(device, dtype):
     with torch.device(device):
         unet = UNet2DConditionModel(cross_attention_dim=768, sample_size=64).eval()
     return unet if dtype == torch.float32 else unet.to(dtype)
-
-
-def unet_inputs(batch, resolution, device, dtype):
-    latent = resolution // 8
-    return (torch.randn(batch, 4, latent, latent, device=device, dtype=dtype),
-            torch.tensor(500, device=device),
-            torch.randn(batch, 77, 768, device=device, dtype=dtype))
 
 
 def conv_problems(batch, resolution, dtype) -> list[tuple]:
@@ -56,12 +51,12 @@ def conv_problems(batch, resolution, dtype) -> list[tuple]:
         if isinstance(m, torch.nn.Conv2d):
             m.register_forward_pre_hook(record)
     with torch.no_grad():
-        unet(*unet_inputs(batch, resolution, "meta", dtype))
+        unet(**unet_inputs(unet, resolution // 8, resolution // 8, batch))
     return sorted(seen.items(), key=lambda item: -torch.Size(item[0][0]).numel() * item[0][1][0])
 
 
 def median_ms(call, device, repeats):
-    return statistics.median(timing.timings(call, device, repeats)) * 1e3
+    return statistics.median(_timing.timings(call, device, repeats)) * 1e3
 
 
 def peak_memory(device):
@@ -118,10 +113,10 @@ def main(argv=None) -> int:
 
     # The whole UNet: ATen vs tuned, cold vs warm tuning.
     unet = sd15_unet(device, dtype)
-    inputs = unet_inputs(args.batch, args.resolution, device, dtype)
+    inputs = unet_inputs(unet, args.resolution // 8, args.resolution // 8, args.batch)
     with torch.no_grad(), tempfile.TemporaryDirectory() as tmp:
-        unet(*inputs)
-        aten_forward = median_ms(lambda: unet(*inputs), device, args.repeats)
+        unet(**inputs)
+        aten_forward = median_ms(lambda: unet(**inputs), device, args.repeats)
         _C.tuning_clear()
         _C.tuning_take_unsaved()
         tuned_before = _C.tuning_stats()["tuned"]  # the counters are the process's
@@ -132,17 +127,17 @@ def main(argv=None) -> int:
             torch.cuda.reset_peak_memory_stats(device)
             memory_before = torch.cuda.memory_allocated(device)
         start = time.perf_counter()
-        unet(*inputs)  # tunes every problem
+        unet(**inputs)  # tunes every problem
         cold = time.perf_counter() - start
         tuning_peak = peak_memory(device) - memory_before
-        tuned_forward = median_ms(lambda: unet(*inputs), device, args.repeats)
+        tuned_forward = median_ms(lambda: unet(**inputs), device, args.repeats)
         tuned_problems = _C.tuning_stats()["tuned"] - tuned_before
         _C.tuning_clear()
         loaded = TuningDb(db).load()
         start = time.perf_counter()
-        unet(*inputs)  # records loaded: no tuning
+        unet(**inputs)  # records loaded: no tuning
         warm = time.perf_counter() - start
-        handle.remove()
+        sc.uncached(handle)
     report.update(aten_forward_ms=aten_forward, tuned_forward_ms=tuned_forward, cold_first_forward_s=cold,
                   warm_first_forward_s=warm, tuned_problems=tuned_problems, records_loaded=loaded,
                   tuning_peak_bytes=tuning_peak, workspace_bytes=_C.workspace_stats(device)["bytes"])

@@ -1,4 +1,4 @@
-"""Peak memory and per-call time over the seed-000 sizes: CUDA graphs per size, side by side.
+"""Peak memory and per-call time over six image sizes: CUDA graphs per size, side by side.
 
     python benchmarks/cuda_graph_memory.py [--dtype float16] [--batch 2] [--calls 10] [--json out.json]
 
@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-SEED_SIZES = [(1024, 1024), (1024, 1152), (1152, 1024), (1360, 1536), (1536, 1360), (1536, 1536)]
+SIZES = [(1024, 1024), (1024, 1152), (1152, 1024), (1360, 1536), (1536, 1360), (1536, 1536)]
 STRATEGIES = ["eager", "naive_graphs", "reduce_overhead", "shapecache", "shapecache_compile", "largest_alone"]
 # also: "compile_dynamic" (torch.compile(dynamic=True)), "shapecache_tuned" (cuda_graph + tune_convs)
 
@@ -37,59 +37,39 @@ def run_strategy(strategy: str, dtype_name: str, batch: int, calls: int, model: 
     import torch
 
     import shapecache as sc
-    from shapecache.repro import build_model
+    from shapecache.diffusers import unet_inputs
+    from shapecache.scenarios import build_model, capture_per_size_graph
 
     dtype = getattr(torch, dtype_name)
     unet = build_model(model, torch.device("cuda")).to(dtype)
-    config = unet.config
-    sizes = SEED_SIZES[-1:] if strategy == "largest_alone" else SEED_SIZES
+    sizes = SIZES[-1:] if strategy == "largest_alone" else SIZES
 
     def inputs(size):
-        h, w = size[0] // 8, size[1] // 8
-        kwargs = {}
-        if config.addition_embed_type == "text_time":  # SDXL
-            pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
-            kwargs["added_cond_kwargs"] = {"text_embeds": torch.randn(batch, pooled, device="cuda", dtype=dtype),
-                                           "time_ids": torch.zeros(batch, 6, device="cuda", dtype=dtype)}
-        return (torch.randn(batch, 4, h, w, device="cuda", dtype=dtype), torch.tensor(500, device="cuda"),
-                torch.randn(batch, 77, config.cross_attention_dim, device="cuda", dtype=dtype), kwargs)
+        return unet_inputs(unet, size[0] // 8, size[1] // 8, batch, dtype=dtype)
 
     if strategy == "eager":
-        def call(x, t, e, kw):
-            return unet(x, t, encoder_hidden_states=e, return_dict=False, **kw)[0]
+        def call(kwargs):
+            return unet(**kwargs)[0]
     elif strategy == "naive_graphs":
         graphs = {}
 
-        def call(x, t, e, kw):
-            key = tuple(x.shape)
+        def call(kwargs):
+            key = tuple(kwargs["sample"].shape)
             if key not in graphs:
-                static = [x.clone(), t.clone(), e.clone()]
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    unet(*static[:2], encoder_hidden_states=static[2], return_dict=False, **kw)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):  # a private pool of its own
-                    out = unet(*static[:2], encoder_hidden_states=static[2], return_dict=False, **kw)[0]
-                graphs[key] = (graph, static, out)
-            graph, static, out = graphs[key]
-            for s, v in zip(static, (x, t, e)):
-                s.copy_(v)
-            graph.replay()
-            return out.clone()
+                graphs[key] = capture_per_size_graph(type(unet).forward, unet, (), kwargs)
+            return graphs[key](unet, **kwargs)[0].clone()
     elif strategy in ("reduce_overhead", "compile_dynamic"):
         options = {"mode": "reduce-overhead", "dynamic": False} if strategy == "reduce_overhead" else {"dynamic": True}
         compiled = torch.compile(unet, **options)
 
-        def call(x, t, e, kw):
-            return compiled(x, t, encoder_hidden_states=e, return_dict=False, **kw)[0].clone()
+        def call(kwargs):
+            return compiled(**kwargs)[0].clone()
     else:
         backend = "compile+cuda_graph" if strategy == "shapecache_compile" else "cuda_graph"
         sc.cached(unet, backend=backend, budget=1.0, tune_convs=strategy == "shapecache_tuned")
 
-        def call(x, t, e, kw):
-            return unet(x, t, encoder_hidden_states=e, return_dict=False, **kw)[0]
+        def call(kwargs):
+            return unet(**kwargs)[0]
 
     torch.cuda.reset_peak_memory_stats()
     rows = []
@@ -98,14 +78,14 @@ def run_strategy(strategy: str, dtype_name: str, batch: int, calls: int, model: 
             args = inputs(size)
             torch.cuda.synchronize()
             start = time.perf_counter()
-            call(*args)
+            call(args)
             torch.cuda.synchronize()
             first = time.perf_counter() - start
             times = []
             for _ in range(calls):
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 begin.record()
-                call(*args)
+                call(args)
                 end.record()
                 end.synchronize()
                 times.append(begin.elapsed_time(end))
@@ -113,7 +93,7 @@ def run_strategy(strategy: str, dtype_name: str, batch: int, calls: int, model: 
     result = {"strategy": strategy, "model": model, "peak_reserved": torch.cuda.max_memory_reserved(), "sizes": rows,
               "device": torch.cuda.get_device_name()}
     if strategy == "shapecache_tuned":
-        from shapecache import _C
+        from shapecache._extension import _C
 
         result["tuning"] = _C.tuning_stats()
     if strategy.startswith("shapecache") or strategy == "largest_alone":
@@ -151,7 +131,7 @@ def main(argv=None) -> int:
     reference = results.get("shapecache", {})
     gib = 2**30
     device = next((r["device"] for r in results.values() if "device" in r), "?")
-    print(f"{device}; {args.model} UNet, {args.dtype}, batch {args.batch}; sizes {', '.join(f'{h}x{w}' for h, w in SEED_SIZES)}")
+    print(f"{device}; {args.model} UNet, {args.dtype}, batch {args.batch}; sizes {', '.join(f'{h}x{w}' for h, w in SIZES)}")
     header = f"{'strategy':<20} {'peak GiB':>9} {'vs sc':>6} {'ms/call':>8} {'vs sc':>6} {'build s':>8}  per size ms"
     print(header)
     print("-" * len(header))

@@ -17,16 +17,16 @@
 
 #include "core/bucket_policy.h"
 #include "core/budgeted_lru.h"
-#include "ops/cached_function.h"
-#include "ops/call_key.h"
+#include "cache/shape_dispatcher.h"
+#include "cache/call_key.h"
 #include "ops/conv2d.h"
 #include "ops/conv_tuner.h"
-#include "ops/shape_cache.h"
-#include "ops/entry_runner.h"
-#include "ops/weight_snapshot.h"
+#include "cache/shape_cache.h"
+#include "cache/entry_runner.h"
+#include "cache/weight_snapshot.h"
 #include "ops/workspace_arena.h"
 #if SHAPECACHE_WITH_CUDA
-#include "ops/cuda/cuda_graph_runner.h"
+#include "cache/cuda/cuda_graph_runner.h"
 #endif
 
 namespace py = pybind11;
@@ -97,8 +97,8 @@ void bind_core(py::module_& m) {
             return evicted_keys(lru.set_limits(limit_from_python(budget), limit_from_python(max_entries)));
           },
           py::arg("budget"), py::arg("max_entries") = py::none())
-      .def("set_external_bytes", [](IntLru& lru, int64_t bytes) { return evicted_keys(lru.set_external_bytes(bytes)); })
-      .def("set_bytes", [](IntLru& lru, int64_t key, int64_t bytes) { return evicted_keys(lru.set_bytes(key, bytes)); })
+      .def("set_shared_bytes", [](IntLru& lru, int64_t bytes) { return evicted_keys(lru.set_shared_bytes(bytes)); })
+      .def("set_entry_bytes", [](IntLru& lru, int64_t key, int64_t bytes) { return evicted_keys(lru.set_entry_bytes(key, bytes)); })
       .def("keys",
            [](const IntLru& lru) {
              py::list keys;  // most recently used first
@@ -106,7 +106,7 @@ void bind_core(py::module_& m) {
              return keys;
            })
       .def_property_readonly("entry_bytes", &IntLru::entry_bytes)
-      .def_property_readonly("external_bytes", &IntLru::external_bytes)
+      .def_property_readonly("shared_bytes", &IntLru::shared_bytes)
       .def_property_readonly("total_bytes", &IntLru::total_bytes)
       .def_property_readonly("budget", &IntLru::budget_bytes)
       .def_property_readonly("max_entries", &IntLru::max_entries)
@@ -163,11 +163,14 @@ void bind_cache(py::module_& m) {
       py::arg("outputs"), py::arg("crop"));
 
   py::class_<ShapeCache, std::shared_ptr<ShapeCache>>(m, "ShapeCache")
-      .def(py::init([](py::object budget_for_device, std::optional<int64_t> max_entries) {
+      .def(py::init([](py::object budget_for_device, std::optional<int64_t> max_entries,
+                       py::object release_device_memory) {
              return std::make_shared<ShapeCache>(std::move(budget_for_device),
-                                                 max_entries ? *max_entries : EntryLru::kUnlimited);
+                                                 max_entries ? *max_entries : EntryLru::kUnlimited,
+                                                 std::move(release_device_memory));
            }),
-           py::arg("budget_for_device"), py::arg("max_entries") = py::none())
+           py::arg("budget_for_device"), py::arg("max_entries") = py::none(),
+           py::arg("release_device_memory") = py::none())
       .def("stats", [](const ShapeCache& cache) { return cache.stats(); })
       .def("clear", [](ShapeCache& cache) { cache.clear(); })
       .def(
@@ -204,21 +207,21 @@ void bind_cache(py::module_& m) {
 
   py::class_<WeightSnapshot, std::shared_ptr<WeightSnapshot>>(m, "WeightSnapshot")
       .def(py::init<const py::object&, py::object>(), py::arg("owner"), py::arg("tensors_of"))
-      .def("unchanged", &WeightSnapshot::unchanged)
+      .def("valid", &WeightSnapshot::valid)
       .def("__len__", &WeightSnapshot::size);
   m.def("bump_module_generation", &bump_module_generation);
   m.def("module_generation", &module_generation);
 
-  py::class_<CachedFunction>(m, "CachedFunction", py::dynamic_attr())
+  py::class_<ShapeDispatcher>(m, "ShapeDispatcher", py::dynamic_attr())
       .def(py::init<py::object, py::object, std::shared_ptr<ShapeCache>, std::vector<ArgumentBuckets>,
                     std::vector<std::string>, py::object, bool>(),
            py::arg("function"), py::arg("builder"), py::arg("cache"), py::arg("buckets"), py::arg("parameter_names"),
            py::arg("owner"), py::arg("key_training"))
-      .def("__call__", &CachedFunction::call)
-      .def("stats", &CachedFunction::stats)
-      .def("clear", &CachedFunction::clear)
-      .def_property_readonly("function", &CachedFunction::function)
-      .def_property_readonly("cache", &CachedFunction::cache);
+      .def("__call__", &ShapeDispatcher::call)
+      .def("stats", &ShapeDispatcher::stats)
+      .def("clear", &ShapeDispatcher::clear)
+      .def_property_readonly("function", &ShapeDispatcher::function)
+      .def_property_readonly("cache", &ShapeDispatcher::cache);
 }
 
 // Tuning records cross to Python as plain dicts (the file format's fields).

@@ -3,8 +3,8 @@
 //
 // Policy:
 //   - Every entry has the bytes it holds on its device; the cache may also be charged bytes
-//     held outside any entry (a shared graph pool, a workspace): `external_bytes`.
-//   - Invariant, kept by `make_room`: after an insertion, entry bytes + external bytes
+//     held outside any entry (a shared graph pool, a workspace): `shared_bytes`.
+//   - Invariant, kept by `make_room`: after an insertion, entry bytes + shared bytes
 //     <= budget and entry count <= max_entries.
 //   - An insertion that cannot fit even after evicting every unpinned entry is rejected
 //     and evicts nothing: a doomed insertion never costs the user entries they had.
@@ -31,7 +31,7 @@ struct LruCounters {
   int64_t inserts = 0;     // entries accepted
   int64_t rejections = 0;  // insertions refused because the entry could not fit
   int64_t evictions = 0;   // entries removed to make room (not erase/clear)
-  int64_t peak_bytes = 0;  // highest entry bytes + external bytes ever accounted
+  int64_t peak_bytes = 0;  // highest entry bytes + shared bytes ever accounted
 };
 
 template <typename Key, typename Value, typename Hash = std::hash<Key>>
@@ -128,9 +128,9 @@ class BudgetedLru {
 
   // Bytes the owner holds outside any entry (shared pool, workspace), charged against the
   // same budget. Growth evicts least recently used unpinned entries, as far as they allow.
-  std::vector<Evicted> set_external_bytes(int64_t bytes) {
-    if (bytes < 0) throw std::invalid_argument("BudgetedLru::set_external_bytes: bytes must be >= 0");
-    external_bytes_ = bytes;
+  std::vector<Evicted> set_shared_bytes(int64_t bytes) {
+    if (bytes < 0) throw std::invalid_argument("BudgetedLru::set_shared_bytes: bytes must be >= 0");
+    shared_bytes_ = bytes;
     note_peak();
     return evict_while_over(0, 0);
   }
@@ -139,9 +139,9 @@ class BudgetedLru {
   // insertion, the entry itself never evicted to make its own room: if it cannot fit even
   // after evicting every other unpinned entry, it alone is removed (returned, as evicted);
   // otherwise least recently used others are evicted until it fits. A pinned entry that
-  // cannot fit stays, and the others go as far as they allow (as external growth does).
-  std::vector<Evicted> set_bytes(const Key& key, int64_t bytes) {
-    if (bytes < 0) throw std::invalid_argument("BudgetedLru::set_bytes: bytes must be >= 0");
+  // cannot fit stays, and the others go as far as they allow (as shared growth does).
+  std::vector<Evicted> set_entry_bytes(const Key& key, int64_t bytes) {
+    if (bytes < 0) throw std::invalid_argument("BudgetedLru::set_entry_bytes: bytes must be >= 0");
     auto it = index_.find(key);
     if (it == index_.end()) throw std::out_of_range("BudgetedLru: no entry for this key");
     Node& n = *it->second;
@@ -149,7 +149,7 @@ class BudgetedLru {
     n.bytes = 0;
     // Whether it fits is a question of bytes: a count over the limit (lowered while entries
     // were pinned) is not this entry's doing, and others are evicted for it as usual.
-    const bool fits = bytes <= budget_bytes_ - external_bytes_ - pinned_bytes();
+    const bool fits = bytes <= budget_bytes_ - shared_bytes_ - pinned_bytes();
     std::vector<Evicted> evicted;
     if (fits) {
       ++n.pins;  // out of reach of its own evictions
@@ -199,8 +199,8 @@ class BudgetedLru {
   }
 
   int64_t entry_bytes() const { return entry_bytes_; }
-  int64_t external_bytes() const { return external_bytes_; }
-  int64_t total_bytes() const { return entry_bytes_ + external_bytes_; }
+  int64_t shared_bytes() const { return shared_bytes_; }
+  int64_t total_bytes() const { return entry_bytes_ + shared_bytes_; }
   int64_t budget_bytes() const { return budget_bytes_; }
   int64_t max_entries() const { return max_entries_; }
   int64_t size() const { return static_cast<int64_t>(order_.size()); }
@@ -221,7 +221,7 @@ class BudgetedLru {
   };
 
   // The budget rule. Room for `incoming_count` entries of `incoming_bytes` in total means
-  // entry bytes + external bytes + incoming bytes <= budget and size + incoming count <=
+  // entry bytes + shared bytes + incoming bytes <= budget and size + incoming count <=
   // max entries. If evicting every unpinned entry would not give that room, evict nothing;
   // otherwise evict least recently used unpinned entries until there is room.
   Room make_room(int64_t incoming_bytes, int64_t incoming_count) {
@@ -231,14 +231,14 @@ class BudgetedLru {
 
   bool over(int64_t incoming_bytes, int64_t incoming_count) const {
     // Written as subtractions so an unlimited budget never overflows.
-    return entry_bytes_ + external_bytes_ > budget_bytes_ - incoming_bytes ||
+    return entry_bytes_ + shared_bytes_ > budget_bytes_ - incoming_bytes ||
            size() > max_entries_ - incoming_count;
   }
 
   bool fits_after_evicting_all_unpinned(int64_t incoming_bytes, int64_t incoming_count) const {
     int64_t pinned_count = 0;
     for (const Node& n : order_) pinned_count += n.pins > 0 ? 1 : 0;
-    return incoming_bytes <= budget_bytes_ - external_bytes_ - pinned_bytes() &&
+    return incoming_bytes <= budget_bytes_ - shared_bytes_ - pinned_bytes() &&
            incoming_count <= max_entries_ - pinned_count;
   }
 
@@ -287,7 +287,7 @@ class BudgetedLru {
   Order order_;
   std::unordered_map<Key, typename Order::iterator, Hash> index_;
   int64_t entry_bytes_ = 0;     // sum of entry bytes
-  int64_t external_bytes_ = 0;  // bytes held outside entries, charged to the same budget
+  int64_t shared_bytes_ = 0;  // bytes held outside entries, charged to the same budget
   int64_t budget_bytes_;
   int64_t max_entries_;
   LruCounters counters_;

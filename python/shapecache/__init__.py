@@ -7,39 +7,70 @@
 
     unet = sc.cached(unet, budget=0.8)
     sc.stats(unet)
+
+Importing the package loads nothing: torch and the C++ extension load on the first use of a
+name below (so that, for instance, the pytest plugin costs test sessions nothing).
 """
 
-import torch  # noqa: F401  (loads libtorch before the extension)
+from __future__ import annotations
 
-from shapecache import _C  # noqa: F401
-from shapecache import ops  # noqa: F401  (fake and autograd registrations of the C++ ops)
-from shapecache import weights  # noqa: F401  (module registration hooks for stale-weight checks)
-from shapecache.budget import Budget, parse_budget
-from shapecache.buckets import exact, multiple_of, power_of_two, sizes
-from shapecache.cached import CachedFunction, cached, clear, stats, uncached
-from shapecache.prompts import encode_prompts
-from shapecache.tuning import TunedConvs, TuningDb, tune_convs
-from shapecache.wrap import prewarm, unwrap, wrap
+import importlib
+from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from shapecache._version import __version__ as __version__
 
-__all__ = [
-    "Budget",
-    "CachedFunction",
-    "TunedConvs",
-    "TuningDb",
-    "cached",
-    "clear",
-    "encode_prompts",
-    "exact",
-    "multiple_of",
-    "parse_budget",
-    "power_of_two",
-    "prewarm",
-    "sizes",
-    "stats",
-    "tune_convs",
-    "uncached",
-    "unwrap",
-    "wrap",
-]
+# Public name -> the module that defines it. No module is named like a name it defines: importing
+# a submodule sets the package's attribute of that name, which would hide the name.
+_PUBLIC = {
+    "Budget": "shapecache.budget",
+    "parse_budget": "shapecache.budget",
+    "exact": "shapecache.buckets",
+    "multiple_of": "shapecache.buckets",
+    "power_of_two": "shapecache.buckets",
+    "sizes": "shapecache.buckets",
+    "CachedFunction": "shapecache.cache",
+    "cached": "shapecache.cache",
+    "clear": "shapecache.cache",
+    "stats": "shapecache.cache",
+    "uncached": "shapecache.cache",
+    "CacheStats": "shapecache.statistics",
+    "DeviceStats": "shapecache.statistics",
+    "EntryStats": "shapecache.statistics",
+    "PipelineStats": "shapecache.statistics",
+    "TunedConvs": "shapecache.ops",
+    "TuningDb": "shapecache.ops",
+    "tune_convs": "shapecache.ops",
+    "encode_prompts": "shapecache.diffusers",
+    "prewarm": "shapecache.diffusers",
+    "unwrap": "shapecache.diffusers",
+    "wrap": "shapecache.diffusers",
+}
+_SUBPACKAGES = ("buckets", "budget", "cache", "diffusers", "ops", "scenarios", "statistics", "testing")
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    elif name == "_C":  # the extension, loaded after torch and checked (see _extension.py)
+        value = importlib.import_module("shapecache._extension")._C
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"shapecache.{name}")
+    else:
+        raise AttributeError(f"module 'shapecache' has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC, *_SUBPACKAGES})
+
+
+if TYPE_CHECKING:  # what __getattr__ gives, for type checkers and editors
+    from shapecache.buckets import exact, multiple_of, power_of_two, sizes  # noqa: F401
+    from shapecache.budget import Budget, parse_budget  # noqa: F401
+    from shapecache.cache import CachedFunction, cached, clear, stats, uncached  # noqa: F401
+    from shapecache.diffusers import encode_prompts, prewarm, unwrap, wrap  # noqa: F401
+    from shapecache.ops import TunedConvs, TuningDb, tune_convs  # noqa: F401
+    from shapecache.statistics import CacheStats, DeviceStats, EntryStats, PipelineStats  # noqa: F401

@@ -1,28 +1,6 @@
-"""Command line: ``python -m shapecache demo|repro|serve``."""
+"""``python -m shapecache demo|repro|serve`` (see shapecache.scenarios)."""
 
-import argparse
-
-from shapecache import repro, serve
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shapecache", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo_parser = commands.add_parser(
-        "demo", help="the out-of-memory size loop with the tiny pipeline on the default device: repro's defaults")
-    repro.add_arguments(demo_parser)
-    repro_parser = commands.add_parser("repro", help="run the out-of-memory size loop per strategy; table and plot")
-    repro.add_arguments(repro_parser)
-    serve_parser = commands.add_parser(
-        "serve", help="serve a model at mixed sizes through the cache and print a per-size table")
-    serve.add_arguments(serve_parser)
-    args = parser.parse_args(argv)
-    if args.command in ("demo", "repro"):
-        repro.run(args)
-    elif args.command == "serve":
-        serve.run(args)
-    return 0
-
+from shapecache.scenarios._cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

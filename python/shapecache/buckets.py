@@ -7,7 +7,7 @@
     @sc.cached(buckets={"sample": {-2: sc.multiple_of(8), -1: sc.multiple_of(8)}})
 
 Dimensions without a policy are exact. A padded argument is zero-padded at the end of each
-bucketed dimension and outputs are cropped back (the rule is in ``csrc/ops/call_key.h``).
+bucketed dimension and outputs are cropped back (the rule is in ``csrc/cache/call_key.h``).
 Padding the batch dimension gives the same numbers as the unpadded call for models whose
 samples do not interact (any inference model without batch statistics). Padding spatial
 dimensions changes outputs near the border for convolutions and attention: use it only where
@@ -19,7 +19,8 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 
-from shapecache import _C
+from shapecache import _checks
+from shapecache._extension import _C
 
 BucketPolicy = _C.BucketPolicy
 
@@ -31,29 +32,22 @@ def exact() -> BucketPolicy:
 
 def multiple_of(n: int) -> BucketPolicy:
     """Sizes round up to the next multiple of `n`."""
-    _check_int("multiple_of(n)", n)
+    _checks.positive_int("multiple_of(n)", n)
     return BucketPolicy.multiple_of(n)
 
 
 def power_of_two(minimum: int = 1) -> BucketPolicy:
     """Sizes round up to the next power of two, at least `minimum`."""
-    _check_int("power_of_two(minimum)", minimum)
+    _checks.positive_int("power_of_two(minimum)", minimum)
     return BucketPolicy.power_of_two(minimum)
 
 
 def sizes(bucket_sizes) -> BucketPolicy:
     """Sizes round up to the next of `bucket_sizes`; a size above the largest is an error."""
     values = list(bucket_sizes)
-    for v in values:
-        _check_int("sizes(...)", v)
+    for index, v in enumerate(values):
+        _checks.positive_int(f"sizes(...)[{index}]", v)
     return BucketPolicy.sizes(values)
-
-
-def _check_int(what: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what}: expected an int, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{what}: expected a positive int, got {value!r}")
 
 
 def positional_parameter_names(function: Callable, *, skip_first: bool = False) -> list[str]:
@@ -68,15 +62,20 @@ def positional_parameter_names(function: Callable, *, skip_first: bool = False) 
     return [p.name for p in parameters if p.kind in kinds]
 
 
-def resolve_buckets(function: Callable, buckets, *, skip_first: bool = False) -> list:
-    """`buckets` as the core's per-argument policies, each addressed by position and name."""
-    if buckets is None:
-        return []
-    if not isinstance(buckets, Mapping):
+def check_buckets(buckets) -> None:
+    """A TypeError unless `buckets` is None or a mapping (its items are checked per function)."""
+    if buckets is not None and not isinstance(buckets, Mapping):
         raise TypeError(
             f"buckets={buckets!r}: expected a dict mapping an argument name or position to "
             "{dimension: policy}, e.g. {'x': {0: shapecache.power_of_two()}}"
         )
+
+
+def resolve_buckets(function: Callable, buckets, *, skip_first: bool = False) -> list:
+    """`buckets` as the core's per-argument policies, each addressed by position and name."""
+    if buckets is None:
+        return []
+    check_buckets(buckets)
     try:
         parameters = list(inspect.signature(function).parameters.values())
     except (TypeError, ValueError):

@@ -1,0 +1,238 @@
+#include "cache/cuda/cuda_graph_runner.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <map>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "cache/call_key.h"
+#include "ops/workspace_arena.h"
+
+namespace shapecache {
+namespace {
+
+// `later` waits, on the GPU, for what `earlier` has queued so far. `event` is one of the
+// device's two events; recording it again is safe once `block` has been queued, since a
+// wait takes the event's state at the time it is queued.
+void order_after(const c10::cuda::CUDAStream& earlier, const c10::cuda::CUDAStream& later, at::cuda::CUDAEvent& event) {
+  if (earlier == later) return;
+  event.record(earlier);
+  event.block(later);
+}
+
+py::object strong(const py::object& weak_or_none) {
+  if (weak_or_none.is_none()) return py::none();
+  py::object alive = weak_or_none();  // a weakref.ref, called
+  if (alive.is_none()) {
+    PyErr_SetString(PyExc_ReferenceError, "cuda_graph: the module this graph was captured from no longer exists");
+    throw py::error_already_set();
+  }
+  return alive;
+}
+
+}  // namespace
+
+void PoolGraph::abandon() noexcept {
+  if (capture_ended_ || capture_dev_ == UNDEFINED_DEVICE) return;  // reset() releases the pool
+  try {
+    c10::cuda::CUDACachingAllocator::endAllocateToPool(capture_dev_, mempool_id_);
+  } catch (...) {
+    // capture_end() got past this step before it failed
+  }
+  try {
+    c10::cuda::CUDACachingAllocator::releasePool(capture_dev_, mempool_id_);
+  } catch (...) {
+  }
+}
+
+DeviceGraphs::DeviceGraphs(c10::DeviceIndex index)
+    : device(index), pool(at::cuda::graph_pool_handle()), stream(c10::cuda::getStreamFromPool(false, index)) {}
+
+DeviceGraphs& DeviceGraphs::of(c10::DeviceIndex device) {
+  static std::mutex registry_mutex;
+  static auto* devices = new std::map<c10::DeviceIndex, std::unique_ptr<DeviceGraphs>>();  // never freed
+  std::lock_guard<std::mutex> guard(registry_mutex);
+  auto& graphs = (*devices)[device];
+  if (!graphs) graphs.reset(new DeviceGraphs(device));
+  return *graphs;
+}
+
+int64_t DeviceGraphs::pool_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& segment : c10::cuda::CUDACachingAllocator::snapshot().segments) {
+    if (segment.device == device && segment.owner_private_pool_id == pool) bytes += segment.total_size;
+  }
+  return bytes;
+}
+
+std::shared_ptr<CudaGraphRunner> CudaGraphRunner::capture(const py::object& function, const py::object& owner,
+                                                          const py::tuple& args, const py::dict& kwargs,
+                                                          std::vector<std::string> parameter_names,
+                                                          std::shared_ptr<WeightSnapshot> weights) {
+  std::shared_ptr<CudaGraphRunner> runner(new CudaGraphRunner());
+  runner->function_ = function;
+  runner->owner_ = owner.is_none() ? py::object(py::none()) : py::object(py::weakref(owner));
+  runner->parameter_names_ = std::move(parameter_names);
+  runner->weights_ = std::move(weights);
+
+  const std::vector<at::Tensor> inputs = runner->inputs_in_key_order(args, kwargs);
+  TORCH_CHECK(!inputs.empty(), "cuda_graph: a call without tensor arguments cannot be captured");
+  const c10::Device device = inputs.front().device();
+  TORCH_CHECK(device.is_cuda(), "cuda_graph: the call's tensors are on ", device, "; CUDA graphs need CUDA tensors");
+  c10::cuda::CUDAGuard device_guard(device);
+  DeviceGraphs& graphs = DeviceGraphs::of(device.index());
+  runner->device_ = &graphs;
+  const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(device.index());
+
+  // Static inputs: a copy of every tensor of the call (one per distinct tensor, so an input
+  // passed twice stays one tensor inside the graph), made on the graphs' stream after the
+  // caller's work, listed in canonical order.
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> copies;
+  auto static_copy = [&](const at::Tensor& t) {
+    auto [it, fresh] = copies.try_emplace(t.unsafeGetTensorImpl());
+    if (fresh) it->second = t.clone(at::MemoryFormat::Preserve);
+    return it->second;
+  };
+  {
+    std::lock_guard<std::recursive_mutex> lock(graphs.mutex);
+    order_after(caller, graphs.stream, graphs.caller_done);
+    c10::cuda::CUDAStreamGuard stream_guard(graphs.stream);
+    for (const at::Tensor& t : inputs) runner->static_inputs_.push_back(static_copy(t));
+    runner->static_args_ = map_tensors(args, static_copy);
+    runner->static_kwargs_ = map_tensors(kwargs, static_copy);
+  }
+  runner->capture_graph(owner);
+  return runner;
+}
+
+void CudaGraphRunner::capture_graph(const py::object& owner) {
+  DeviceGraphs& graphs = *device_;
+  c10::cuda::CUDAGuard device_guard(graphs.device);
+  const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(graphs.device);
+  workspace_generation_ = WorkspaceArena::of(c10::Device(c10::DeviceType::CUDA, graphs.device)).generation();
+  auto graph = std::make_unique<PoolGraph>();
+  const py::tuple call_args =
+      owner.is_none() ? static_args_ : py::tuple(py::make_tuple(owner) + static_args_);
+  py::object outputs;
+  {
+    std::lock_guard<std::recursive_mutex> lock(graphs.mutex);
+    order_after(caller, graphs.stream, graphs.caller_done);
+    c10::cuda::CUDAStreamGuard stream_guard(graphs.stream);
+    graph->capture_begin(graphs.pool);
+    try {
+      outputs = function_(*call_args, **static_kwargs_);
+    } catch (...) {
+      // No capture may be left open, whatever failed inside it (an out-of-memory error, a
+      // synchronising operation): end it, then report the original error. The graph is
+      // dropped here, so nothing half-captured stays in the pool.
+      try {
+        graph->capture_end();
+      } catch (...) {
+        graph->abandon();
+      }
+      throw;
+    }
+    try {
+      graph->capture_end();
+    } catch (...) {
+      graph->abandon();
+      throw;
+    }
+    order_after(graphs.stream, caller, graphs.graphs_done);
+  }
+  std::vector<at::Tensor> static_outputs;
+  for_each_tensor(outputs.ptr(), [&](const at::Tensor& t) { static_outputs.push_back(t); });
+  graph_ = std::move(graph);
+  static_outputs_ = std::move(static_outputs);
+  output_structure_ = std::move(outputs);
+}
+
+void CudaGraphRunner::release() {
+  std::lock_guard<std::recursive_mutex> lock(device_->mutex);  // not while another thread replays it
+  static_outputs_.clear();
+  output_structure_ = py::none();
+  graph_.reset();  // the graph's pool blocks go back to the pool
+}
+
+void CudaGraphRunner::recapture() {
+  TORCH_CHECK(!graph_, "cuda_graph: recapture() needs a released graph");
+  capture_graph(strong(owner_));
+}
+
+std::vector<at::Tensor> CudaGraphRunner::inputs_in_key_order(const py::tuple& args, const py::dict& kwargs) const {
+  size_t unnamed = 0;
+  std::vector<at::Tensor> inputs;
+  for (const NamedArgument& argument : canonical_arguments(args, kwargs, &parameter_names_, &unnamed)) {
+    for_each_tensor(argument.value, [&](const at::Tensor& t) { inputs.push_back(t); });
+  }
+  return inputs;
+}
+
+py::object CudaGraphRunner::run(const py::tuple& args, const py::dict& kwargs) {
+  TORCH_CHECK(graph_, "cuda_graph: this bucket's graph was released and not captured again");
+  const std::vector<at::Tensor> inputs = inputs_in_key_order(args, kwargs);
+  TORCH_INTERNAL_ASSERT(inputs.size() == static_inputs_.size(), "cuda_graph: the call has ", inputs.size(),
+                        " tensors, the graph was captured with ", static_inputs_.size());
+  DeviceGraphs& graphs = *device_;
+  c10::cuda::CUDAGuard device_guard(graphs.device);
+  const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(graphs.device);
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(static_outputs_.size());
+  {
+    // Replays of a device take turns on its stream: after the caller's work, before the
+    // caller's later work. Output memory belongs to the caller's stream; it is written on
+    // the graphs' stream, which the caller then waits for. The caller's inputs are read on
+    // the graphs' stream too, and any reuse of their memory after the caller frees them is
+    // queued on the caller's stream, after that wait.
+    std::lock_guard<std::recursive_mutex> lock(graphs.mutex);
+    for (const at::Tensor& s : static_outputs_) outputs.push_back(at::empty_like(s));
+    order_after(caller, graphs.stream, graphs.caller_done);
+    c10::cuda::CUDAStreamGuard stream_guard(graphs.stream);
+    for (size_t i = 0; i < inputs.size(); ++i) static_inputs_[i].copy_(inputs[i], /*non_blocking=*/true);
+    graph_->replay();
+    for (size_t i = 0; i < outputs.size(); ++i) outputs[i].copy_(static_outputs_[i], /*non_blocking=*/true);
+    order_after(graphs.stream, caller, graphs.graphs_done);
+  }
+  size_t next = 0;  // the outputs' structure, rebuilt around the copies (in the same walk order)
+  return map_tensors(output_structure_, [&](const at::Tensor&) { return outputs.at(next++); });
+}
+
+bool CudaGraphRunner::valid() {
+  // A released graph whose recapture did not happen (a rebuild cut short by an error) is
+  // rebuilt from its caller's next call, like a stale one.
+  if (!graph_) return false;
+  if (WorkspaceArena::of(c10::Device(c10::DeviceType::CUDA, device_->device)).generation() != workspace_generation_) {
+    return false;
+  }
+  return !weights_ || weights_->valid();
+}
+
+int64_t CudaGraphRunner::static_input_bytes() const {
+  std::unordered_set<const void*> seen;
+  int64_t bytes = 0;
+  for (const at::Tensor& t : static_inputs_) {
+    if (seen.insert(t.storage().data()).second) bytes += static_cast<int64_t>(t.storage().nbytes());
+  }
+  return bytes;
+}
+
+void bind_cuda_graphs(py::module_& m) {
+  py::class_<CudaGraphRunner, EntryRunner, std::shared_ptr<CudaGraphRunner>>(m, "CudaGraphRunner")
+      .def_property_readonly("static_input_bytes", &CudaGraphRunner::static_input_bytes)
+      .def_property_readonly("captured", &CudaGraphRunner::captured)
+      .def("release", &CudaGraphRunner::release)
+      .def("recapture", &CudaGraphRunner::recapture)
+      .def_property_readonly("device", &CudaGraphRunner::device);
+  m.def("capture_cuda_graph", &CudaGraphRunner::capture, py::arg("function"), py::arg("owner"), py::arg("args"),
+        py::arg("kwargs"), py::arg("parameter_names"), py::arg("weights"),
+        "Captures one call as a CUDA graph in its device's shared pool (warm the function up first).");
+  m.def(
+      "cuda_graph_pool_bytes", [](c10::Device device) { return DeviceGraphs::of(device.index()).pool_bytes(); },
+      py::arg("device"));
+}
+
+}  // namespace shapecache

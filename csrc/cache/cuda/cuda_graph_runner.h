@@ -1,0 +1,119 @@
+// CudaGraphRunner: one shape bucket captured as a CUDA graph and replayed from C++.
+//
+// Policy (DeviceGraphs, one per device):
+//   - Every graph of a device is captured into one private memory pool, on one stream, and
+//     replayed on that stream under one lock, so graphs never run at the same time: the
+//     temporaries of each reuse the same memory, and the pool is as large as the largest
+//     graph needs, not the sum of all of them.
+//   - Capture the largest bucket first. Blocks a large graph freed serve every smaller one,
+//     but a larger graph captured after smaller ones needs blocks the pool does not have: the
+//     pool grows by the difference and its old blocks no longer fit anything. Largest first,
+//     the pool reaches its final size with the first capture.
+//   - Inputs are copied into a graph's static inputs and outputs copied out of its static
+//     outputs, so a caller's results stay valid after later replays of any graph in the pool.
+//     That also makes any replay order safe, though a graph captured later may have placed
+//     its temporaries, or its static outputs, in blocks an earlier graph used for its own
+//     temporaries: a replay writes those blocks, but every graph reads its static outputs
+//     right after its own replay, under the lock, before any other graph runs.
+//   - Static inputs are allocated outside the pool, on the graphs' stream, and used only
+//     there: freeing them (an eviction) is ordered after the last replay that read them.
+//   - A graph is stale when the weights it captured were replaced or the workspace arena it
+//     may have captured moved: it is then rebuilt, never replayed.
+#pragma once
+
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAStream.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cache/entry_runner.h"
+#include "cache/weight_snapshot.h"
+
+namespace shapecache {
+
+namespace py = pybind11;
+
+struct DeviceGraphs {
+  static DeviceGraphs& of(c10::DeviceIndex device);
+
+  // Bytes the allocator holds in this device's graph pool now.
+  int64_t pool_bytes() const;
+
+  const c10::DeviceIndex device;
+  const decltype(at::cuda::graph_pool_handle()) pool;
+  c10::cuda::CUDAStream stream;  // every capture and every replay of the device
+  // One capture or replay at a time; guards the events too. Recursive: the function being
+  // captured may call another cached function of the device (which then fails to replay
+  // inside a capture with an error, instead of waiting forever on this lock).
+  std::recursive_mutex mutex;
+  at::cuda::CUDAEvent caller_done;  // orders the graphs' stream after a caller's work
+  at::cuda::CUDAEvent graphs_done;  // orders a caller's later work after the graphs' stream
+
+ private:
+  explicit DeviceGraphs(c10::DeviceIndex index);
+};
+
+// at::cuda::CUDAGraph, plus the clean-up of a capture that failed. When cudaStreamEndCapture
+// fails (the capture was invalidated, by a synchronising call inside it, say), capture_end()
+// throws before it tells the allocator the capture is over, and reset() then never gives
+// back the graph's hold on the pool: the pool could never be emptied again. abandon() does
+// what capture_end() and reset() left undone, whichever step failed.
+class PoolGraph final : public at::cuda::CUDAGraph {
+ public:
+  void abandon() noexcept;
+};
+
+class CudaGraphRunner final : public EntryRunner {
+ public:
+  // Captures function(owner, *args, **kwargs) (without owner when it is None) on static copies
+  // of the tensors in `args` and `kwargs`. The caller has warmed the function up already:
+  // nothing may be tuned, compiled or lazily initialised inside capture.
+  static std::shared_ptr<CudaGraphRunner> capture(const py::object& function, const py::object& owner,
+                                                  const py::tuple& args, const py::dict& kwargs,
+                                                  std::vector<std::string> parameter_names,
+                                                  std::shared_ptr<WeightSnapshot> weights);
+
+  py::object run(const py::tuple& args, const py::dict& kwargs) override;
+  bool valid() override;
+
+  // Drops the graph and its outputs: every block it held in the pool goes back to the pool,
+  // and when no graph of the pool is left, emptying the allocator's cache frees the pool.
+  // The static inputs stay (they are outside the pool), so the bucket can be recaptured.
+  // Until it is, valid() is false.
+  void release();
+  // Captures the bucket again, on the same static inputs, into the device's pool (which
+  // has emptied meanwhile: see python/shapecache/_backends/graph_pool.py, which rebuilds largest first).
+  void recapture();
+  bool captured() const { return graph_ != nullptr; }
+
+  int64_t static_input_bytes() const;
+  c10::DeviceIndex device() const { return device_->device; }
+
+ private:
+  CudaGraphRunner() = default;
+  std::vector<at::Tensor> inputs_in_key_order(const py::tuple& args, const py::dict& kwargs) const;
+  void capture_graph(const py::object& owner);
+
+  std::unique_ptr<PoolGraph> graph_;          // null while released
+  DeviceGraphs* device_ = nullptr;
+  py::object function_;                       // what is captured
+  py::object owner_;                          // weak reference to the module (None for functions)
+  std::vector<std::string> parameter_names_;  // canonical argument order, as in the key
+  py::tuple static_args_;                     // the call, with static tensors in place of the caller's
+  py::dict static_kwargs_;
+  std::vector<at::Tensor> static_inputs_;     // one per tensor of a call, in canonical order
+  std::vector<at::Tensor> static_outputs_;    // every tensor of the outputs, in walk order
+  py::object output_structure_;               // the outputs as captured (static tensors inside)
+  std::shared_ptr<WeightSnapshot> weights_;   // null for functions without an owner module
+  uint64_t workspace_generation_ = 0;         // the arena's generation when captured
+};
+
+void bind_cuda_graphs(py::module_& m);
+
+}  // namespace shapecache

@@ -1,0 +1,122 @@
+// ShapeCache: one budget domain. Holds the compiled entries of any number of cached
+// functions, one BudgetedLru per device, each under that device's byte budget.
+//
+// Threading: every method runs with the GIL held, and no Python code runs between reading
+// and updating the cache's state (entries that leave the cache are handed back to the
+// caller, whose scope destroys them). That makes the GIL the cache's lock.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/budgeted_lru.h"
+#include "core/shape_key.h"
+#include "cache/entry_runner.h"
+
+namespace shapecache {
+
+namespace py = pybind11;
+
+// The compiled artifact of one bucket of one cached function.
+struct Entry {
+  uint64_t id = 0;            // unique in the process: how Python names an entry it rebuilds
+  py::object runner;          // called with the (padded) call's arguments
+  std::shared_ptr<EntryRunner> native;  // set when the runner serves calls from C++ (a graph)
+  uint64_t function_id = 0;   // the ShapeDispatcher that built it
+  std::string bucket;         // the key, readable
+  std::string backend;        // what built the runner: "eager", "compile", ...
+  double build_seconds = 0;   // wall time of the build, first call included
+  int64_t hits = 0;           // calls served after the build
+  double last_use = 0;        // unix time of the last call
+};
+
+using EntryLru = BudgetedLru<ShapeKey, Entry, ShapeKeyHash>;
+
+// Bytes a device's cache holds outside its entries, charged to the same budget.
+struct SharedBytes {
+  int64_t pool = 0;       // the memory pool that every graph of the device is captured into
+  int64_t workspace = 0;  // the workspace arena of tuned convolutions
+};
+
+class ShapeCache {
+ public:
+  // `budget_for_device(device: torch.device) -> int` resolves the byte budget of a device
+  // the first time the cache sees it (fractions of a device's memory need the device).
+  // `release_device_memory(device: torch.device, cache: ShapeCache)` (or None) frees what
+  // the allocator caches on a device and charges the shared bytes it leaves to `cache`.
+  ShapeCache(py::object budget_for_device, int64_t max_entries, py::object release_device_memory);
+
+  // The device's LRU, created on first use. May call into Python (first use only).
+  EntryLru& lru(const c10::Device& device);
+
+  // Removes every unpinned entry (of one function, or of all when `function_id` is empty).
+  std::vector<EntryLru::Evicted> clear(std::optional<uint64_t> function_id = std::nullopt);
+
+  // Evicts every unpinned entry of a device (to free memory after an out-of-memory error).
+  std::vector<EntryLru::Evicted> evict_unpinned(const c10::Device& device);
+
+  // After an out-of-memory error: evicts the device's unpinned entries, destroys them, then
+  // calls the release callback given at construction with `self`, this cache as Python sees it
+  // (passed in, not held: a cache holding its own Python object would never be freed).
+  void release_device_memory(const c10::Device& device, const py::object& self);
+
+  // "holds 1.2 GiB in 3 entries (1 pinned) + 512 MiB pool + 64 MiB workspace; budget 8 GiB"
+  std::string describe(const c10::Device& device);
+
+  SharedBytes shared_bytes(const c10::Device& device) {
+    lru(device);
+    return devices_.at(device).shared;
+  }
+
+  // The device's entries, most recently used first: (id, runner, pinned) per entry.
+  py::list entries(const c10::Device& device);
+
+  // An entry's artifact was rebuilt and holds `bytes` now; kept under the budget rule
+  // (BudgetedLru::set_entry_bytes). Returns what left the cache, possibly the entry itself.
+  std::vector<EntryLru::Evicted> set_entry_bytes(const c10::Device& device, uint64_t id, int64_t bytes);
+
+  // Removes an entry unless it is pinned; returns it. None when no entry has that id.
+  std::optional<EntryLru::Evicted> erase_entry(const c10::Device& device, uint64_t id);
+
+  bool contains_entry(const c10::Device& device, uint64_t id) { return key_of(device, id).has_value(); }
+
+  static uint64_t next_entry_id();
+
+  void count_pool_rebuild(const c10::Device& device) {
+    lru(device);
+    ++devices_.at(device).pool_rebuilds;
+  }
+
+  // Charges the shared bytes of a device against its budget; may evict.
+  std::vector<EntryLru::Evicted> set_shared_bytes(const c10::Device& device, SharedBytes bytes);
+
+  // Totals, per-device figures and entries; entries of one function only when given.
+  py::dict stats(std::optional<uint64_t> function_id = std::nullopt) const;
+
+  int64_t max_entries() const { return max_entries_; }
+
+ private:
+  struct DeviceCache {
+    std::unique_ptr<EntryLru> lru;
+    SharedBytes shared;
+    int64_t pool_rebuilds = 0;  // times every graph of the device was captured again, largest first
+  };
+
+  std::optional<ShapeKey> key_of(const c10::Device& device, uint64_t id);
+
+  py::object budget_for_device_;
+  py::object release_device_memory_;
+  int64_t max_entries_;
+  std::unordered_map<c10::Device, DeviceCache> devices_;
+  std::vector<c10::Device> device_order_;  // first use first, for stable stats
+};
+
+}  // namespace shapecache

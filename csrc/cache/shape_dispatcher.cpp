@@ -1,0 +1,242 @@
+#include "cache/shape_dispatcher.h"
+
+#include <torch/csrc/Device.h>
+
+#include <atomic>
+#include <chrono>
+#include <sstream>
+
+namespace shapecache {
+namespace {
+
+std::atomic<uint64_t> next_function_id{1};
+
+double unix_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+py::object call_python(PyObject* callable, PyObject* args, PyObject* kwargs) {
+  PyObject* out = PyObject_Call(callable, args, kwargs);
+  if (out == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(out);
+}
+
+// Unpins on every way out of a run, exceptions included. The pinned entry cannot have been
+// removed meanwhile, so the key is still there to unpin.
+class PinGuard {
+ public:
+  PinGuard(EntryLru& lru, const ShapeKey& key) : lru_(lru), key_(key) { lru_.pin(key_); }
+  ~PinGuard() { lru_.unpin(key_); }
+  PinGuard(const PinGuard&) = delete;
+  PinGuard& operator=(const PinGuard&) = delete;
+
+ private:
+  EntryLru& lru_;
+  const ShapeKey& key_;
+};
+
+// torch.OutOfMemoryError, looked up once.
+const py::object& out_of_memory_type() {
+  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> storage;
+  return storage.call_once_and_store_result([] { return py::module_::import("torch").attr("OutOfMemoryError"); }).get_stored();
+}
+
+bool is_out_of_memory(py::error_already_set& error) { return error.matches(out_of_memory_type()); }
+
+// `args` with the owner in front, when there is one.
+py::tuple with_owner(const py::object& self, const py::tuple& args) {
+  if (self.is_none()) return args;
+  const Py_ssize_t n = PyTuple_GET_SIZE(args.ptr());
+  py::tuple out(n + 1);
+  PyTuple_SET_ITEM(out.ptr(), 0, self.inc_ref().ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyTuple_GET_ITEM(args.ptr(), i);
+    Py_INCREF(item);
+    PyTuple_SET_ITEM(out.ptr(), i + 1, item);
+  }
+  return out;
+}
+
+}  // namespace
+
+ShapeDispatcher::ShapeDispatcher(py::object function, py::object builder, std::shared_ptr<ShapeCache> cache,
+                               std::vector<ArgumentBuckets> buckets, std::vector<std::string> parameter_names,
+                               py::object owner, bool key_training)
+    : function_(std::move(function)),
+      builder_(std::move(builder)),
+      cache_(std::move(cache)),
+      buckets_(std::move(buckets)),
+      parameter_names_(std::move(parameter_names)),
+      owner_(owner.is_none() ? py::object(py::none()) : py::object(py::weakref(owner))),
+      key_training_(key_training),
+      id_(next_function_id.fetch_add(1)) {
+  if (!PyCallable_Check(function_.ptr())) {
+    throw py::type_error(std::string("cached: expected a callable, got ") + Py_TYPE(function_.ptr())->tp_name);
+  }
+  if (!cache_) throw py::value_error("cached: cache must not be None");
+}
+
+py::object ShapeDispatcher::owner() const {
+  if (owner_.is_none()) return py::none();
+#if PY_VERSION_HEX >= 0x030D0000
+  PyObject* strong = nullptr;
+  if (PyWeakref_GetRef(owner_.ptr(), &strong) < 0) throw py::error_already_set();
+  py::object alive = strong ? py::reinterpret_steal<py::object>(strong) : py::object(py::none());
+#else
+  py::object alive = py::reinterpret_borrow<py::object>(PyWeakref_GetObject(owner_.ptr()));
+#endif
+  if (alive.is_none()) {
+    PyErr_SetString(PyExc_ReferenceError, "shapecache: the object this cached method belongs to no longer exists");
+    throw py::error_already_set();
+  }
+  return alive;
+}
+
+py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs) {
+  ++counters_.calls;
+  py::object self = owner();
+  CallContext context;
+  context.function_id = id_;
+  context.parameter_names = &parameter_names_;
+  if (key_training_ && !self.is_none()) {
+    const int training = PyObject_IsTrue(self.attr("training").ptr());
+    if (training < 0) throw py::error_already_set();
+    context.training = training;
+  }
+
+  CallKey key;
+  try {
+    key = make_call_key(context, args, kwargs, buckets_);
+  } catch (const UnkeyableArgument& e) {
+    ++counters_.uncached_calls;
+    warn_once(warned_unkeyable_, std::string("shapecache: ") + e.what() +
+                                     " that cannot be keyed; such calls run uncached (keyed: tensors, ints, floats, "
+                                     "bools, strings, None, dtypes, devices, and tuples, lists and dicts of those)");
+    return call_python(function_.ptr(), with_owner(self, args).ptr(), kwargs.ptr());
+  }
+  py::tuple call_args = with_owner(self, key.padded ? key.args : static_cast<const py::tuple&>(args));
+  PyObject* call_kwargs = key.padded ? key.kwargs.ptr() : kwargs.ptr();
+
+  EntryLru& lru = cache_->lru(key.device);
+  py::object out;
+  Entry* entry = lru.find(key.key);
+  if (entry != nullptr && entry->native && !entry->native->valid()) {
+    // What the entry captured was replaced: it must not run. Rebuild it (or, if a call up the
+    // stack is running it, run this call uncached).
+    ++counters_.invalidations;
+    if (lru.pin_count(key.key) > 0) return call_python(function_.ptr(), call_args.ptr(), call_kwargs);
+    { auto stale = lru.erase(key.key); }
+    entry = nullptr;
+  }
+  if (entry != nullptr) {
+    ++counters_.hits;
+    ++entry->hits;
+    entry->last_use = unix_seconds();
+    py::object runner = entry->runner;
+    std::shared_ptr<EntryRunner> native = entry->native;
+    PinGuard pinned(lru, key.key);
+    if (native) {
+      out = native->run(key.padded ? key.args : static_cast<const py::tuple&>(args),
+                        key.padded ? key.kwargs : static_cast<const py::dict&>(kwargs));
+    } else {
+      out = call_python(runner.ptr(), call_args.ptr(), call_kwargs);
+    }
+  } else {
+    ++counters_.misses;
+    out = build(key, call_args.ptr(), call_kwargs);
+  }
+  return key.padded ? crop_outputs(out, key.crop) : out;
+}
+
+py::object ShapeDispatcher::build(CallKey& key, PyObject* args, PyObject* kwargs) {
+  const auto start = std::chrono::steady_clock::now();
+  std::optional<py::tuple> maybe_built = run_builder(key.device, args, kwargs);
+  if (!maybe_built) return run_uncached_after_out_of_memory(key.device, args, kwargs);
+  py::tuple built = std::move(*maybe_built);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ++counters_.builds;
+  if (built.size() != 4) throw py::type_error("shapecache: a builder must return (runner, bytes, output, backend)");
+
+  Entry entry;
+  entry.id = ShapeCache::next_entry_id();
+  entry.runner = built[0];
+  if (py::isinstance<EntryRunner>(entry.runner)) entry.native = entry.runner.cast<std::shared_ptr<EntryRunner>>();
+  entry.function_id = id_;
+  entry.bucket = describe_key(key.key);
+  entry.backend = built[3].cast<std::string>();
+  entry.build_seconds = seconds;
+  entry.last_use = unix_seconds();
+  const int64_t bytes = built[1].cast<int64_t>();
+  py::object output = built[2];
+
+  // The same key may have been built by a re-entrant call meanwhile; then `inserted` is false
+  // and the existing entry stays.
+  EntryLru& lru = cache_->lru(key.device);
+  const bool present = lru.contains(key.key);
+  auto result = lru.insert(key.key, std::move(entry), bytes);
+  if (!result.inserted && !present) {
+    ++counters_.fallbacks;
+    std::ostringstream message;
+    message << "shapecache: the entry for " << describe_key(key.key) << " holds " << bytes
+            << " bytes, more than the budget of " << lru.budget_bytes() << " bytes leaves after pinned entries and "
+            << lru.shared_bytes() << " shared bytes; calls of this bucket run uncached";
+    warn_once(warned_rejected_, message.str());
+  }
+  return output;  // `result` (evicted and returned entries) is destroyed here, after the cache is consistent
+}
+
+std::optional<py::tuple> ShapeDispatcher::run_builder(const c10::Device& device, PyObject* args, PyObject* kwargs) {
+  py::object device_obj = py::reinterpret_steal<py::object>(THPDevice_New(device));
+  for (int attempt = 0;; ++attempt) {
+    try {
+      return builder_(py::reinterpret_borrow<py::tuple>(args), py::reinterpret_borrow<py::dict>(kwargs), device_obj)
+          .cast<py::tuple>();
+    } catch (py::error_already_set& error) {
+      if (!is_out_of_memory(error)) throw;
+    }  // the error, and the traceback that holds the failed build's tensors, are released here
+    if (attempt == 1) return std::nullopt;
+    ++counters_.oom_retries;
+    cache_->release_device_memory(device, py::cast(cache_));
+  }
+}
+
+py::object ShapeDispatcher::run_uncached_after_out_of_memory(const c10::Device& device, PyObject* args,
+                                                            PyObject* kwargs) {
+  ++counters_.fallbacks;
+  warn_once(warned_out_of_memory_, "shapecache: building an entry on " + device.str() +
+                                       " ran out of memory twice (after evicting and emptying the allocator's "
+                                       "cache); such calls run uncached");
+  try {
+    return call_python(function_.ptr(), args, kwargs);
+  } catch (py::error_already_set& error) {
+    if (!is_out_of_memory(error)) throw;
+    const std::string state = "shapecache: " + cache_->describe(device) +
+                              ". Building an entry ran out of memory twice, so the call ran uncached, and the "
+                              "uncached call ran out of memory too: the model does not fit beside what the cache holds";
+    py::raise_from(error, out_of_memory_type().ptr(), state.c_str());
+    throw py::error_already_set();
+  }
+}
+
+py::dict ShapeDispatcher::stats() const {
+  py::dict out = cache_->stats(id_);
+  out["calls"] = counters_.calls;
+  out["hits"] = counters_.hits;
+  out["misses"] = counters_.misses;
+  out["builds"] = counters_.builds;
+  out["fallbacks"] = counters_.fallbacks;
+  out["uncached_calls"] = counters_.uncached_calls;
+  out["oom_retries"] = counters_.oom_retries;
+  out["invalidations"] = counters_.invalidations;
+  return out;
+}
+
+void ShapeDispatcher::clear() { cache_->clear(id_); }
+
+void ShapeDispatcher::warn_once(bool& warned, const std::string& message) {
+  if (warned) return;
+  warned = true;
+  if (PyErr_WarnEx(PyExc_RuntimeWarning, message.c_str(), 1) < 0) throw py::error_already_set();
+}
+
+}  // namespace shapecache

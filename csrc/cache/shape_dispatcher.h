@@ -1,0 +1,84 @@
+// ShapeDispatcher: a callable that serves each shape bucket of a function from its own
+// compiled entry. This file holds the hot path of shapecache.
+//
+// A call: build the key from the arguments (C++), find the entry on the key's device, pin
+// it, run it, unpin it, crop padded outputs. A miss asks the Python builder for an entry
+// (the slow path: compiling and measuring belong to Python and torch) and inserts it under
+// the budget. An argument that cannot be keyed runs the call uncached, with one warning.
+//
+// Out of memory while building (invariant 3): evict the device's unpinned entries, empty
+// the allocator's cache, retry once; then run the call uncached and count a fallback. Only an
+// out-of-memory error of the plain uncached call reaches the user, with the cache's state.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/bucket_policy.h"
+#include "cache/call_key.h"
+#include "cache/shape_cache.h"
+
+namespace shapecache {
+
+namespace py = pybind11;
+
+struct FunctionCounters {
+  int64_t calls = 0;           // every call, cached or not
+  int64_t hits = 0;            // served by an existing entry
+  int64_t misses = 0;          // no entry: one was built
+  int64_t builds = 0;          // entries built (== misses unless a build failed)
+  int64_t fallbacks = 0;       // ran uncached: the entry did not fit, or building ran out of memory twice
+  int64_t uncached_calls = 0;  // calls with an argument that cannot be keyed
+  int64_t oom_retries = 0;     // builds retried after an out-of-memory error
+  int64_t invalidations = 0;   // entries found stale (weights replaced) and rebuilt
+};
+
+class ShapeDispatcher {
+ public:
+  // `builder(args: tuple, kwargs: dict, device: torch.device) -> (runner, bytes, output,
+  // backend)` builds the entry of a new bucket and returns the output of the call it ran.
+  // `owner` is None, or the object a method is bound to (the nn.Module of a forward): it is
+  // held through a weak reference and passed as the first argument of every call, so that
+  // the owner -> cached function -> owner cycle, which the garbage collector cannot see
+  // through C++, never forms. Its `training` flag joins the key when `key_training` is set.
+  ShapeDispatcher(py::object function, py::object builder, std::shared_ptr<ShapeCache> cache,
+                 std::vector<ArgumentBuckets> buckets, std::vector<std::string> parameter_names, py::object owner,
+                 bool key_training);
+
+  py::object call(const py::args& args, const py::kwargs& kwargs);
+
+  py::dict stats() const;
+  void clear();
+
+  const py::object& function() const { return function_; }
+  const std::shared_ptr<ShapeCache>& cache() const { return cache_; }
+  uint64_t id() const { return id_; }
+  const FunctionCounters& counters() const { return counters_; }
+
+ private:
+  py::object build(CallKey& key, PyObject* args, PyObject* kwargs);
+  std::optional<py::tuple> run_builder(const c10::Device& device, PyObject* args, PyObject* kwargs);
+  py::object run_uncached_after_out_of_memory(const c10::Device& device, PyObject* args, PyObject* kwargs);
+  py::object owner() const;
+  void warn_once(bool& warned, const std::string& message);
+
+  py::object function_;
+  py::object builder_;
+  std::shared_ptr<ShapeCache> cache_;
+  std::vector<ArgumentBuckets> buckets_;
+  std::vector<std::string> parameter_names_;
+  py::object owner_;   // None, or a weak reference to the object passed as first argument
+  bool key_training_;
+  uint64_t id_;
+  FunctionCounters counters_;
+  bool warned_unkeyable_ = false;
+  bool warned_rejected_ = false;
+  bool warned_out_of_memory_ = false;
+};
+
+}  // namespace shapecache

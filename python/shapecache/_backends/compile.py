@@ -1,0 +1,96 @@
+"""The ``"compile"`` backend: ``torch.compile(dynamic=False)`` per bucket.
+
+Each bucket compiles its own copy of the function's code object: Dynamo keeps compiled code,
+guards and its recompile count per code object, so one copy per bucket means no bucket ever
+meets Dynamo's recompile limit (which would silently run the 9th shape eager), guards are
+checked against one bucket's entry instead of all of them, and evicting a bucket frees its
+compiled code with the copy.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from shapecache._backends import BuiltEntry
+
+
+def build_compiled(function, compile_options, args, kwargs, device) -> BuiltEntry:
+    copy = fresh_code_copy(function)
+    runner = torch.compile(copy, dynamic=False, **compile_options)
+    compiled = _dynamo_compiled(copy)
+    allocated_before = allocated_bytes(device)
+    output = runner(*args, **kwargs)
+    held = max(0, allocated_bytes(device) - allocated_before - tensor_bytes(output, device))
+    if not compiled():
+        warnings.warn(
+            f"shapecache: torch.compile made no graph for a new bucket of {getattr(function, '__qualname__', function)}; "
+            "that bucket runs eager (is torch.compile disabled, or does the function run no tensor code?)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return BuiltEntry(runner, held, output, "eager")
+    return BuiltEntry(runner, held, output, "compile")
+
+
+def _dynamo_compiled(copy) -> Callable[[], bool]:
+    """A check, to run after the first call, of whether Dynamo compiled `copy`: its own code
+    object has cache entries. (Callables without a code object of their own fall back to
+    Dynamo's process-wide graph counter, which misses graphs that hit Dynamo's cache.)"""
+    from torch._dynamo import eval_frame
+    from torch._dynamo.utils import counters
+
+    function = copy.__func__ if isinstance(copy, types.MethodType) else copy
+    code = getattr(function, "__code__", None)
+    entries = getattr(eval_frame, "_debug_get_cache_entry_list", None)
+    if isinstance(function, types.FunctionType) and code is not None and entries is not None:
+        return lambda: len(entries(code)) > 0
+    before = counters["stats"]["unique_graphs"]
+    return lambda: counters["stats"]["unique_graphs"] > before
+
+
+def fresh_code_copy(function: Callable) -> Callable:
+    """`function` with a code object of its own (methods: their function's copy, rebound).
+
+    Callables that are not Python functions (modules, partials, builtins) come back as they
+    are and share Dynamo's cache across buckets.
+    """
+    if isinstance(function, types.MethodType):
+        return types.MethodType(fresh_code_copy(function.__func__), function.__self__)
+    if not isinstance(function, types.FunctionType):
+        return function
+    copy = types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__qualname__ = function.__qualname__
+    copy.__module__ = function.__module__
+    copy.__dict__.update(function.__dict__)
+    return copy
+
+
+def allocated_bytes(device: torch.device) -> int:
+    """The CUDA caching allocator's allocated bytes on `device` (0 elsewhere: not measured)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return 0
+
+
+def tensor_bytes(output, device: torch.device) -> int:
+    """Bytes of the distinct storages of the tensors in `output` on a CUDA `device`."""
+    if device.type != "cuda":
+        return 0
+    seen = {}
+    for t in tree_leaves(output):
+        if isinstance(t, torch.Tensor) and t.device == device:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

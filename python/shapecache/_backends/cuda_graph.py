@@ -1,0 +1,62 @@
+"""The ``"cuda_graph"`` and ``"compile+cuda_graph"`` backends: each bucket captured as a CUDA
+graph (``csrc/cache/cuda/cuda_graph_runner.h``: one pool and one stream per device) after an
+eager warm-up on a side stream, and replayed from C++. The pool's size and rebuilds are
+``graph_pool.py``'s."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from shapecache import _timing
+from shapecache._backends import BuildContext, BuiltEntry, graph_pool
+from shapecache._backends.compile import fresh_code_copy
+from shapecache._backends.weights import snapshot
+from shapecache._extension import _C
+
+
+def build_graph(function, args, kwargs, device, context: BuildContext, *, compiled: bool,
+                keep_only_if_faster: bool) -> BuiltEntry:
+    owner, call_args = (args[0], args[1:]) if context.has_owner else (None, args)
+    runnable = torch.compile(fresh_code_copy(function), dynamic=False, **context.compile_options) if compiled \
+        else function
+    weights = snapshot(owner) if isinstance(owner, torch.nn.Module) else None
+
+    # Warm-up on a side stream: cuDNN's benchmarking, lazy initialisation and compilation
+    # happen here, never inside capture. Its output is the call's result (the eager numbers).
+    caller = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(caller)
+    with torch.cuda.device(device), torch.cuda.stream(side):
+        output = runnable(*args, **kwargs)
+    caller.wait_stream(side)
+    for t in tree_leaves(output):
+        if isinstance(t, torch.Tensor):
+            t.record_stream(caller)  # made on the side stream, used and freed on the caller's
+
+    eager_seconds = None
+    if keep_only_if_faster:
+        eager_seconds = min(_timing.timings(lambda: runnable(*args, **kwargs), device, repeats=2))
+
+    cache = context.cache
+    runner, entry_bytes = graph_pool.measured_capture(
+        lambda: _C.capture_cuda_graph(runnable, owner, tuple(call_args), dict(kwargs), list(context.parameter_names),
+                                      weights),
+        device, cache)
+    if graph_pool.pool_over_budget(device, cache, entry_bytes):
+        # Evicting entries cannot shrink the pool (see graph_pool.py): rebuild it.
+        rebuilt = graph_pool.rebuild_largest_first(device, cache, runner)
+        if rebuilt is None:  # a graph of the device is running up the stack: keep what runs
+            cache.evict_unpinned(device)
+            runner.release()
+            graph_pool.release_device_memory(device, cache)
+            rebuilt = graph_pool.measured_recapture(runner, device, cache)
+        entry_bytes = rebuilt
+
+    name = "compile+cuda_graph" if compiled else "cuda_graph"
+    if keep_only_if_faster:
+        # The best of several: the first replay of a graph includes its upload.
+        replay_seconds = min(_timing.timings(lambda: runner(*call_args, **kwargs), device, repeats=3))
+        if replay_seconds >= eager_seconds:
+            return BuiltEntry(function, 0, output, "eager")
+    return BuiltEntry(runner, entry_bytes, output, name)

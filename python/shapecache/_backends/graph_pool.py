@@ -1,0 +1,135 @@
+"""A device's graph pool: what it and each graph cost, and rebuilding it largest first.
+
+Every CUDA graph of a device is captured into one memory pool
+(csrc/cache/cuda/cuda_graph_runner.h). Captured largest first, the pool is as large as the largest bucket
+needs: every smaller graph reuses blocks the largest one freed. Captured in another order,
+each larger graph adds blocks of its own and the pool ends up larger than any one bucket.
+
+Costs come from the allocator's own figures, never estimates:
+- the pool: the bytes of the allocator's segments that belong to it;
+- an entry: its static inputs (outside the pool), plus the device memory its capture took
+  that the allocator does not see (the instantiated graph's own), which is the drop in
+  ``torch.cuda.mem_get_info``'s free bytes less the growth of the allocator's reserve.
+
+The pool only shrinks once no graph uses it: dropping one graph returns its blocks to the
+pool, not to the device. So when a new bucket would take the pool past the budget, evicting
+entries cannot help; `rebuild_largest_first` drops every graph of the device, lets the pool
+go, and captures them all again, largest first, under the budget rule.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import torch
+
+from shapecache._extension import _C
+
+
+def release_device_memory(device: torch.device, cache=None) -> None:
+    """Frees what an out-of-memory error or an eviction left behind on `device`: garbage
+    (a failed call's frames and tensors) and the allocator's cached blocks; then charges the
+    pool's new size to `cache`, if given."""
+    gc.collect()
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()
+        if cache is not None and _C.has_cuda_graphs:
+            charge_shared_bytes(device, cache)
+
+
+def charge_shared_bytes(device: torch.device, cache) -> None:
+    """Charges the device's pool and workspace, as the allocator holds them now, to `cache`'s
+    budget (growth evicts least recently used entries)."""
+    cache.set_shared_bytes(device, pool=_C.cuda_graph_pool_bytes(device), workspace=_C.workspace_stats(device)["bytes"])
+
+
+def measured_capture(capture, device: torch.device, cache) -> tuple:
+    """Runs `capture() -> runner`; returns (runner, the entry's own bytes) and charges the
+    pool as it is afterwards to `cache`."""
+    torch.cuda.synchronize(device)
+    free_before, _ = torch.cuda.mem_get_info(device)
+    reserved_before = torch.cuda.memory_reserved(device)
+    runner = capture()
+    torch.cuda.synchronize(device)
+    free_after, _ = torch.cuda.mem_get_info(device)
+    reserved_after = torch.cuda.memory_reserved(device)
+    unseen = max(0, (free_before - free_after) - (reserved_after - reserved_before))
+    charge_shared_bytes(device, cache)
+    return runner, runner.static_input_bytes + unseen
+
+
+def measured_recapture(runner, device: torch.device, cache) -> int:
+    """Captures a released `runner` again; returns its bytes as `measured_capture` does."""
+
+    def recapture():
+        runner.recapture()
+        return runner
+
+    return measured_capture(recapture, device, cache)[1]
+
+
+def pool_over_budget(device: torch.device, cache, entry_bytes: int) -> bool:
+    """Whether the pool and workspace, with one more entry of `entry_bytes`, exceed the budget
+    even if every other entry went."""
+    figures = cache.stats()["devices"][str(device)]
+    budget = figures["budget"]
+    return budget is not None and figures["pool_bytes"] + figures["workspace_bytes"] + entry_bytes > budget
+
+
+def rebuild_largest_first(device: torch.device, cache, new_runner) -> int | None:
+    """Drops every graph of `device` in `cache` and `new_runner`'s, lets the pool empty, and
+    captures them again largest first (most input bytes first: for one model, a bucket's
+    temporaries grow with its input). Each recaptured entry is charged at its new cost under
+    the budget rule, which may evict least recently used ones; entries evicted before their
+    turn are not captured again. Returns `new_runner`'s bytes, or None (nothing rebuilt)
+    when a graph of the device is running up the stack and cannot be dropped.
+
+    Graphs that other caches captured into the device's pool keep it from emptying: the
+    rebuild is then correct but frees less.
+    """
+    graphs = [(entry_id, runner, pinned) for entry_id, runner, pinned in cache.entries(device)
+              if isinstance(runner, _C.CudaGraphRunner)]
+    if any(pinned for _, _, pinned in graphs):
+        return None
+    queue = []
+    for entry_id, runner, _ in graphs:
+        if runner.valid():
+            queue.append((entry_id, runner))
+        else:
+            cache.erase_entry(device, entry_id)  # stale: rebuilt from the caller's call when next used
+    del graphs
+    queue.append((None, new_runner))
+    cache.count_pool_rebuild(device)
+    for _, runner in queue:
+        runner.release()
+    release_device_memory(device, cache)
+
+    # sorted() is stable: among equals, the most recently used (listed first) goes first.
+    queue = sorted(queue, key=lambda item: item[1].static_input_bytes, reverse=True)
+    new_bytes = None
+    while queue:
+        entry_id, runner = queue.pop(0)
+        if entry_id is not None and not cache.contains_entry(device, entry_id):
+            continue  # evicted by an earlier recapture's cost
+        try:
+            entry_bytes = measured_recapture(runner, device, cache)
+        except Exception as error:
+            if entry_id is None:
+                raise  # the caller's own bucket: its builder's error handling takes over
+            # Out of memory, its module gone, or a capture that failed: the entry goes, and is
+            # built again from its caller's next call.
+            if not isinstance(error, (torch.OutOfMemoryError, ReferenceError)):
+                warnings.warn(f"shapecache: recapturing a graph on {device} failed ({error!r}); its entry was "
+                              "dropped", RuntimeWarning, stacklevel=2)
+            cache.erase_entry(device, entry_id)
+            del runner, error
+            release_device_memory(device, cache)
+            continue
+        if entry_id is None:
+            new_bytes = entry_bytes
+        else:
+            cache.set_entry_bytes(device, entry_id, entry_bytes)
+        del runner  # an entry evicted later must not be kept alive here
+    return new_bytes

@@ -1,0 +1,32 @@
+"""Argument checks shared by the public functions. Each error names the argument, the value
+as given and what is accepted (design invariant 6)."""
+
+from __future__ import annotations
+
+import os
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def positive_int(name: str, value, what: str = "") -> int:
+    """`value` if it is an int >= 1 (bools are not ints here); else TypeError/ValueError."""
+    accepted = f"a positive int{', ' + what if what else ''}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r} ({type(value).__name__}): expected {accepted}")
+    if value < 1:
+        raise ValueError(f"{name}={value!r}: expected {accepted}")
+    return value
+
+
+def environment_flag(name: str) -> bool:
+    """The boolean environment variable `name`: unset or one of 0/false/no/off is False, one of
+    1/true/yes/on is True (any case); anything else is a ValueError naming the variable."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(
+        f"{name}={os.environ[name]!r}: expected one of {', '.join(_TRUE)} (on) or {', '.join(_FALSE[1:])} (off)"
+    )

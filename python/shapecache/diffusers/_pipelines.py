@@ -1,0 +1,241 @@
+"""``sc.wrap(pipe)``: cache a diffusers pipeline's denoiser and VAE decoder under one budget,
+and build every size's entries before the first request, largest first. The pipeline keeps
+what was done in a ``PipelineHolder`` (``pipe._shapecache``), which ``sc.stats``,
+``sc.clear`` and ``sc.uncached`` read.
+
+Largest first because memory that later entries reuse (allocator blocks, a shared graph
+pool, a convolution workspace) then reaches its final size on the first build; built
+smallest first, each larger size allocates again and the earlier, smaller blocks cannot
+serve it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from shapecache import _checks
+from shapecache._holder import HOLDER, CacheHolder, holder_on
+from shapecache.budget import format_bytes
+from shapecache.cache import CacheOptions, cache_module, make_cache, uncached
+from shapecache.diffusers._families import Family, family_of
+from shapecache.statistics import PipelineStats
+
+logger = logging.getLogger("shapecache")
+
+
+@dataclass
+class PipelineHolder(CacheHolder):
+    """What ``wrap`` did to a pipeline, kept on it as ``pipe._shapecache``."""
+
+    pipe: object
+    family: Family
+    options: CacheOptions
+    cache: object  # the _C.ShapeCache that the components share
+    components: dict  # name -> cached module: "denoiser", "vae_decoder"
+    prewarmed: list = field(default_factory=list)  # one record per size built, in build order
+
+    def stats(self) -> PipelineStats:
+        """The cache's totals, each component's stats, the pre-warm records and device memory."""
+        totals = self.cache.stats()
+        components = {name: module.forward.stats() for name, module in self.components.items()}
+        budgets = [figures["budget"] for figures in totals["devices"].values()]
+        totals["budget"] = budgets[0] if budgets else None
+        totals["backend"] = self.options.backend
+        totals["components"] = components
+        totals["prewarmed"] = list(self.prewarmed)
+        totals["memory"] = device_memory(totals["devices"])
+        for counter in ("calls", "hits", "misses", "builds", "fallbacks", "uncached_calls", "oom_retries",
+                        "invalidations"):
+            totals[counter] = sum(c[counter] for c in components.values())
+        return totals
+
+    def clear(self) -> None:
+        self.cache.clear()
+
+    def uncache(self):
+        for module in self.components.values():
+            uncached(module)
+        object.__getattribute__(self.pipe, "__dict__").pop(HOLDER, None)
+        return self.pipe
+
+
+def wrap(
+    pipe,
+    sizes: Iterable | None = None,
+    budget=None,
+    backend: str = "auto",
+    tune_convs: bool | None = None,
+    prewarm: bool = True,
+    *,
+    max_entries: int | None = None,
+    batch_size: int = 1,
+    guidance: bool | None = None,
+    text_length: int | None = None,
+    progress: bool | None = None,
+):
+    """Caches `pipe`'s denoiser and VAE decoder under one `budget`; returns `pipe`.
+
+    Args:
+        sizes: (height, width) pairs to build before the first call (any order, duplicates
+            allowed); built largest first when `prewarm` is true. See ``prewarm`` for
+            `batch_size`, `guidance`, `text_length` and `progress`.
+        budget, backend, max_entries: as for ``sc.cached``; the budget covers both components.
+        tune_convs: route both components' Conv2d layers through the tuned convolution
+            (None: no). Pre-warming then tunes every size's convolutions before the first call.
+    """
+    family = family_of(pipe)
+    if isinstance(holder_on(pipe), PipelineHolder):
+        raise ValueError(f"{type(pipe).__name__} is wrapped already; call shapecache.unwrap(pipe) first")
+    options = CacheOptions.from_arguments(
+        budget=budget, backend=backend, buckets=None, max_entries=max_entries, compile_options=None,
+        tune_convs=bool(tune_convs),
+    )
+    checked_sizes = _check_sizes(pipe, family, sizes) if sizes is not None else []
+    components = {"denoiser": getattr(pipe, family.denoiser_attribute)}
+    decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
+    if isinstance(decoder, torch.nn.Module):
+        components["vae_decoder"] = decoder
+    for name, module in components.items():
+        if holder_on(module) is not None:
+            raise ValueError(f"the pipeline's {name} is cached already; call shapecache.uncached on it first")
+
+    cache = make_cache(options)
+    for module in components.values():
+        cache_module(module, options, cache)
+    object.__setattr__(pipe, HOLDER, PipelineHolder(pipe, family, options, cache, components))
+    if prewarm and checked_sizes:
+        _prewarm(pipe, checked_sizes, batch_size, guidance, text_length, progress)
+    return pipe
+
+
+def unwrap(pipe):
+    """Deprecated: ``sc.uncached(pipe)`` undoes ``wrap``."""
+    warnings.warn("shapecache.unwrap(pipe) is deprecated; use shapecache.uncached(pipe)", DeprecationWarning,
+                  stacklevel=2)
+    return holder(pipe, "unwrap").uncache()
+
+
+def prewarm(pipe, sizes: Iterable, *, batch_size: int = 1, guidance: bool | None = None,
+            text_length: int | None = None, progress: bool | None = None) -> list:
+    """Builds the entries of `sizes` for a wrapped pipeline, largest pixel count first (of two
+    sizes with as many pixels, the taller first).
+
+    Args:
+        sizes: (height, width) pairs in pixels, each a multiple of the VAE's factor.
+        batch_size: images per pipeline call (batch size x num_images_per_prompt).
+        guidance: whether calls use classifier-free guidance (doubling the denoiser's batch);
+            None: the family's default (SD, SDXL, SD3: yes; Flux: no).
+        text_length: tokens in the prompt embeddings; None: what the pipeline's tokenizers make.
+        progress: show a progress bar; None: only when stderr is a terminal.
+
+    Returns:
+        The records of this call's sizes: {size, batch, seconds, bytes}, in build order.
+    """
+    state = holder(pipe, "prewarm")
+    return _prewarm(pipe, _check_sizes(pipe, state.family, sizes), batch_size, guidance, text_length, progress)
+
+
+def holder(pipe, what: str) -> PipelineHolder:
+    found = holder_on(pipe)
+    if not isinstance(found, PipelineHolder):
+        raise TypeError(f"{what}: expected a pipeline wrapped by shapecache.wrap, got {type(pipe).__name__}")
+    return found
+
+
+def device_memory(devices: Iterable[str]) -> dict:
+    """CUDA allocator figures of each CUDA device the cache has used, read now."""
+    figures = {}
+    for name in devices:
+        device = torch.device(name)
+        if device.type == "cuda":
+            figures[name] = {
+                "memory_allocated": torch.cuda.memory_allocated(device),
+                "max_memory_allocated": torch.cuda.max_memory_allocated(device),
+                "memory_reserved": torch.cuda.memory_reserved(device),
+            }
+    return figures
+
+
+def _check_sizes(pipe, family: Family, sizes) -> list:
+    """Sizes as (height, width) ints, deduplicated, largest pixel count first."""
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+        raise TypeError(f"sizes={sizes!r}: expected a list of (height, width) pairs such as [(1024, 1024), (1152, 896)]")
+    multiple = family.size_multiple(pipe)
+    checked = []
+    for index, size in enumerate(sizes):
+        try:
+            height, width = size
+        except (TypeError, ValueError):
+            raise TypeError(f"sizes[{index}]={size!r}: expected a (height, width) pair of ints") from None
+        for name, value in (("height", height), ("width", width)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise TypeError(f"sizes[{index}]={size!r}: {name} must be a positive int, got {value!r}")
+            if value % multiple:
+                raise ValueError(
+                    f"sizes[{index}]={size!r}: {name} {value} is not a multiple of {multiple}, which "
+                    f"{type(pipe).__name__} needs (its VAE downsamples by that factor); "
+                    f"nearest: {value // multiple * multiple or multiple} or {(value // multiple + 1) * multiple}"
+                )
+        checked.append((height, width))
+    return sorted(set(checked), key=lambda hw: (hw[0] * hw[1], hw), reverse=True)
+
+
+def _prewarm(pipe, sizes, batch_size, guidance, text_length, progress) -> list:
+    state = holder(pipe, "prewarm")
+    _checks.positive_int("batch_size", batch_size, "the images per pipeline call")
+    family = state.family
+    use_cfg = family.uses_cfg if guidance is None else bool(guidance)
+    denoiser_batch = batch_size * (2 if use_cfg else 1)
+    if text_length is None:
+        text_length = family.default_text_length(pipe)
+    denoiser = state.components["denoiser"]
+    decoder = state.components.get("vae_decoder")
+    if progress is None:
+        progress = sys.stderr.isatty()
+
+    from tqdm.auto import tqdm
+
+    records = []
+    with torch.no_grad():  # as the pipelines' __call__ run: the autograd mode is part of the key
+        for height, width in tqdm(sizes, desc="shapecache prewarm", disable=not progress):
+            bytes_before = state.cache.stats()["bytes"]
+            start = time.perf_counter()
+            denoiser(**family.denoiser_inputs(pipe, height, width, denoiser_batch, text_length))
+            if decoder is not None:
+                decoder(_decoder_input(pipe, decoder, height, width, batch_size))
+            _synchronize(denoiser)
+            record = {
+                "size": (height, width),
+                "batch": batch_size,
+                "seconds": time.perf_counter() - start,
+                "bytes": state.cache.stats()["bytes"] - bytes_before,
+            }
+            records.append(record)
+            state.prewarmed.append(record)
+            logger.info(
+                "shapecache: warmed %dx%d (batch %d) in %.2f s, %s more held",
+                height, width, batch_size, record["seconds"], format_bytes(record["bytes"]),
+            )
+    return records
+
+
+def _decoder_input(pipe, decoder, height, width, batch):
+    """What AutoencoderKL.decode hands its decoder: latents after post_quant_conv."""
+    vae = pipe.vae
+    factor = pipe.vae_scale_factor
+    parameter = next(decoder.parameters())
+    channels = vae.config.latent_channels
+    return torch.randn(batch, channels, height // factor, width // factor, device=parameter.device, dtype=parameter.dtype)
+
+
+def _synchronize(module):
+    device = next(module.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

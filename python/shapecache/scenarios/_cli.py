@@ -1,0 +1,31 @@
+"""Command line: ``python -m shapecache demo|repro|serve``."""
+
+import argparse
+
+from shapecache.scenarios import _repro as repro
+from shapecache.scenarios import _serve as serve
+
+
+def parse_arguments(argv=None) -> argparse.Namespace:
+    """The command line's arguments; usage errors exit with status 2 and argparse's message."""
+    parser = argparse.ArgumentParser(prog="python -m shapecache", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo_parser = commands.add_parser(
+        "demo", help="the out-of-memory size loop with the tiny pipeline on the default device: repro's defaults")
+    repro.add_arguments(demo_parser)
+    repro_parser = commands.add_parser("repro", help="run the out-of-memory size loop per strategy; table and plot")
+    repro.add_arguments(repro_parser)
+    serve_parser = commands.add_parser(
+        "serve", help="serve a model at mixed sizes through the cache and print a per-size table")
+    serve.add_arguments(serve_parser)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_arguments(argv)
+    if args.command in ("demo", "repro"):
+        repro.run(args)
+    elif args.command == "serve":
+        serve.run(args)
+    return 0
+

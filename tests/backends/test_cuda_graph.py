@@ -1,0 +1,248 @@
+"""CUDA graph backends. On CPU machines: availability and the accounting the GPU path uses.
+On a GPU (tests marked cuda): equality with eager, six image sizes under a budget, out of
+memory recovery, stale weights, device placement."""
+
+import re
+
+import pytest
+import torch
+
+import shapecache as sc
+from shapecache._extension import _C
+
+SERVICE_SIZES = [(1024, 1024), (1024, 1152), (1152, 1024), (1360, 1536), (1536, 1360), (1536, 1536)]
+
+
+def test_graph_backends_are_refused_clearly_where_they_cannot_run():
+    if _C.has_cuda_graphs and torch.cuda.is_available():
+        pytest.skip("CUDA graphs are available here")
+    for backend in ("cuda_graph", "compile+cuda_graph"):
+        with pytest.raises(ValueError, match=re.escape(f"backend='{backend}' is not available: ")):
+            sc.cached(torch.nn.Linear(2, 2), backend=backend)
+
+
+def test_auto_runs_eager_on_the_cpu():
+    net = sc.cached(torch.nn.Linear(3, 3))
+    net(torch.randn(2, 3))
+    assert [e["backend"] for e in sc.stats(net)["entries"]] == ["eager"]
+
+
+def test_shared_bytes_are_set_independently_and_count_against_the_budget():
+    cache = _C.ShapeCache(lambda device: 1000, None)
+    cpu = torch.device("cpu")
+    cache.set_shared_bytes(cpu, pool=300)
+    cache.set_shared_bytes(cpu, workspace=200)  # the pool figure stays
+    figures = cache.stats()["devices"]["cpu"]
+    assert (figures["pool_bytes"], figures["workspace_bytes"], figures["bytes"]) == (300, 200, 500)
+
+    def builder(args, kwargs, device):
+        return (lambda x: x), 400, args[0], "eager"
+
+    f = _C.ShapeDispatcher(lambda x: x, builder, cache, [], ["x"], None, False)
+    f(torch.ones(1))
+    f(torch.ones(2))  # 500 shared + 400 + 400 > 1000: the first entry goes
+    assert [e["bucket"] for e in f.stats()["entries"]] == ["x=(2,) float32 cpu"]
+    assert cache.evict_unpinned(cpu) == 1 and cache.stats()["entries"] == []
+
+
+def test_entries_are_named_by_id_and_resized_under_the_budget_rule():
+    cache = _C.ShapeCache(lambda device: 1000, None)
+    cpu = torch.device("cpu")
+
+    def builder(args, kwargs, device):
+        return (lambda x: x), 300, args[0], "eager"
+
+    f = _C.ShapeDispatcher(lambda x: x, builder, cache, [], ["x"], None, False)
+    for n in (1, 2, 3):
+        f(torch.ones(n))
+    entries = cache.entries(cpu)  # most recently used first
+    ids = [entry_id for entry_id, _, _ in entries]
+    assert len(set(ids)) == 3 and [e["id"] for e in cache.stats()["entries"]] == ids
+    assert all(not pinned for _, _, pinned in entries)
+    newest, middle, oldest = ids
+    # The oldest entry, rebuilt at 600 bytes, stays; the least recent of the others goes.
+    assert cache.set_entry_bytes(cpu, oldest, 600) == [middle]
+    assert [e["id"] for e in cache.stats()["entries"]] == [newest, oldest]
+    assert cache.stats()["devices"]["cpu"]["bytes"] == 900
+    # An entry that cannot fit even alone goes by itself; the other stays.
+    assert cache.set_entry_bytes(cpu, newest, 1001) == [newest]
+    assert not cache.contains_entry(cpu, newest) and cache.contains_entry(cpu, oldest)
+    with pytest.raises(KeyError, match=f"no entry {newest} on cpu"):
+        cache.set_entry_bytes(cpu, newest, 1)
+    with pytest.raises(ValueError, match="bytes must be >= 0, got -1"):
+        cache.set_entry_bytes(cpu, oldest, -1)
+    assert cache.erase_entry(cpu, oldest) and not cache.erase_entry(cpu, oldest)
+    assert cache.stats()["entries"] == [] and cache.stats()["devices"]["cpu"]["bytes"] == 0
+
+
+def test_pool_over_budget_counts_what_evictions_cannot_free():
+    from shapecache._backends.graph_pool import pool_over_budget
+
+    cache = _C.ShapeCache(lambda device: 1000, None)
+    cpu = torch.device("cpu")
+    cache.set_shared_bytes(cpu, pool=600, workspace=100)
+    assert not pool_over_budget(cpu, cache, 300)
+    assert pool_over_budget(cpu, cache, 301)
+    unlimited = _C.ShapeCache(lambda device: 2**62, None)
+    unlimited.set_shared_bytes(cpu, pool=10**15)
+    assert not pool_over_budget(cpu, unlimited, 0)
+    cache.count_pool_rebuild(cpu)
+    assert cache.stats()["pool_rebuilds"] == 1 and cache.stats()["devices"]["cpu"]["pool_rebuilds"] == 1
+
+
+# --- on a GPU -----------------------------------------------------------------------------
+
+
+def sd15_unet(dtype):
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return UNet2DConditionModel(cross_attention_dim=768, sample_size=64).to(dtype).eval()
+
+
+def unet_call(size, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h, w = size[0] // 8, size[1] // 8
+    return ((torch.randn(2, 4, h, w, device="cuda", dtype=dtype, generator=g), torch.tensor(500, device="cuda")),
+            {"encoder_hidden_states": torch.randn(2, 77, 768, device="cuda", dtype=dtype, generator=g),
+             "return_dict": False})
+
+
+@pytest.fixture
+def deterministic_cudnn():
+    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
+    yield
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_graph_outputs_equal_eager_and_stay_valid(dtype, deterministic_cudnn):
+    unet = sd15_unet(dtype)
+    sizes = [(512, 512), (512, 768)]
+    calls = {s: unet_call(s, dtype) for s in sizes}
+    with torch.no_grad():
+        expected = {s: unet(*calls[s][0], **calls[s][1])[0].clone() for s in sizes}
+        sc.cached(unet, backend="cuda_graph")
+        outputs = {}
+        for _ in range(2):
+            for s in sizes:
+                outputs[s] = unet(*calls[s][0], **calls[s][1])[0]
+    for s in sizes:  # the first size's output survived the second size's replay
+        if dtype == torch.float32:
+            assert torch.equal(outputs[s], expected[s])
+        else:
+            torch.testing.assert_close(outputs[s], expected[s], rtol=1e-3, atol=1e-3)
+    st = sc.stats(unet)
+    assert [e["backend"] for e in st["entries"]] == ["cuda_graph"] * 2 and st["hits"] == 2
+    assert st["pool_bytes"] > 0
+
+
+@pytest.mark.cuda
+def test_service_sizes_under_a_budget_that_fits_fewer_graphs_than_sizes():
+    dtype = torch.float16
+    unet = sd15_unet(dtype)
+    largest = SERVICE_SIZES[-1]
+    with torch.no_grad():
+        probe = sc.cached(unet, backend="cuda_graph")
+        probe(*unet_call(largest, dtype)[0], **unet_call(largest, dtype)[1])
+        st = sc.stats(unet)
+        one_graph = st["entries"][0]["bytes"]
+        shared = st["pool_bytes"] + st["workspace_bytes"]
+        sc.uncached(unet)
+        budget = shared + int(2.5 * one_graph)  # the shared pool and two graphs of their own
+        sc.cached(unet, backend="cuda_graph", budget=budget)
+        for size in SERVICE_SIZES[::-1] + SERVICE_SIZES:
+            args, kwargs = unet_call(size, dtype)
+            out = unet(*args, **kwargs)[0]
+            assert torch.isfinite(out).all()
+            assert sc.stats(unet)["bytes"] <= budget
+    st = sc.stats(unet)
+    assert st["evictions"] > 0 and len(st["entries"]) < len(SERVICE_SIZES) and st["fallbacks"] == 0
+
+
+@pytest.mark.cuda
+def test_a_pool_grown_smallest_first_past_the_budget_is_rebuilt_largest_first():
+    dtype = torch.float16
+    unet = sd15_unet(dtype)
+    sizes = sorted(SERVICE_SIZES, key=lambda s: s[0] * s[1])  # the order that grows the pool most
+    largest = sizes[-1]
+    with torch.no_grad():
+        sc.cached(unet, backend="cuda_graph")
+        expected = unet(*unet_call(largest, dtype)[0], **unet_call(largest, dtype)[1])[0].clone()
+        alone = sc.stats(unet)
+        sc.uncached(unet)
+        torch.cuda.empty_cache()
+        # Room for the pool at the size the largest bucket needs alone (5% slack) and every
+        # bucket's own bytes; not for a pool grown bucket by bucket, smallest first.
+        budget = int(1.05 * alone["pool_bytes"]) + alone["workspace_bytes"] + 2 * len(sizes) * alone["entry_bytes"]
+        sc.cached(unet, backend="cuda_graph", budget=budget)
+        for size in sizes:
+            out = unet(*unet_call(size, dtype)[0], **unet_call(size, dtype)[1])[0]
+            assert sc.stats(unet)["bytes"] <= budget
+        torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-3)
+        for size in sizes:  # every bucket still replays, from the rebuilt pool
+            assert torch.isfinite(unet(*unet_call(size, dtype)[0], **unet_call(size, dtype)[1])[0]).all()
+    st = sc.stats(unet)
+    assert st["pool_rebuilds"] >= 1 and st["fallbacks"] == 0
+    assert st["pool_bytes"] <= 1.15 * alone["pool_bytes"]
+
+
+@pytest.mark.cuda
+def test_out_of_memory_while_capturing_evicts_and_retries():
+    dtype = torch.float16
+    unet = sd15_unet(dtype)
+    small, large = (512, 512), (1024, 1024)
+    with torch.no_grad():
+        sc.cached(unet, backend="cuda_graph")
+        unet(*unet_call(small, dtype)[0], **unet_call(small, dtype)[1])
+        torch.cuda.synchronize()
+        total = torch.cuda.get_device_properties(0).total_memory
+        # Cap the allocator just above what it holds now: the large bucket cannot be built
+        # beside the small one, but fits once the small one is evicted and its memory released.
+        cap = torch.cuda.memory_reserved() + 2 * 2**30
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+        try:
+            out = unet(*unet_call(large, dtype)[0], **unet_call(large, dtype)[1])[0]
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    st = sc.stats(unet)
+    assert torch.isfinite(out).all()
+    assert st["oom_retries"] + st["fallbacks"] >= 1  # recovered, by a rebuilt entry or an uncached call
+
+
+@pytest.mark.cuda
+def test_replaced_weights_rebuild_the_graph_and_in_place_updates_do_not():
+    layer = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.SiLU()).cuda().eval()
+    x = torch.randn(1, 4, 16, 16, device="cuda")
+    def reference():
+        return torch.nn.functional.silu(torch.nn.functional.conv2d(x, layer[0].weight, layer[0].bias, padding=1))
+
+    with torch.no_grad():
+        sc.cached(layer, backend="cuda_graph")
+        layer(x)  # captured
+        layer[0].weight.copy_(torch.randn_like(layer[0].weight))  # in place: the graph reads it
+        torch.testing.assert_close(layer(x), reference())
+        layer[0].weight = torch.nn.Parameter(torch.randn_like(layer[0].weight))  # replaced: stale
+        torch.testing.assert_close(layer(x), reference())
+        layer[0].weight.data = torch.randn_like(layer[0].weight)  # new storage: stale again
+        torch.testing.assert_close(layer(x), reference())
+    st = sc.stats(layer)
+    assert st["invalidations"] == 2 and st["builds"] == 3 and st["hits"] == 3
+
+
+@pytest.mark.cuda
+def test_everything_for_cuda_1_stays_on_cuda_1():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    layer = torch.nn.Conv2d(4, 4, 3, padding=1).to("cuda:1").eval()
+    before = torch.cuda.memory_reserved(0)
+    with torch.no_grad():
+        sc.cached(layer, backend="cuda_graph")
+        for _ in range(2):
+            layer(torch.randn(1, 4, 32, 32, device="cuda:1"))
+    torch.cuda.synchronize(1)
+    assert torch.cuda.memory_reserved(0) == before
+    assert sc.stats(layer)["entries"][0]["device"] == "cuda:1"

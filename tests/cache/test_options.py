@@ -1,0 +1,98 @@
+"""Bad options raise ValueError/TypeError naming the argument, the value and what is accepted."""
+
+import pytest
+import torch
+
+import shapecache as sc
+from shapecache.budget import parse_budget
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (1024, 1024),
+        ("512MiB", 512 * 2**20),
+        ("20GiB", 20 * 2**30),
+        ("1.5GB", 1_500_000_000),
+        ("4096", 4096),
+        (" 2 kib ", 2048),
+    ],
+)
+def test_budget_in_bytes(value, expected):
+    assert parse_budget(value).bytes == expected
+
+
+def test_budget_fractions_resolve_per_device():
+    ram = parse_budget(1.0).bytes_for(torch.device("cpu"))
+    assert ram > 0
+    assert parse_budget(0.25).bytes_for(torch.device("cpu")) == int(0.25 * ram)
+    assert parse_budget("50%").fraction == 0.5
+
+
+def test_budget_from_environment(monkeypatch):
+    monkeypatch.setenv("SHAPECACHE_BUDGET", "3MiB")
+    assert parse_budget(None).bytes == 3 * 2**20
+    monkeypatch.setenv("SHAPECACHE_BUDGET", "plenty")
+    with pytest.raises(ValueError, match="SHAPECACHE_BUDGET='plenty'"):
+        parse_budget(None)
+    monkeypatch.delenv("SHAPECACHE_BUDGET")
+    assert parse_budget(None).fraction == 0.5
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"budget": "lots"}, ValueError, r"budget='lots': cannot read this size; expected an int number of bytes, a string such as '512MiB'"),
+        ({"budget": "20 parsecs"}, ValueError, r"budget='20 parsecs'"),
+        ({"budget": 1.5}, ValueError, r"budget=1.5: a float budget is a fraction of the device's memory in \(0, 1\]"),
+        ({"budget": 0.0}, ValueError, r"budget=0.0"),
+        ({"budget": -1}, ValueError, r"budget=-1: a byte budget must be >= 0"),
+        ({"budget": True}, TypeError, r"budget=True"),
+        ({"budget": [1]}, TypeError, r"budget=\[1\] \(type list\)"),
+        ({"backend": "tensorrt"}, ValueError, r"backend='tensorrt': expected one of 'auto', 'eager', 'compile'"),
+        ({"max_entries": 0}, ValueError, r"max_entries=0: expected a positive int, or None"),
+        ({"max_entries": "3"}, TypeError, r"max_entries='3' \(str\): expected a positive int"),
+        ({"buckets": [0]}, TypeError, r"buckets=\[0\]: expected a dict mapping an argument name or position"),
+        ({"compile_options": {"mode": "max-autotune"}, "backend": "eager"}, ValueError, r"compile_options were given with backend='eager', which compiles nothing"),
+        ({"compile_options": {"mode": "max-autotune"}}, ValueError, r"compile_options were given with backend='auto'"),
+        ({"compile_options": {"dynamic": True}, "backend": "compile"}, ValueError, r"'dynamic' is fixed to False"),
+        ({"compile_options": "fast", "backend": "compile"}, TypeError, r"compile_options='fast'"),
+    ],
+)
+def test_bad_options(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        sc.cached(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "buckets, error, message",
+    [
+        ({"y": {0: sc.multiple_of(2)}}, ValueError, r"the function has no argument 'y'; its arguments are \['x', 'scale'\]"),
+        ({5: {0: sc.multiple_of(2)}}, ValueError, r"position 5 is out of range"),
+        ({"x": {0: 8}}, TypeError, r"buckets\['x'\]\[0\]=8: expected a policy"),
+        ({"x": {"0": sc.multiple_of(2)}}, TypeError, r"dimension '0' is not an int"),
+        ({"x": {}}, TypeError, r"buckets\['x'\]=\{\}: expected a non-empty dict"),
+        ({1.5: {0: sc.multiple_of(2)}}, TypeError, r"key 1.5 must be an argument name"),
+    ],
+)
+def test_bad_buckets_raise_when_wrapping(conv_net, buckets, error, message):
+    with pytest.raises(error, match=message):
+        sc.cached(conv_net, buckets=buckets)
+    assert "forward" not in conv_net.__dict__  # nothing was changed
+
+
+def test_bucket_dimension_out_of_range_names_the_argument(conv_net):
+    sc.cached(conv_net, buckets={"x": {7: sc.multiple_of(2)}})
+    with pytest.raises(ValueError, match="dimension 7 of argument 'x' is out of range for a tensor of 4 dimensions"):
+        conv_net(torch.ones(1, 3, 8, 8))
+    assert sc.stats(conv_net)["builds"] == 0
+
+
+def test_wrapping_twice_or_wrapping_a_non_callable(conv_net):
+    sc.cached(conv_net)
+    with pytest.raises(ValueError, match="cached already; call shapecache.uncached on it first"):
+        sc.cached(conv_net)
+    with pytest.raises(TypeError, match="expected a function or an nn.Module, got 3"):
+        sc.cached(3)
+    with pytest.raises(TypeError, match="stats: expected a function or module wrapped by shapecache.cached, or a pipeline wrapped by shapecache.wrap, got object"):
+        sc.stats(object())

@@ -1,0 +1,85 @@
+"""Invariant 3: a cache miss never fails the user's call because of the cache.
+
+Out of memory while building: evict the device's unpinned entries, empty the allocator's
+cache, retry once; then run uncached and count a fallback. Only an out-of-memory error of the
+plain call reaches the user, carrying the cache's state. The builders here raise the real
+torch.OutOfMemoryError a set number of times.
+"""
+
+import pytest
+import torch
+
+from shapecache._extension import _C
+
+
+class FlakyBuilder:
+    """Runs the function eagerly, declaring `nbytes` per entry, after `failures` OOMs."""
+
+    def __init__(self, function, failures, nbytes=10):
+        self.function, self.failures, self.nbytes, self.calls = function, failures, nbytes, 0
+
+    def __call__(self, args, kwargs, device):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.function, self.nbytes, self.function(*args, **kwargs), "eager"
+
+
+def cached(function, builder, budget=100):
+    cache = _C.ShapeCache(lambda device: budget, None)
+    return _C.ShapeDispatcher(function, builder, cache, [], ["x"], None, False)
+
+
+def double(x):
+    return x * 2
+
+
+def test_one_out_of_memory_evicts_retries_and_keeps_the_entry():
+    f = cached(double, FlakyBuilder(double, failures=0))
+    f(torch.ones(1))
+    f(torch.ones(2))  # two entries held
+    builder = FlakyBuilder(double, failures=1)
+    g = _C.ShapeDispatcher(double, builder, f.cache, [], ["x"], None, False)  # shares f's cache
+    assert torch.equal(g(torch.ones(3)), torch.full((3,), 2.0))
+    st = g.stats()
+    assert builder.calls == 2 and st["oom_retries"] == 1 and st["fallbacks"] == 0
+    assert [e["bucket"] for e in f.cache.stats()["entries"]] == ["x=(3,) float32 cpu"]  # f's entries were evicted
+    assert f.cache.stats()["evictions"] == 2
+
+
+def test_two_out_of_memory_errors_run_the_call_uncached():
+    builder = FlakyBuilder(double, failures=2)
+    f = cached(double, builder)
+    with pytest.warns(RuntimeWarning, match="ran out of memory twice .* such calls run uncached"):
+        assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+    st = f.stats()
+    assert (st["oom_retries"], st["fallbacks"], st["builds"], len(st["entries"])) == (1, 1, 0, 0)
+    # the next call builds normally
+    assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0)) and len(f.stats()["entries"]) == 1
+
+
+def test_only_the_plain_calls_out_of_memory_reaches_the_user_with_the_caches_state():
+    def too_big(x):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    keeper = cached(double, FlakyBuilder(double, failures=0), budget=1000)
+    keeper(torch.ones(1))
+    f = _C.ShapeDispatcher(too_big, FlakyBuilder(too_big, failures=2), keeper.cache, [], ["x"], None, False)
+    with pytest.warns(RuntimeWarning, match="ran out of memory twice"):
+        with pytest.raises(torch.OutOfMemoryError) as raised:
+            f(torch.ones(3))
+    message = str(raised.value)
+    assert "the cache on cpu holds 0 bytes in 0 entries (0 pinned)" in message
+    assert "budget 1000 bytes" in message and "the uncached call ran out of memory too" in message
+    assert "Tried to allocate 80.00 GiB" in str(raised.value.__cause__)
+    assert f.stats()["fallbacks"] == 1 and keeper.cache.stats()["entries"] == []
+
+
+def test_other_errors_are_not_retried():
+    def broken(args, kwargs, device):
+        raise ValueError("a bug in the model")
+
+    f = cached(double, broken)
+    with pytest.raises(ValueError, match="a bug in the model"):
+        f(torch.ones(1))
+    assert f.stats()["oom_retries"] == 0 and f.stats()["fallbacks"] == 0

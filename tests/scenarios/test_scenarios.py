@@ -1,0 +1,100 @@
+"""The size loop and `python -m shapecache repro` on a tiny model, on CPU; the OOM scenario on a GPU."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from shapecache.scenarios import size_loop  # noqa: E402
+from shapecache.testing import tiny_pipelines as tp  # noqa: E402
+
+SIZES = [(32, 32), (48, 64), (32, 48)]
+
+
+def test_shapecache_strategy_largest_first():
+    unet = tp.stable_diffusion().unet
+    records = size_loop(unet, SIZES, order="largest_first", strategy="shapecache", budget="1GiB")
+    assert [r.size for r in records] == [(48, 64), (32, 48), (32, 32)]
+    assert all(r.error is None and r.build_seconds > 0 and r.call_seconds > 0 and r.reserved > 0 for r in records)
+    assert "forward" not in unet.__dict__  # the strategy is undone
+
+
+def test_naive_builds_a_new_graph_per_size():
+    from torch._dynamo.utils import counters
+
+    unet = tp.stable_diffusion().unet
+    graphs = counters["stats"]["unique_graphs"]
+    records = size_loop(unet, SIZES[:2], strategy="naive", compile_options={"backend": "eager"})
+    assert [r.error for r in records] == [None, None]
+    assert counters["stats"]["unique_graphs"] - graphs >= 2  # its own code copy per size: never a cache hit
+    assert "forward" not in unet.__dict__
+
+
+def test_torch_compile_strategy_runs_and_is_undone():
+    # torch.compile of the module's forward shares Dynamo's cache with every UNet in the process,
+    # so whether it compiles anew depends on what ran before; that it runs and is undone does not.
+    unet = tp.stable_diffusion().unet
+    records = size_loop(unet, SIZES[:2], strategy="torch_compile", compile_options={"backend": "eager"})
+    assert [r.error for r in records] == [None, None] and all(r.call_seconds > 0 for r in records)
+    assert "forward" not in unet.__dict__
+
+
+def test_the_loop_stops_at_the_first_out_of_memory_error():
+    class Fussy(torch.nn.Module):
+        def forward(self, x):
+            if x.shape[-1] > 40:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+            return x * 2
+
+    def inputs(size):
+        return (torch.ones(1, 1, *size),), {}
+
+    fussy = Fussy()
+    fussy.register_parameter("w", torch.nn.Parameter(torch.ones(1)))  # size_loop reads the device from it
+    records = size_loop(fussy, SIZES, strategy="naive", inputs=inputs, compile_options={"backend": "eager"})
+    assert [r.size for r in records] == [(32, 32), (48, 64)]
+    assert records[-1].error == "OutOfMemoryError: CUDA out of memory. Tried to allocate 9.00 GiB"
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="strategy='fast': expected one of"):
+        size_loop(torch.nn.Linear(1, 1), SIZES, strategy="fast")
+    with pytest.raises(ValueError, match="order='smallest_first'"):
+        size_loop(torch.nn.Linear(1, 1), SIZES, order="smallest_first")
+
+
+def test_repro_runs_each_strategy_and_draws_the_plot(tmp_path):
+    from shapecache.scenarios import _cli, _repro
+
+    png, out = tmp_path / "memory.png", tmp_path / "out.json"
+    args = _cli.parse_arguments(["repro", "--model", "tiny-sd", "--sizes", "32x32,48x48", "--strategies",
+                                 "torch_compile,shapecache", "--budget", "2GiB", "--plot", str(png), "--json", str(out)])
+    results = _repro.run(args)
+    assert {s: _repro.verdict(r, 2) for s, r in results.items()} == {"torch_compile": "completed",
+                                                                       "shapecache": "completed"}
+    for result in results.values():
+        assert [r["size"] for r in result["records"]] == [[32, 32], [48, 48]]
+        assert all(r["build_seconds"] > 0 and r["call_seconds"] > 0 for r in result["records"])
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert json.loads(out.read_text())["results"] == results
+
+
+@pytest.mark.cuda
+@pytest.mark.vram_budget("24GiB")
+def test_sdxl_size_loop_naive_runs_out_and_shapecache_completes():
+    from shapecache.scenarios import build_model
+
+    sizes = [(1024, 1024), (1024, 1152), (1360, 1536), (1536, 1360), (1536, 1536)]
+    unet = build_model("sdxl", torch.device("cuda"))
+    naive = size_loop(unet, sizes, strategy="naive")
+    assert naive[-1].error and naive[-1].error.startswith("OutOfMemoryError") and len(naive) > 1
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    ours = size_loop(unet, sizes, strategy="shapecache", budget="20GiB")
+    assert [r.error for r in ours] == [None] * len(sizes)
+    assert max(r.reserved for r in ours) <= 24 * 2**30

@@ -1,0 +1,61 @@
+"""`python -m shapecache serve`: what it serves adds up; bad options exit with status 2."""
+
+import subprocess
+import sys
+
+import pytest
+
+from shapecache.scenarios import _cli, _serve
+
+
+def serve(*argv) -> dict:
+    return _serve.run(_cli.parse_arguments(["serve", *argv]))
+
+
+def test_serve_counts_add_up():
+    sizes = [(16, 16), (16, 24), (24, 16), (32, 32)]
+    out = serve("--requests", "15", "--max-entries", "2", "--sizes", "16x16,16x24,24x16,32x32")
+    rows = out["sizes"]
+    assert list(rows) == sizes
+    requests = sum(r["requests"] for r in rows.values())
+    builds = sum(r["builds"] for r in rows.values())
+    hits = sum(len(r["hit_ms"]) for r in rows.values())
+    assert requests == 15 and builds + hits == 15
+    assert len(out["held"]) == 2  # max_entries=2 holds two sizes at the end
+    st = out["stats"]
+    assert (st["hits"], st["misses"], st["evictions"]) == (hits, builds, builds - 2)
+
+
+def test_serve_rejects_bad_sizes():
+    result = subprocess.run(
+        [sys.executable, "-m", "shapecache", "serve", "--sizes", "16by16"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0 and "--sizes: cannot read '16by16'" in result.stderr
+
+
+def test_serving_tiny_sd_prewarms_everything_the_pipeline_uses():
+    pytest.importorskip("diffusers")
+    out = serve("--model", "tiny-sd", "--sizes", "32x32,32x48,48x48")
+    assert [tuple(r["size"]) for r in out["stats"]["prewarmed"]] == [(48, 48), (32, 48), (32, 32)]
+    assert list(out["sizes"]) == [(32, 32), (32, 48), (48, 48)]
+    assert all(r["builds"] == 0 and r["equal"] for r in out["sizes"].values()), out["sizes"]
+
+
+def test_demo_is_the_repro_scenario_with_the_tiny_pipeline_on_the_default_device(tmp_path):
+    import json
+
+    import torch
+
+    pytest.importorskip("diffusers")
+    out = tmp_path / "demo.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "shapecache", "demo", "--sizes", "32x32,48x32", "--strategies", "shapecache",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    saved = json.loads(out.read_text())
+    assert saved["model"] == "tiny-sd" and saved["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    records = saved["results"]["shapecache"]["records"]
+    assert [r["size"] for r in records] == [[32, 32], [48, 32]]
+    assert all(r["error"] is None and r["call_seconds"] > 0 for r in records)
