@@ -130,7 +130,9 @@ class KeyWriter {
       int64_t bucket = 0;
       try {
         bucket = policy.bucket(sizes[d]);
-      } catch (const std::out_of_range& e) {
+      } catch (const std::logic_error& e) {  // out_of_range: above the largest listed size
+        throw py::value_error("buckets: argument '" + name + "', dimension " + std::to_string(dim) + ": " + e.what());
+      } catch (const std::overflow_error& e) {
         throw py::value_error("buckets: argument '" + name + "', dimension " + std::to_string(dim) + ": " + e.what());
       }
       if (bucket != sizes[d]) padded_dims.push_back(CropDim{d, sizes[d], bucket});

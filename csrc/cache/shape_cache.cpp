@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <sstream>
+#include <tuple>
 
 namespace shapecache {
 
@@ -92,10 +93,12 @@ std::optional<ShapeKey> ShapeCache::key_of(const c10::Device& device, uint64_t i
 }
 
 py::list ShapeCache::entries(const c10::Device& device) {
-  py::list out;
+  std::vector<std::tuple<uint64_t, py::object, bool>> found;  // copied out first: see the file's comment
   lru(device).for_each([&](const ShapeKey&, const Entry& entry, int64_t, int pins) {
-    out.append(py::make_tuple(entry.id, entry.runner, pins > 0));
+    found.emplace_back(entry.id, entry.runner, pins > 0);
   });
+  py::list out;
+  for (auto& [id, runner, pinned] : found) out.append(py::make_tuple(id, std::move(runner), pinned));
   return out;
 }
 
@@ -122,50 +125,86 @@ std::vector<EntryLru::Evicted> ShapeCache::set_shared_bytes(const c10::Device& d
   return entries.set_shared_bytes(bytes.pool + bytes.workspace);
 }
 
+namespace {
+
+// A device's figures and entries, copied out of the cache before any Python object is made.
+struct EntryFigures {
+  uint64_t id;
+  std::string bucket, backend;
+  int64_t bytes, hits;
+  double build_seconds, last_use;
+  bool pinned;
+};
+
+struct DeviceFigures {
+  std::string name;
+  int64_t budget, bytes, entry_bytes, pool_bytes, workspace_bytes, peak_bytes, entries, evictions, rejections,
+      pool_rebuilds;
+  std::vector<EntryFigures> listed;
+};
+
+py::object bytes_or_none(int64_t bytes) {
+  return bytes == EntryLru::kUnlimited ? py::object(py::none()) : py::object(py::int_(bytes));
+}
+
+}  // namespace
+
 py::dict ShapeCache::stats(std::optional<uint64_t> function_id) const {
-  int64_t entry_bytes = 0, pool_bytes = 0, workspace_bytes = 0, evictions = 0, rejections = 0, peak_bytes = 0,
-          pool_rebuilds = 0;
-  py::list entries;
-  py::dict per_device;
+  std::vector<DeviceFigures> devices;
+  devices.reserve(device_order_.size());
   for (const c10::Device& device : device_order_) {
     const DeviceCache& cache = devices_.at(device);
     const EntryLru& lru = *cache.lru;
     const LruCounters& c = lru.counters();
-    std::ostringstream name;
-    name << device;
-    py::dict figures;
-    figures["budget"] = lru.budget_bytes() == EntryLru::kUnlimited ? py::object(py::none()) : py::int_(lru.budget_bytes());
-    figures["bytes"] = lru.total_bytes();
-    figures["entry_bytes"] = lru.entry_bytes();
-    figures["pool_bytes"] = cache.shared.pool;
-    figures["workspace_bytes"] = cache.shared.workspace;
-    figures["peak_bytes"] = c.peak_bytes;
-    figures["entries"] = lru.size();
-    figures["evictions"] = c.evictions;
-    figures["rejections"] = c.rejections;
-    figures["pool_rebuilds"] = cache.pool_rebuilds;
-    per_device[py::str(name.str())] = figures;
-    entry_bytes += lru.entry_bytes();
-    pool_bytes += cache.shared.pool;
-    workspace_bytes += cache.shared.workspace;
-    evictions += c.evictions;
-    rejections += c.rejections;
-    peak_bytes += c.peak_bytes;
-    pool_rebuilds += cache.pool_rebuilds;
+    DeviceFigures f{device.str(), lru.budget_bytes(), lru.total_bytes(), lru.entry_bytes(), cache.shared.pool,
+                    cache.shared.workspace, c.peak_bytes, lru.size(), c.evictions, c.rejections, cache.pool_rebuilds,
+                    {}};
     lru.for_each([&](const ShapeKey&, const Entry& entry, int64_t bytes, int pins) {
       if (function_id && entry.function_id != *function_id) return;
-      py::dict e;
-      e["id"] = entry.id;
-      e["bucket"] = entry.bucket;
-      e["device"] = name.str();
-      e["backend"] = entry.backend;
-      e["bytes"] = bytes;
-      e["hits"] = entry.hits;
-      e["build_seconds"] = entry.build_seconds;
-      e["last_use"] = entry.last_use;
-      e["pinned"] = pins > 0;
-      entries.append(e);
+      f.listed.push_back(EntryFigures{entry.id, entry.bucket, entry.backend, bytes, entry.hits, entry.build_seconds,
+                                      entry.last_use, pins > 0});
     });
+    devices.push_back(std::move(f));
+  }
+
+  // From here on Python objects are made; the cache is not read again.
+  int64_t entry_bytes = 0, pool_bytes = 0, workspace_bytes = 0, evictions = 0, rejections = 0, peak_bytes = 0,
+          pool_rebuilds = 0;
+  py::list entries;
+  py::dict per_device;
+  for (const DeviceFigures& f : devices) {
+    py::dict figures;
+    figures["budget"] = bytes_or_none(f.budget);
+    figures["bytes"] = f.bytes;
+    figures["entry_bytes"] = f.entry_bytes;
+    figures["pool_bytes"] = f.pool_bytes;
+    figures["workspace_bytes"] = f.workspace_bytes;
+    figures["peak_bytes"] = f.peak_bytes;
+    figures["entries"] = f.entries;
+    figures["evictions"] = f.evictions;
+    figures["rejections"] = f.rejections;
+    figures["pool_rebuilds"] = f.pool_rebuilds;
+    per_device[py::str(f.name)] = figures;
+    entry_bytes += f.entry_bytes;
+    pool_bytes += f.pool_bytes;
+    workspace_bytes += f.workspace_bytes;
+    evictions += f.evictions;
+    rejections += f.rejections;
+    peak_bytes += f.peak_bytes;
+    pool_rebuilds += f.pool_rebuilds;
+    for (const EntryFigures& e : f.listed) {
+      py::dict d;
+      d["id"] = e.id;
+      d["bucket"] = e.bucket;
+      d["device"] = f.name;
+      d["backend"] = e.backend;
+      d["bytes"] = e.bytes;
+      d["hits"] = e.hits;
+      d["build_seconds"] = e.build_seconds;
+      d["last_use"] = e.last_use;
+      d["pinned"] = e.pinned;
+      entries.append(d);
+    }
   }
   py::dict out;
   out["bytes"] = entry_bytes + pool_bytes + workspace_bytes;
@@ -176,7 +215,7 @@ py::dict ShapeCache::stats(std::optional<uint64_t> function_id) const {
   out["evictions"] = evictions;
   out["rejections"] = rejections;
   out["pool_rebuilds"] = pool_rebuilds;
-  out["max_entries"] = max_entries_ == EntryLru::kUnlimited ? py::object(py::none()) : py::int_(max_entries_);
+  out["max_entries"] = bytes_or_none(max_entries_);
   out["devices"] = per_device;
   out["entries"] = entries;
   return out;

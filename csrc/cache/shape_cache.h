@@ -3,7 +3,14 @@
 //
 // Threading: every method runs with the GIL held, and no Python code runs between reading
 // and updating the cache's state (entries that leave the cache are handed back to the
-// caller, whose scope destroys them). That makes the GIL the cache's lock.
+// caller, whose scope destroys them). That makes the GIL the cache's lock. Creating a Python
+// object can run the garbage collector, whose callbacks run Python code and may release the
+// GIL: so no Python object is created while walking an LRU (stats and entries copy the figures
+// out first, then build Python objects).
+//
+// One build per bucket: a miss marks its key as building until its builder returns; another
+// call that misses the same key meanwhile (another thread, or a recursive call) runs uncached
+// instead of building it again.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -15,6 +22,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "core/budgeted_lru.h"
@@ -98,6 +106,13 @@ class ShapeCache {
   // Charges the shared bytes of a device against its budget; may evict.
   std::vector<EntryLru::Evicted> set_shared_bytes(const c10::Device& device, SharedBytes bytes);
 
+  // Marks `key` as being built on `device`; false when another call is building it.
+  bool begin_build(const c10::Device& device, const ShapeKey& key) {
+    lru(device);
+    return devices_.at(device).building.insert(key).second;
+  }
+  void end_build(const c10::Device& device, const ShapeKey& key) { devices_.at(device).building.erase(key); }
+
   // Totals, per-device figures and entries; entries of one function only when given.
   py::dict stats(std::optional<uint64_t> function_id = std::nullopt) const;
 
@@ -108,6 +123,7 @@ class ShapeCache {
     std::unique_ptr<EntryLru> lru;
     SharedBytes shared;
     int64_t pool_rebuilds = 0;  // times every graph of the device was captured again, largest first
+    std::unordered_set<ShapeKey, ShapeKeyHash> building;  // keys whose builder is running
   };
 
   std::optional<ShapeKey> key_of(const c10::Device& device, uint64_t id);

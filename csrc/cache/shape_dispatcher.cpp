@@ -35,6 +35,21 @@ class PinGuard {
   const ShapeKey& key_;
 };
 
+// Ends a build's mark on every way out, exceptions included.
+class BuildGuard {
+ public:
+  BuildGuard(ShapeCache& cache, const c10::Device& device, const ShapeKey& key)
+      : cache_(cache), device_(device), key_(key) {}
+  ~BuildGuard() { cache_.end_build(device_, key_); }
+  BuildGuard(const BuildGuard&) = delete;
+  BuildGuard& operator=(const BuildGuard&) = delete;
+
+ private:
+  ShapeCache& cache_;
+  const c10::Device& device_;
+  const ShapeKey& key_;
+};
+
 // torch.OutOfMemoryError, looked up once.
 const py::object& out_of_memory_type() {
   PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> storage;
@@ -141,7 +156,12 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
     } else {
       out = call_python(runner.ptr(), call_args.ptr(), call_kwargs);
     }
+  } else if (!cache_->begin_build(key.device, key.key)) {
+    // Another call is building this bucket (another thread, or this call's own caller).
+    ++counters_.busy_misses;
+    out = call_python(function_.ptr(), call_args.ptr(), call_kwargs);
   } else {
+    BuildGuard building(*cache_, key.device, key.key);
     ++counters_.misses;
     out = build(key, call_args.ptr(), call_kwargs);
   }
@@ -177,10 +197,22 @@ py::object ShapeDispatcher::build(CallKey& key, PyObject* args, PyObject* kwargs
   if (!result.inserted && !present) {
     ++counters_.fallbacks;
     std::ostringstream message;
-    message << "shapecache: the entry for " << describe_key(key.key) << " holds " << bytes
-            << " bytes, more than the budget of " << lru.budget_bytes() << " bytes leaves after pinned entries and "
-            << lru.shared_bytes() << " shared bytes; calls of this bucket run uncached";
-    warn_once(warned_rejected_, message.str());
+    message << "shapecache: the entry for " << describe_key(key.key) << " was not kept: ";
+    if (bytes > lru.budget_bytes() - lru.shared_bytes() - lru.pinned_bytes()) {
+      message << "it holds " << bytes << " bytes, more than the budget of " << lru.budget_bytes()
+              << " bytes leaves after " << lru.pinned_bytes() << " bytes of running entries and " << lru.shared_bytes()
+              << " shared bytes";
+    } else {
+      message << "all " << lru.pinned_count() << " entries on " << key.device
+              << " are running, and max_entries=" << lru.max_entries() << " leaves no room beside them";
+    }
+    message << ". This call's result is returned; the bucket is built again on its next call";
+    // A warning turned into an error (-W error) must not turn this computed result into an
+    // exception: it is reported as unraisable instead.
+    if (!warned_rejected_) {
+      warned_rejected_ = true;
+      if (PyErr_WarnEx(PyExc_RuntimeWarning, message.str().c_str(), 1) < 0) PyErr_WriteUnraisable(function_.ptr());
+    }
   }
   return output;  // `result` (evicted and returned entries) is destroyed here, after the cache is consistent
 }
@@ -228,6 +260,7 @@ py::dict ShapeDispatcher::stats() const {
   out["uncached_calls"] = counters_.uncached_calls;
   out["oom_retries"] = counters_.oom_retries;
   out["invalidations"] = counters_.invalidations;
+  out["busy_misses"] = counters_.busy_misses;
   return out;
 }
 

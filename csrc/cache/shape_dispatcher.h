@@ -4,7 +4,8 @@
 // A call: build the key from the arguments (C++), find the entry on the key's device, pin
 // it, run it, unpin it, crop padded outputs. A miss asks the Python builder for an entry
 // (the slow path: compiling and measuring belong to Python and torch) and inserts it under
-// the budget. An argument that cannot be keyed runs the call uncached, with one warning.
+// the budget; a miss of a bucket that another call is building runs uncached (one build per
+// bucket). An argument that cannot be keyed runs the call uncached, with one warning.
 //
 // Out of memory while building (invariant 3): evict the device's unpinned entries, empty
 // the allocator's cache, retry once; then run the call uncached and count a fallback. Only an
@@ -36,6 +37,7 @@ struct FunctionCounters {
   int64_t uncached_calls = 0;  // calls with an argument that cannot be keyed
   int64_t oom_retries = 0;     // builds retried after an out-of-memory error
   int64_t invalidations = 0;   // entries found stale (weights replaced) and rebuilt
+  int64_t busy_misses = 0;     // misses of a bucket another call was building: ran uncached
 };
 
 class ShapeDispatcher {

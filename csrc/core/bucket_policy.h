@@ -11,6 +11,7 @@
 #pragma once
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <sstream>
 #include <stdexcept>
@@ -59,11 +60,19 @@ class BucketPolicy {
     switch (kind_) {
       case Kind::kExact:
         return size;
-      case Kind::kMultipleOf:
-        return (size + parameter_ - 1) / parameter_ * parameter_;
+      case Kind::kMultipleOf: {
+        // Rounded up without overflow: the remainder first, then one checked addition.
+        const int64_t rest = size % parameter_;
+        int64_t b = size;
+        if (rest != 0 && __builtin_add_overflow(size, parameter_ - rest, &b)) throw too_large(size);
+        return b;
+      }
       case Kind::kPowerOfTwo: {
         int64_t b = parameter_;
-        while (b < size) b <<= 1;
+        while (b < size) {
+          if (b > INT64_MAX / 2) throw too_large(size);  // doubling again would overflow
+          b <<= 1;
+        }
         return b;
       }
       case Kind::kExplicit: {
@@ -79,6 +88,11 @@ class BucketPolicy {
   }
 
   bool pads() const { return kind_ != Kind::kExact; }
+
+  std::overflow_error too_large(int64_t size) const {
+    return std::overflow_error("size " + std::to_string(size) + " has no bucket under " + describe() +
+                               ": its bucket would not fit in a signed 64-bit integer");
+  }
   Kind kind() const { return kind_; }
   int64_t parameter() const { return parameter_; }
   const std::vector<int64_t>& sizes() const { return sizes_; }

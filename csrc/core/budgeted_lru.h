@@ -206,6 +206,18 @@ class BudgetedLru {
   int64_t size() const { return static_cast<int64_t>(order_.size()); }
   const LruCounters& counters() const { return counters_; }
 
+  int64_t pinned_bytes() const {
+    int64_t bytes = 0;
+    for (const Node& n : order_) bytes += n.pins > 0 ? n.bytes : 0;
+    return bytes;
+  }
+
+  int64_t pinned_count() const {
+    int64_t count = 0;
+    for (const Node& n : order_) count += n.pins > 0 ? 1 : 0;
+    return count;
+  }
+
  private:
   struct Node {
     Key key;
@@ -236,16 +248,8 @@ class BudgetedLru {
   }
 
   bool fits_after_evicting_all_unpinned(int64_t incoming_bytes, int64_t incoming_count) const {
-    int64_t pinned_count = 0;
-    for (const Node& n : order_) pinned_count += n.pins > 0 ? 1 : 0;
     return incoming_bytes <= budget_bytes_ - shared_bytes_ - pinned_bytes() &&
-           incoming_count <= max_entries_ - pinned_count;
-  }
-
-  int64_t pinned_bytes() const {
-    int64_t bytes = 0;
-    for (const Node& n : order_) bytes += n.pins > 0 ? n.bytes : 0;
-    return bytes;
+           incoming_count <= max_entries_ - pinned_count();
   }
 
   std::vector<Evicted> evict_while_over(int64_t incoming_bytes, int64_t incoming_count) {

@@ -50,6 +50,9 @@ struct TuningRecord {
   int64_t workspace_bytes = 0;
   double microseconds = 0;  // median time of one call when tuned
   int slot = -1;            // index of `algorithm` among the tuner's candidates (not persisted)
+  // Whether workspace_bytes was computed in this process for this problem (not persisted):
+  // a record read from a file is a hint, never trusted to size a buffer.
+  bool verified = false;
 };
 
 uint64_t hash_environment(const std::string& environment);
@@ -71,6 +74,17 @@ class TuningTable {
   }
 
   // A record read from disk: kept; not queued. Returns false if the problem was known.
+  // A loaded record checked against its problem: its algorithm needs `bytes` of workspace.
+  void verify(const ConvProblem& problem, int64_t bytes) {
+    auto it = records_.find(problem);
+    if (it == records_.end()) return;
+    it->second.workspace_bytes = bytes;
+    it->second.verified = true;
+  }
+
+  // A loaded record whose algorithm does not apply to its problem: as if it never was.
+  void forget(const ConvProblem& problem) { records_.erase(problem); }
+
   bool add_loaded(const TuningRecord& record) {
     auto inserted = records_.emplace(record.problem, record).second;
     if (inserted) ++loaded_;

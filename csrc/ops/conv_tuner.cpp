@@ -119,12 +119,28 @@ at::Tensor ConvTuner::run(const ConvArgs& args) {
   int slot = -1;
   int64_t workspace_bytes = 0;
   bool enabled = false;
+  bool verified = false;
   {
     std::lock_guard<std::mutex> guard(mutex_);
     enabled = enabled_;
     if (const TuningRecord* record = table_.find(problem)) {
       slot = record->slot;
       workspace_bytes = record->workspace_bytes;
+      verified = record->verified;
+    }
+  }
+  if (slot >= 0 && !verified) {
+    // A record from a file is a hint: the workspace its algorithm needs is computed here (a
+    // smaller figure would let the algorithm write past its buffer), and a record whose
+    // algorithm does not apply to this problem is dropped, and the problem tuned.
+    const int64_t needed = hooks.algorithms.at(slot).workspace_bytes(args);
+    std::lock_guard<std::mutex> guard(mutex_);
+    if (needed < 0) {
+      table_.forget(problem);
+      slot = -1;
+    } else {
+      table_.verify(problem, needed);
+      workspace_bytes = needed;
     }
   }
   if (slot < 0) {
@@ -186,6 +202,7 @@ TuningResult ConvTuner::tune(const ConvArgs& args) {
   record.workspace_bytes = result.candidates[best].workspace_bytes;
   record.microseconds = best_time;
   record.slot = best;
+  record.verified = true;
   table_.add_tuned(record);
   return result;
 }

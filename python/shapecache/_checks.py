@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+INT64_MAX = 2**63 - 1  # what the C++ core holds sizes, counts and bytes in
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
@@ -16,6 +18,15 @@ def positive_int(name: str, value, what: str = "") -> int:
         raise TypeError(f"{name}={value!r} ({type(value).__name__}): expected {accepted}")
     if value < 1:
         raise ValueError(f"{name}={value!r}: expected {accepted}")
+    if value > INT64_MAX:
+        raise ValueError(f"{name}={value!r}: expected {accepted} of at most 2**63 - 1")
+    return value
+
+
+def boolean(name: str, value) -> bool:
+    """`value` if it is True or False; anything else (a string "false", say) is a TypeError."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} ({type(value).__name__}): expected True or False")
     return value
 
 

@@ -17,7 +17,7 @@ that is acceptable.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from shapecache import _checks
 from shapecache._extension import _C
@@ -44,6 +44,8 @@ def power_of_two(minimum: int = 1) -> BucketPolicy:
 
 def sizes(bucket_sizes) -> BucketPolicy:
     """Sizes round up to the next of `bucket_sizes`; a size above the largest is an error."""
+    if isinstance(bucket_sizes, (str, bytes)) or not isinstance(bucket_sizes, Iterable):
+        raise TypeError(f"sizes(bucket_sizes={bucket_sizes!r}): expected a list of positive ints such as [512, 768, 1024]")
     values = list(bucket_sizes)
     for index, v in enumerate(values):
         _checks.positive_int(f"sizes(...)[{index}]", v)

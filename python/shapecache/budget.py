@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shapecache._checks import INT64_MAX
+
 DEFAULT_FRACTION = 0.5
 
 _UNITS = {
@@ -74,6 +76,8 @@ def parse_budget(value, *, argument: str = "budget") -> Budget:
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{argument}={value!r}: a byte budget must be >= 0; expected {_ACCEPTED}")
+        if value > INT64_MAX:
+            raise ValueError(f"{argument}={value!r}: a byte budget must be at most 2**63 - 1; expected {_ACCEPTED}")
         return Budget(bytes=value)
     if isinstance(value, float):
         if not 0.0 < value <= 1.0:
@@ -85,10 +89,21 @@ def parse_budget(value, *, argument: str = "budget") -> Budget:
     if isinstance(value, str):
         percent = _PERCENT.match(value)
         if percent:
-            return parse_budget(float(percent.group(1)) / 100.0, argument=argument)
+            fraction = float(percent.group(1)) / 100.0
+            if not 0.0 < fraction <= 1.0:
+                raise ValueError(f"{argument}={value!r}: a percentage of the device's memory must be in (0%, 100%]")
+            return Budget(fraction=fraction)
         size = _SIZE.match(value)
         if size and size.group(2).lower() in _UNITS:
-            return Budget(bytes=int(float(size.group(1)) * _UNITS[size.group(2).lower()]))
+            unit = _UNITS[size.group(2).lower()]
+            number = float(size.group(1))
+            if unit == 1 and not number.is_integer():
+                # "0.5" would be half a byte: a fraction of the device's memory is a float, not a string.
+                raise ValueError(
+                    f"{argument}={value!r}: a size without a unit is whole bytes; for a fraction of the "
+                    f"device's memory pass the float {number} or '{number:.0%}', or give a unit such as '{value}GiB'"
+                )
+            return parse_budget(int(number * unit), argument=argument)
         raise ValueError(f"{argument}={value!r}: cannot read this size; expected {_ACCEPTED}")
     raise TypeError(f"{argument}={value!r} (type {type(value).__name__}): expected {_ACCEPTED}")
 

@@ -13,6 +13,7 @@ What shapecache did to an object is kept in one holder on it, ``obj._shapecache`
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -68,8 +69,7 @@ class CacheOptions:
             raise ValueError(
                 "compile_options: 'dynamic' is fixed to False; shapecache compiles one static graph per bucket"
             )
-        if not isinstance(tune_convs, bool):
-            raise TypeError(f"tune_convs={tune_convs!r}: expected True or False")
+        _checks.boolean("tune_convs", tune_convs)
         return cls(parsed, backend, buckets, max_entries, dict(compile_options), tune_convs)
 
 
@@ -92,12 +92,24 @@ class CachedFunction(_C.ShapeDispatcher, CacheHolder):
             builder = _charging_workspace(builder, cache)
         super().__init__(function, builder, cache, buckets, names, owner, key_training)
         functools.update_wrapper(self, function)
+        if has_owner:  # called bound: the signature callers see has no `self`, as a bound method's has not
+            try:
+                signature = inspect.signature(function)
+                self.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
+            except (TypeError, ValueError):
+                pass
 
     def __get__(self, instance, owner_type=None):
         # Decorated in a class body: each instance gets a cache of its own, stored on the
         # instance under the method's name so that later lookups skip this descriptor.
         if instance is None:
             return self
+        if type(instance).__weakrefoffset__ == 0:
+            raise TypeError(
+                f"shapecache.cached on {type(instance).__name__}.{self.__name__}: the instance is held weakly by its "
+                f"cache, and {type(instance).__name__} defines __slots__ without '__weakref__'; add '__weakref__' "
+                "to its __slots__"
+            )
         bound = CachedFunction(
             self.function, self.options, owner=instance, key_training=isinstance(instance, torch.nn.Module)
         )
@@ -117,6 +129,12 @@ class CachedFunction(_C.ShapeDispatcher, CacheHolder):
     def uncache(self):
         self.clear()
         return self.__wrapped__
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            f"{self!r} cannot be copied or pickled: its compiled entries belong to this process. To copy or save a "
+            "cached module, call shapecache.uncached(module) first, copy or save it, then cache each copy"
+        )
 
     def __repr__(self) -> str:
         s = self.stats()
@@ -145,10 +163,12 @@ class ModuleHolder(CacheHolder):
         self.wrapper.clear()
         if self.tuned_convs is not None:
             self.tuned_convs.uncache()
-        if self.previous_forward is None:
-            self.module.__dict__.pop("forward", None)
-        else:
-            self.module.__dict__["forward"] = self.previous_forward
+        # Someone may have set another forward since (a hook library): theirs stays.
+        if self.module.__dict__.get("forward") is self.wrapper:
+            if self.previous_forward is None:
+                del self.module.__dict__["forward"]
+            else:
+                self.module.__dict__["forward"] = self.previous_forward
         self.module.__dict__.pop(HOLDER, None)
         return self.module
 
@@ -203,6 +223,7 @@ def cached(
         budget=budget, backend=backend, buckets=buckets, max_entries=max_entries, compile_options=compile_options,
         tune_convs=tune_convs,
     )
+    _checks.boolean("disable", disable)
     if function is None:
         return lambda f: _cache(f, options, disable)
     return _cache(function, options, disable)

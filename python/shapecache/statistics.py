@@ -50,6 +50,7 @@ class CacheStats(TypedDict):
     uncached_calls: int  # calls with an argument that cannot be keyed
     oom_retries: int  # builds retried after an out-of-memory error
     invalidations: int  # entries found stale (weights replaced) and rebuilt
+    busy_misses: int  # misses of a bucket another call (a thread, a recursion) was building: ran uncached
     evictions: int
     rejections: int
     pool_rebuilds: int

@@ -253,7 +253,51 @@ def test_entry_running_is_pinned_against_eviction():
 
     g = make_cached(f, nbytes=60, budget=100)
     g(torch.ones(1))  # build: nested (2,) entry is built first, then (1,) evicts it
-    with pytest.warns(RuntimeWarning, match="the entry for x=\\(2,\\) float32 cpu holds 60 bytes"):
+    with pytest.warns(RuntimeWarning, match="the entry for x=\\(2,\\) float32 cpu was not kept: it holds 60 bytes"):
         g(torch.ones(1))  # hit: pinned while it runs; the nested (2,) entry cannot fit and falls back
     assert seen["entries"] == ["x=(1,) float32 cpu"]
     assert g.stats()["fallbacks"] == 1
+
+
+def test_a_cached_module_cannot_be_copied_and_the_error_says_why_and_what_to_do(conv_net):
+    import copy
+    import pickle
+
+    sc.cached(conv_net)
+    for attempt in (lambda: copy.deepcopy(conv_net), lambda: pickle.dumps(conv_net)):
+        with pytest.raises(TypeError, match="cannot be copied or pickled: its compiled entries belong to this process. "
+                                            "To copy or save a cached module, call shapecache.uncached"):
+            attempt()
+    sc.uncached(conv_net)
+    assert isinstance(copy.deepcopy(conv_net), SmallConvNet)
+
+
+def test_a_cached_method_on_a_slots_class_without_weakref_says_what_to_add():
+    class Slotted:
+        __slots__ = ("scale",)
+
+        def __init__(self):
+            self.scale = 2.0
+
+        @sc.cached
+        def run(self, x):
+            return x * self.scale
+
+    with pytest.raises(TypeError, match="defines __slots__ without '__weakref__'; add '__weakref__' to its __slots__"):
+        Slotted().run(torch.ones(2))
+
+    class WithWeakref(Slotted):
+        __slots__ = ("__weakref__",)
+
+    assert torch.equal(WithWeakref().run(torch.ones(2)), torch.full((2,), 2.0))
+
+
+def test_a_cached_modules_forward_has_the_signature_of_a_bound_forward(conv_net):
+    import inspect
+
+    expected = inspect.signature(conv_net.forward)
+    sc.cached(conv_net)
+    assert inspect.signature(conv_net.forward) == expected
+    assert list(inspect.signature(conv_net.forward).parameters) == ["x", "scale"]
+    bound = inspect.signature(conv_net.forward).bind(torch.ones(1, 3, 8, 8), 2.0)  # positional binding works
+    assert bound.arguments["scale"] == 2.0

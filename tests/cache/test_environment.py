@@ -53,3 +53,17 @@ def test_bad_options_raise_even_when_disabled(monkeypatch):
     monkeypatch.setenv("SHAPECACHE_DISABLE", "1")
     with pytest.raises(ValueError, match="budget='lots'"):
         sc.cached(budget="lots")
+
+
+@pytest.mark.parametrize("value, disabled", [("1", True), ("true", True), ("YES", True), ("on", True),
+                                             ("0", False), ("false", False), ("no", False), ("off", False), ("", False)])
+def test_disable_env_values(monkeypatch, conv_net, value, disabled):
+    monkeypatch.setenv("SHAPECACHE_DISABLE", value)
+    assert ("forward" not in sc.cached(conv_net).__dict__) == disabled
+
+
+@pytest.mark.parametrize("value", ["y", "disable", "2"])
+def test_an_unknown_disable_value_is_an_error_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("SHAPECACHE_DISABLE", value)
+    with pytest.raises(ValueError, match=f"SHAPECACHE_DISABLE='{value}': expected one of 1, true, yes, on"):
+        sc.cached(lambda x: x)

@@ -57,6 +57,15 @@ def test_budget_from_environment(monkeypatch):
         ({"compile_options": {"mode": "max-autotune"}}, ValueError, r"compile_options were given with backend='auto'"),
         ({"compile_options": {"dynamic": True}, "backend": "compile"}, ValueError, r"'dynamic' is fixed to False"),
         ({"compile_options": "fast", "backend": "compile"}, TypeError, r"compile_options='fast'"),
+        # Values that used to pass validation and then fail deep inside, or mean something else:
+        ({"budget": 2**63}, ValueError, r"budget=9223372036854775808: a byte budget must be at most 2\*\*63 - 1"),
+        ({"max_entries": 2**63}, ValueError, r"max_entries=9223372036854775808: expected a positive int, or None for no count limit of at most 2\*\*63 - 1"),
+        ({"budget": "0.5"}, ValueError, r"budget='0.5': a size without a unit is whole bytes; for a fraction of the device's memory pass the float 0.5 or '50%'"),
+        ({"budget": "1.5"}, ValueError, r"budget='1.5': a size without a unit is whole bytes"),
+        ({"budget": "0%"}, ValueError, r"budget='0%': a percentage of the device's memory must be in \(0%, 100%\]"),
+        ({"budget": "150%"}, ValueError, r"budget='150%': a percentage"),
+        ({"disable": "false"}, TypeError, r"disable='false' \(str\): expected True or False"),
+        ({"tune_convs": 1}, TypeError, r"tune_convs=1 \(int\): expected True or False"),
     ],
 )
 def test_bad_options(kwargs, error, message):
@@ -79,6 +88,37 @@ def test_bad_buckets_raise_when_wrapping(conv_net, buckets, error, message):
     with pytest.raises(error, match=message):
         sc.cached(conv_net, buckets=buckets)
     assert "forward" not in conv_net.__dict__  # nothing was changed
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: sc.sizes(5), TypeError, r"sizes\(bucket_sizes=5\): expected a list of positive ints"),
+        (lambda: sc.sizes("512"), TypeError, r"sizes\(bucket_sizes='512'\)"),
+        (lambda: sc.sizes([512, 0]), ValueError, r"sizes\(...\)\[1\]=0: expected a positive int"),
+        (lambda: sc.multiple_of(2**63), ValueError, r"multiple_of\(n\)=9223372036854775808: expected a positive int of at most"),
+        (lambda: sc.power_of_two(1.5), TypeError, r"power_of_two\(minimum\)=1.5 \(float\): expected a positive int"),
+    ],
+)
+def test_bad_policies_name_what_was_given(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_a_size_whose_bucket_overflows_is_a_clear_error_not_a_hang():
+    policy = sc.power_of_two()
+    with pytest.raises(OverflowError, match="size 4611686018427387905 has no bucket under power_of_two"):
+        policy.bucket(2**62 + 1)
+    with pytest.raises(OverflowError, match="has no bucket under multiple_of\\(3\\)"):
+        sc.multiple_of(3).bucket(2**63 - 1)  # the next multiple of 3 is 2**63 + 1
+    assert sc.multiple_of(3).bucket(2**63 - 3) == 2**63 - 2  # the largest that fits
+    assert sc.power_of_two().bucket(2**62) == 2**62
+
+
+def test_a_padded_argument_whose_bucket_overflows_fails_the_call_with_its_name():
+    f = sc.cached(lambda x: x, buckets={"x": {0: sc.power_of_two()}})
+    with pytest.raises(ValueError, match="buckets: argument 'x', dimension 0: size .* has no bucket under power_of_two"):
+        f(torch.empty(2**62 + 1, 0, device="meta"))
 
 
 def test_bucket_dimension_out_of_range_names_the_argument(conv_net):

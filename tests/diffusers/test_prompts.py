@@ -67,6 +67,13 @@ def test_negative_prompts_and_release_on_cpu():
     assert embeds.released_bytes == 0 and pipe.text_encoder.device.type == "cpu"  # nothing to move off a CPU
 
 
+def test_prompts_may_come_from_a_generator():
+    pipe = tp.stable_diffusion()
+    embeds = sc.encode_prompts(pipe, (p for p in ["a cat", "a dog", "a horse"]), batch_size=2)
+    assert len(embeds) == 3 and all(e["prompt_embeds"].shape[0] == 1 for e in embeds)
+    assert len(sc.encode_prompts(pipe, map(str.strip, [" a cat "]))) == 1
+
+
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [

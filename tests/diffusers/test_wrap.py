@@ -213,3 +213,33 @@ def test_compile_backend_is_bit_identical_to_torch_compile():
     assert torch.equal(run(pipe, text_inputs(), size), expected)
     st = sc.stats(pipe)
     assert st["builds"] == 2 and [e["backend"] for e in st["entries"]] == ["compile", "compile"]
+
+
+def test_disable_env_leaves_the_pipeline_alone(monkeypatch):
+    monkeypatch.setenv("SHAPECACHE_DISABLE", "1")
+    pipe = tp.stable_diffusion()
+    assert sc.wrap(pipe, sizes=[(32, 32)]) is pipe
+    assert not hasattr(pipe, "_shapecache") and "forward" not in pipe.unet.__dict__
+
+
+def test_every_state_a_user_can_reach_has_a_way_out():
+    # A component uncached on its own: uncaching the pipeline still completes, and it can be wrapped again.
+    pipe = sc.wrap(tp.stable_diffusion(), sizes=[(32, 32)], progress=False)
+    sc.uncached(pipe.unet)
+    assert list(sc.stats(pipe)["components"]) == ["vae_decoder"]
+    sc.clear(pipe)
+    assert sc.stats(pipe)["entries"] == []
+    assert sc.uncached(pipe) is pipe
+    assert "forward" not in pipe.vae.decoder.__dict__ and not hasattr(pipe, "_shapecache")
+    sc.wrap(pipe, sizes=[(32, 32)], progress=False)
+
+    # Something re-assigns the denoiser's forward after wrap (as cache hooks do on removal): stats,
+    # clear and uncached still work, and that forward is left as it was set.
+    replacement = pipe.unet.forward.__wrapped__.__get__(pipe.unet)
+    pipe.unet.forward = replacement
+    assert sc.stats(pipe)["components"]["denoiser"]["builds"] == 1
+    sc.clear(pipe)
+    sc.uncached(pipe)
+    assert pipe.unet.__dict__["forward"] is replacement and "forward" not in pipe.vae.decoder.__dict__
+    del pipe.unet.forward
+    assert sc.wrap(pipe, sizes=[(32, 32)], progress=False) is pipe

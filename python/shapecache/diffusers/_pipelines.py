@@ -23,7 +23,7 @@ import torch
 from shapecache import _checks
 from shapecache._holder import HOLDER, CacheHolder, holder_on
 from shapecache.budget import format_bytes
-from shapecache.cache import CacheOptions, cache_module, make_cache, uncached
+from shapecache.cache import CacheOptions, cache_module, disabled_by_environment, make_cache, uncached
 from shapecache.diffusers._families import Family, family_of
 from shapecache.statistics import PipelineStats
 
@@ -44,7 +44,9 @@ class PipelineHolder(CacheHolder):
     def stats(self) -> PipelineStats:
         """The cache's totals, each component's stats, the pre-warm records and device memory."""
         totals = self.cache.stats()
-        components = {name: module.forward.stats() for name, module in self.components.items()}
+        # A component uncached on its own since is left out.
+        components = {name: holder_on(module).stats() for name, module in self.components.items()
+                      if holder_on(module) is not None}
         budgets = [figures["budget"] for figures in totals["devices"].values()]
         totals["budget"] = budgets[0] if budgets else None
         totals["backend"] = self.options.backend
@@ -52,7 +54,7 @@ class PipelineHolder(CacheHolder):
         totals["prewarmed"] = list(self.prewarmed)
         totals["memory"] = device_memory(totals["devices"])
         for counter in ("calls", "hits", "misses", "builds", "fallbacks", "uncached_calls", "oom_retries",
-                        "invalidations"):
+                        "invalidations", "busy_misses"):
             totals[counter] = sum(c[counter] for c in components.values())
         return totals
 
@@ -61,7 +63,8 @@ class PipelineHolder(CacheHolder):
 
     def uncache(self):
         for module in self.components.values():
-            uncached(module)
+            if holder_on(module) is not None:  # a component uncached on its own already stays so
+                uncached(module)
         object.__getattribute__(self.pipe, "__dict__").pop(HOLDER, None)
         return self.pipe
 
@@ -98,6 +101,8 @@ def wrap(
         tune_convs=bool(tune_convs),
     )
     checked_sizes = _check_sizes(pipe, family, sizes) if sizes is not None else []
+    if disabled_by_environment():  # checked like any call, then left alone
+        return pipe
     components = {"denoiser": getattr(pipe, family.denoiser_attribute)}
     decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
     if isinstance(decoder, torch.nn.Module):

@@ -8,8 +8,13 @@ The file (default ``~/.cache/shapecache/tuning.json``; ``SHAPECACHE_TUNING_DB`` 
   records in (a record of the same problem is replaced, others' are kept), write a
   temporary file beside it and rename it over the old one: a reader never sees half a file,
   and several processes writing at once lose nothing;
-- a file that cannot be read, or has another format version, is moved aside to
-  ``<file>.corrupt-<time>`` with a warning, and work goes on without it;
+- a file whose contents cannot be used, or that has another format version, is moved aside
+  to ``<file>.corrupt-<time>`` with a warning, and work goes on without it;
+- only a regular file is ever moved or replaced: a path to anything else (a device, a
+  directory), or one that cannot be read or written (permissions, a read-only directory),
+  leaves the records in memory, with one warning;
+- a rewrite keeps the file's permissions, and removes temporary files that a writer killed
+  mid-write left behind (any present while the lock is held are such);
 - records of another environment (device model, library versions, thread count) stay in the
   file for the machines they belong to, and are not used here.
 """
@@ -20,6 +25,7 @@ import atexit
 import fcntl
 import json
 import os
+import stat
 import tempfile
 import time
 import types
@@ -73,6 +79,19 @@ class TuningDb:
         with self._locked():
             return self._read()
 
+    def check_path(self) -> None:
+        """Raises OSError unless the path is a regular file or names none yet."""
+        try:
+            mode = os.stat(self.path).st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISREG(mode):
+            raise OSError(f"{self.path} is not a regular file")
+
+    @property
+    def _temporary_prefix(self) -> str:
+        return f".{self.path.name}.tmp-"
+
     @contextmanager
     def _locked(self):
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -100,6 +119,7 @@ class TuningDb:
                 _C.record_key(record)  # every record must parse
             return records
         except Exception as error:  # noqa: BLE001  (any defect: set the file aside, never crash)
+            self.check_path()
             aside = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
             os.replace(self.path, aside)
             warnings.warn(
@@ -111,9 +131,19 @@ class TuningDb:
             return []
 
     def _write(self, records: list[dict]) -> None:
+        self.check_path()
+        for leftover in self.path.parent.glob(self._temporary_prefix + "*"):
+            leftover.unlink(missing_ok=True)  # the lock is ours: no live writer owns it
         text = json.dumps({"format": FORMAT, "version": VERSION, "records": records}, indent=1)
-        handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name + ".")
         try:
+            mode = stat.S_IMODE(os.stat(self.path).st_mode)
+        except FileNotFoundError:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask  # what open() would have made
+        handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=self._temporary_prefix)
+        try:
+            os.fchmod(handle, mode)  # mkstemp makes 0600: others sharing the file could not read it
             with os.fdopen(handle, "w") as f:
                 f.write(text)
                 f.flush()
@@ -124,7 +154,7 @@ class TuningDb:
             raise
 
 
-_databases: dict[Path, TuningDb] = {}
+_databases: dict[Path, TuningDb | None] = {}  # None: that path cannot be used; records stay in memory
 
 
 def open_db(db) -> TuningDb | None:
@@ -136,7 +166,13 @@ def open_db(db) -> TuningDb | None:
     path = Path(db).expanduser().resolve() if db is not None else default_path().resolve()
     if path not in _databases:
         database = TuningDb(path)
-        database.load()
+        try:
+            database.check_path()
+            database.load()
+        except OSError as error:
+            warnings.warn(f"shapecache: cannot use the tuning records file {path} ({error}); tuning records are "
+                          "kept in memory for this process", RuntimeWarning, stacklevel=3)
+            database = None
         _databases[path] = database
     return _databases[path]
 
@@ -144,6 +180,8 @@ def open_db(db) -> TuningDb | None:
 @atexit.register
 def _flush_at_exit() -> None:
     for database in _databases.values():
+        if database is None:
+            continue
         try:
             database.flush()
         except OSError as error:
@@ -216,8 +254,13 @@ def tune_convs(module: torch.nn.Module, db=None, workspace_cap=None) -> TunedCon
     hook = None
     if database is not None:
         def flush_new_records(_module, _args, _output):
-            if _C.tuning_has_unsaved():
-                database.flush()
+            if _C.tuning_has_unsaved() and _databases.get(database.path) is database:
+                try:
+                    database.flush()
+                except OSError as error:  # the file went away or became unwritable: keep them in memory
+                    _databases[database.path] = None
+                    warnings.warn(f"shapecache: could not write tuning records to {database.path} ({error}); "
+                                  "they are kept in memory for this process", RuntimeWarning, stacklevel=2)
 
         hook = module.register_forward_hook(flush_new_records)
     return TunedConvs(module, routed, skipped, hook)
