@@ -2,8 +2,8 @@
 
 A budget is given as
 - an int: bytes;
-- a string: a number with a unit, ``"512MiB"``, ``"20GiB"``, ``"1.5GB"``, ``"4096"`` (bytes)
-  or a percentage of the device's memory, ``"80%"``;
+- a string: a number with a unit, ``"512MiB"``, ``"20GiB"``, ``"1.5GB"``, ``"4096"`` (bytes),
+  a percentage of the device's memory, ``"80%"``, or a fraction of it, ``"0.8"`` (as the float);
 - a float in (0, 1]: that fraction of the device's total memory (CUDA: the card's memory;
   CPU: physical RAM), resolved the first time the cache sees the device;
 - None: ``SHAPECACHE_BUDGET`` if set, else half of the device's memory.
@@ -18,10 +18,12 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from shapecache._checks import INT64_MAX
+
+if TYPE_CHECKING:  # parsing needs no torch: the pytest plugin checks budgets without loading it
+    import torch
 
 DEFAULT_FRACTION = 0.5
 
@@ -97,12 +99,14 @@ def parse_budget(value, *, argument: str = "budget") -> Budget:
         if size and size.group(2).lower() in _UNITS:
             unit = _UNITS[size.group(2).lower()]
             number = float(size.group(1))
-            if unit == 1 and not number.is_integer():
-                # "0.5" would be half a byte: a fraction of the device's memory is a float, not a string.
-                raise ValueError(
-                    f"{argument}={value!r}: a size without a unit is whole bytes; for a fraction of the "
-                    f"device's memory pass the float {number} or '{number:.0%}', or give a unit such as '{value}GiB'"
-                )
+            if unit == 1 and "." in size.group(1):
+                # Half a byte means nothing: "0.5" (from a command line, say) is the float 0.5.
+                if not 0.0 < number <= 1.0:
+                    raise ValueError(
+                        f"{argument}={value!r}: a number with a decimal point and no unit is a fraction of the "
+                        f"device's memory, in (0, 1]; for bytes give a whole number or a unit such as '{value}GiB'"
+                    )
+                return Budget(fraction=number)
             return parse_budget(int(number * unit), argument=argument)
         raise ValueError(f"{argument}={value!r}: cannot read this size; expected {_ACCEPTED}")
     raise TypeError(f"{argument}={value!r} (type {type(value).__name__}): expected {_ACCEPTED}")
@@ -111,6 +115,8 @@ def parse_budget(value, *, argument: str = "budget") -> Budget:
 def device_memory_bytes(device: torch.device) -> int:
     """Total memory of `device`: the card's memory for CUDA, physical RAM for the CPU."""
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.get_device_properties(device).total_memory
     if device.type == "cpu":
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -181,6 +181,17 @@ def test_batch_padding_matches_plain_calls_and_shares_entries(conv_net):
     ]
 
 
+def test_batch_padding_of_linear_layers_matches_to_rounding():
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).eval()
+    x = torch.randn(3, 10, 64)
+    with torch.no_grad():
+        expected = mlp(x)
+        sc.cached(mlp, buckets={"input": {0: sc.power_of_two()}})
+        torch.testing.assert_close(mlp(x), expected, rtol=1e-6, atol=1e-6)  # as the README says: rounding only
+    assert sc.stats(mlp)["entries"][0]["bucket"].startswith("input=(4, 10, 64)")
+
+
 def test_size_above_the_largest_bucket_is_a_clear_error_and_changes_nothing(conv_net):
     sc.cached(conv_net, buckets={"x": {-1: sc.sizes([8, 16])}})
     conv_net(inputs((8, 8)))

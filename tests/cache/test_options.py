@@ -27,6 +27,7 @@ def test_budget_fractions_resolve_per_device():
     assert ram > 0
     assert parse_budget(0.25).bytes_for(torch.device("cpu")) == int(0.25 * ram)
     assert parse_budget("50%").fraction == 0.5
+    assert parse_budget("0.5").fraction == 0.5  # as the float: never half a byte
 
 
 def test_budget_from_environment(monkeypatch):
@@ -60,8 +61,8 @@ def test_budget_from_environment(monkeypatch):
         # Values that used to pass validation and then fail deep inside, or mean something else:
         ({"budget": 2**63}, ValueError, r"budget=9223372036854775808: a byte budget must be at most 2\*\*63 - 1"),
         ({"max_entries": 2**63}, ValueError, r"max_entries=9223372036854775808: expected a positive int, or None for no count limit of at most 2\*\*63 - 1"),
-        ({"budget": "0.5"}, ValueError, r"budget='0.5': a size without a unit is whole bytes; for a fraction of the device's memory pass the float 0.5 or '50%'"),
-        ({"budget": "1.5"}, ValueError, r"budget='1.5': a size without a unit is whole bytes"),
+        ({"budget": "1.5"}, ValueError, r"budget='1.5': a number with a decimal point and no unit is a fraction of the device's memory, in \(0, 1\]"),
+        ({"budget": "0.0"}, ValueError, r"budget='0.0': a number with a decimal point"),
         ({"budget": "0%"}, ValueError, r"budget='0%': a percentage of the device's memory must be in \(0%, 100%\]"),
         ({"budget": "150%"}, ValueError, r"budget='150%': a percentage"),
         ({"disable": "false"}, TypeError, r"disable='false' \(str\): expected True or False"),

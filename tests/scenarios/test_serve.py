@@ -26,11 +26,11 @@ def test_serve_counts_add_up():
     assert (st["hits"], st["misses"], st["evictions"]) == (hits, builds, builds - 2)
 
 
-def test_serve_rejects_bad_sizes():
+def test_a_usage_error_exits_with_status_2_and_argparses_message():
     result = subprocess.run(
         [sys.executable, "-m", "shapecache", "serve", "--sizes", "16by16"], capture_output=True, text=True, timeout=120
     )
-    assert result.returncode != 0 and "--sizes: cannot read '16by16'" in result.stderr
+    assert result.returncode == 2 and "argument --sizes: cannot read '16by16'" in result.stderr
 
 
 def test_serving_tiny_sd_prewarms_everything_the_pipeline_uses():
@@ -59,3 +59,30 @@ def test_demo_is_the_repro_scenario_with_the_tiny_pipeline_on_the_default_device
     records = saved["results"]["shapecache"]["records"]
     assert [r["size"] for r in records] == [[32, 32], [48, 32]]
     assert all(r["error"] is None and r["call_seconds"] > 0 for r in records)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["repro", "--strategies", "bogus"], "argument --strategies: unknown strategy 'bogus'; expected some of naive"),
+        (["repro", "--budget", "abc"], "argument --budget: budget='abc': cannot read this size"),
+        (["repro", "--batch", "0"], "argument --batch: expected a positive int, got '0'"),
+        (["demo", "--sizes", "0x0"], "argument --sizes: '0x0': height and width must be positive"),
+        (["serve", "--sizes", "16by16"], "argument --sizes: cannot read '16by16'"),
+        (["serve", "--requests", "-3"], "argument --requests: expected a positive int, got '-3'"),
+        (["serve", "--backend", "fast"], "argument --backend: invalid choice: 'fast'"),
+        (["serve", "--device", "gpu"], "argument --device:"),
+    ],
+)
+def test_bad_options_are_usage_errors_before_anything_runs(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit:
+        _cli.parse_arguments(argv)
+    assert exit.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_strategy_that_fails_to_run_makes_the_command_exit_1(capsys):
+    pytest.importorskip("diffusers")
+    # The meta device holds no data: the pipeline cannot run there, so the strategy's process fails.
+    assert _cli.main(["repro", "--device", "meta", "--sizes", "32x32", "--strategies", "shapecache"]) == 1
+    assert "shapecache: failed:" in capsys.readouterr().out

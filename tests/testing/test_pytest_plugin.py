@@ -97,3 +97,13 @@ def test_vram_budget_caps_and_restores(pytester):
         """
     )
     pytester.runpytest().assert_outcomes(passed=2)
+
+
+def test_a_bad_budget_for_every_test_is_one_usage_error_naming_where_it_was_set(pytester, monkeypatch):
+    pytester.makepyfile("def test_one():\n    pass\n\ndef test_two():\n    pass\n")
+    monkeypatch.setenv("SHAPECACHE_VRAM_BUDGET", "lots")
+    result = pytester.runpytest_subprocess()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*SHAPECACHE_VRAM_BUDGET='lots': cannot read this size*"])
+    result = pytester.runpytest_subprocess("--vram-budget", "2 parsecs")
+    result.stderr.fnmatch_lines(["*--vram-budget='2 parsecs': cannot read this size*"])

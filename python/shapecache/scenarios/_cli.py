@@ -1,4 +1,7 @@
-"""Command line: ``python -m shapecache demo|repro|serve``."""
+"""Command line: ``python -m shapecache demo|repro|serve``.
+
+Exit status: 0 when the command showed its result (a strategy running out of memory is such a
+result); 1 when a strategy failed to run, or the command failed; 2 for a usage error."""
 
 import argparse
 
@@ -24,8 +27,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_arguments(argv)
     if args.command in ("demo", "repro"):
-        repro.run(args)
-    elif args.command == "serve":
-        serve.run(args)
+        results = repro.run(args)
+        return 1 if any("failed" in result for result in results.values()) else 0
+    serve.run(args)
     return 0
 

@@ -19,6 +19,7 @@ import sys
 import torch
 
 from shapecache.budget import format_bytes, parse_budget
+from shapecache.scenarios import _arguments
 from shapecache.scenarios._models import MODELS, build_model
 from shapecache.scenarios._size_loop import parse_sizes, size_loop
 
@@ -29,12 +30,15 @@ DEFAULT_SIZES = {"tiny-sd": "32x32,32x48,48x32,48x64,64x64",
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=MODELS, default="tiny-sd", help="(default %(default)s)")
-    parser.add_argument("--sizes", default=None, help="HEIGHTxWIDTH,... in pixels (default: per model)")
+    parser.add_argument("--sizes", type=_arguments.sizes, default=None,
+                        help="HEIGHTxWIDTH,... in pixels (default: per model)")
     parser.add_argument("--order", choices=("given", "largest_first"), default="given")
-    parser.add_argument("--budget", default=None, help="memory cap and cache budget, e.g. 20GiB (default: none)")
-    parser.add_argument("--strategies", default="naive,torch_compile,shapecache")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--budget", type=_arguments.budget, default=None,
+                        help="memory cap and cache budget, e.g. 20GiB (default: none)")
+    parser.add_argument("--strategies", type=_arguments.strategies, default=["naive", "torch_compile", "shapecache"],
+                        help="comma-separated, of: naive, torch_compile, shapecache (default: all)")
+    parser.add_argument("--device", type=_arguments.device, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=_arguments.positive_int, default=1)
     parser.add_argument("--plot", default=None, help="write the memory plot to this PNG")
     parser.add_argument("--json", default=None, help="write every record to this file")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one strategy, in this process
@@ -47,7 +51,7 @@ def run_child(args) -> dict:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes(args) / total), device)
     model = build_model(args.model, device)
-    sizes = parse_sizes(args.sizes or DEFAULT_SIZES[args.model])
+    sizes = args.sizes or parse_sizes(DEFAULT_SIZES[args.model])
     records = size_loop(model, sizes, order=args.order, strategy=args.child, budget=args.budget, batch=args.batch)
     return {"strategy": args.child, "records": [r.as_dict() for r in records]}
 
@@ -71,8 +75,8 @@ def run(args) -> dict:
     if args.child:
         print(json.dumps(run_child(args)))
         return {}
-    sizes = parse_sizes(args.sizes or DEFAULT_SIZES[args.model])
-    strategies = args.strategies.split(",")
+    sizes = args.sizes or parse_sizes(DEFAULT_SIZES[args.model])
+    strategies = args.strategies
     results = {}
     for strategy in strategies:
         command = [sys.executable, "-m", "shapecache", "repro", "--child", strategy, "--model", args.model,

@@ -24,22 +24,27 @@ import torch
 import shapecache as sc
 from shapecache import _timing
 from shapecache.budget import format_bytes
-from shapecache.scenarios._size_loop import parse_sizes
+from shapecache.scenarios import _arguments
 from shapecache.testing.models import ConvNet
 
 DEFAULT_SIZES = "64x64,64x96,96x64,96x96,128x128"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", default=DEFAULT_SIZES, help="HEIGHTxWIDTH,... (default %(default)s)")
-    parser.add_argument("--requests", type=int, default=40, help="requests in the stream (default %(default)s)")
-    parser.add_argument("--backend", default="auto", help="auto, eager or compile (default %(default)s)")
-    parser.add_argument("--budget", default=None, help="bytes per device, e.g. 2GiB (default: half the device)")
+    parser.add_argument("--sizes", type=_arguments.sizes, default=DEFAULT_SIZES,
+                        help="HEIGHTxWIDTH,... (default %(default)s)")
+    parser.add_argument("--requests", type=_arguments.positive_int, default=40,
+                        help="requests in the stream (default %(default)s)")
+    parser.add_argument("--backend", choices=("auto", "eager", "compile"), default="auto",
+                        help="(default %(default)s)")
+    parser.add_argument("--budget", type=_arguments.budget, default=None,
+                        help="bytes per device, e.g. 2GiB (default: half the device)")
     parser.add_argument("--model", choices=("convnet", "tiny-sd"), default="convnet", help="(default %(default)s)")
-    parser.add_argument("--max-entries", type=int, default=None,
+    parser.add_argument("--max-entries", type=_arguments.positive_int, default=None,
                         help="entries kept per device (default: 3 for convnet, no limit for tiny-sd)")
-    parser.add_argument("--steps", type=int, default=2, help="denoising steps per tiny-sd call (default %(default)s)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=_arguments.positive_int, default=2,
+                        help="denoising steps per tiny-sd call (default %(default)s)")
+    parser.add_argument("--device", type=_arguments.device, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -48,7 +53,7 @@ def run(args: argparse.Namespace) -> dict:
         return run_pipeline(args)
     if args.max_entries is None:
         args.max_entries = 3
-    sizes = parse_sizes(args.sizes)
+    sizes = args.sizes
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
     net = ConvNet().to(device).eval()
@@ -106,7 +111,7 @@ def run(args: argparse.Namespace) -> dict:
 def run_pipeline(args: argparse.Namespace) -> dict:
     from shapecache.testing import tiny_pipelines
 
-    sizes = parse_sizes(args.sizes)
+    sizes = args.sizes
     device = torch.device(args.device)
     pipe = tiny_pipelines.stable_diffusion().to(device)
 

@@ -49,14 +49,16 @@ class SizeRecord:
         return asdict(self)
 
 
-def parse_sizes(text: str, option: str = "--sizes") -> list[tuple[int, int]]:
-    """'1024x1024,1152x896' -> [(1024, 1024), (1152, 896)]; exits with a message naming `option`."""
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    """'1024x1024,1152x896' -> [(1024, 1024), (1152, 896)]; a ValueError names what cannot be read."""
     sizes = []
     for item in text.split(","):
         try:
             height, width = (int(v) for v in item.lower().split("x"))
         except ValueError:
-            raise SystemExit(f"{option}: cannot read {item!r}; expected HEIGHTxWIDTH items such as 1024x1152") from None
+            raise ValueError(f"cannot read {item!r}; expected HEIGHTxWIDTH items such as 1024x1152") from None
+        if height < 1 or width < 1:
+            raise ValueError(f"{item!r}: height and width must be positive")
         sizes.append((height, width))
     return sizes
 

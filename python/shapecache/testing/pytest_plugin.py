@@ -37,6 +37,14 @@ def pytest_configure(config):
         "'20GiB', or a fraction of the device's memory) on device (default: the current CUDA device); "
         "skipped without CUDA",
     )
+    budget, source = _configured(config)
+    if budget is not None:  # a bad value is one usage error for the session, not an error in every test
+        from shapecache.budget import parse_budget
+
+        try:
+            parse_budget(budget, argument=source)
+        except (TypeError, ValueError) as error:
+            raise pytest.UsageError(str(error)) from None
 
 
 def _configured_budget(config):
