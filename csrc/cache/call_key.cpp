@@ -29,12 +29,19 @@ MemoryLayout layout_of(const at::Tensor& t) {
   return MemoryLayout::kOtherStrides;
 }
 
-void add_tensor(ShapeKey& key, const at::Tensor& t) {
+// A tensor whose sizes can be keyed: strided, not nested (a strided nested tensor has no
+// sizes to read: asking throws an internal error).
+void check_keyable(const at::Tensor& t) {
+  if (t.is_nested()) throw UnkeyableArgument("a nested tensor (only plain strided tensors are keyed)");
   if (t.layout() != c10::kStrided) {
     std::ostringstream what;
     what << "a tensor with layout " << t.layout() << " (only strided tensors are keyed)";
     throw UnkeyableArgument(what.str());
   }
+}
+
+void add_tensor(ShapeKey& key, const at::Tensor& t) {
+  check_keyable(t);
   if (t.dim() > 255) throw UnkeyableArgument("a tensor of more than 255 dimensions");
   TensorSignature signature;
   std::memset(&signature, 0, sizeof(signature));
@@ -118,6 +125,7 @@ class KeyWriter {
                            Py_TYPE(obj)->tp_name);
     }
     const at::Tensor& t = THPVariable_Unpack(obj);
+    check_keyable(t);
     const int64_t ndim = t.dim();
     std::vector<int64_t> sizes = t.sizes().vec();
     std::vector<CropDim> padded_dims;

@@ -55,9 +55,12 @@ class Budget:
     fraction: float | None = None
 
     def bytes_for(self, device: torch.device) -> int:
-        """The byte budget on `device`."""
+        """The byte budget on `device`. The meta device holds no memory: any fraction of it is
+        no limit."""
         if self.bytes is not None:
             return self.bytes
+        if device.type == "meta":
+            return INT64_MAX
         return int(self.fraction * device_memory_bytes(device))
 
     def __str__(self) -> str:

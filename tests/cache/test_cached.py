@@ -312,3 +312,22 @@ def test_a_cached_modules_forward_has_the_signature_of_a_bound_forward(conv_net)
     assert list(inspect.signature(conv_net.forward).parameters) == ["x", "scale"]
     bound = inspect.signature(conv_net.forward).bind(torch.ones(1, 3, 8, 8), 2.0)  # positional binding works
     assert bound.arguments["scale"] == 2.0
+
+
+def test_nested_tensors_run_uncached_with_one_warning():
+    f = sc.cached(lambda x: x * 2)
+    with pytest.warns(UserWarning):  # torch's own: strided nested tensors are a prototype
+        strided = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(4, 3)])
+    jagged = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(4, 3)], layout=torch.jagged)
+    with pytest.warns(RuntimeWarning, match="argument 'x' is a nested tensor .* that cannot be keyed; such calls run uncached"):
+        out = f(strided)
+    assert all(torch.equal(a, b * 2) for a, b in zip(out.unbind(), strided.unbind()))
+    f(jagged)
+    assert sc.stats(f)["uncached_calls"] == 2 and sc.stats(f)["entries"] == []
+
+
+def test_meta_tensors_with_the_default_budget_are_cached():
+    f = sc.cached(lambda x: x * 2)
+    out = f(torch.ones(3, device="meta"))
+    assert out.device.type == "meta" and out.shape == (3,)
+    assert sc.stats(f)["devices"]["meta"]["budget"] is None  # no memory to bound
