@@ -17,6 +17,7 @@
 
 #include "core/bucket_policy.h"
 #include "core/budgeted_lru.h"
+#include "core/pool_generations.h"
 #include "cache/shape_dispatcher.h"
 #include "cache/call_key.h"
 #include "ops/conv2d.h"
@@ -124,6 +125,48 @@ void bind_core(py::module_& m) {
       });
 }
 
+// The pool lifecycle with every torch call a Python callable, so that its rules can be checked
+// on the CPU against a model of torch's allocators (ids cross as (int, int) tuples).
+void bind_pool_generations(py::module_& m) {
+  using Generation = PoolGenerations::Generation;
+  py::class_<PoolGenerations>(m, "PoolGenerations")
+      .def(py::init<>())
+      .def(
+          "capture",
+          [](PoolGenerations& pool, py::function open_pool, py::function begin, py::function body, py::function end,
+             py::function ended, py::function device_end, py::function device_release, py::function host_end,
+             py::function host_release) {
+            auto id_call = [](py::function f) { return [f](const PoolId& id) { f(py::make_tuple(id.first, id.second)); }; };
+            CaptureSteps steps{
+                [open_pool] { return open_pool().cast<PoolId>(); },
+                id_call(begin),
+                [body] { body(); },
+                [end] { end(); },
+                [ended] { return ended().cast<bool>(); },
+                PoolAllocatorCalls{id_call(device_end), id_call(device_release)},
+                PoolAllocatorCalls{id_call(host_end), id_call(host_release)},
+            };
+            const PoolId id = pool.capture(steps);
+            return py::make_tuple(id.first, id.second);
+          },
+          py::arg("open_pool"), py::arg("begin"), py::arg("body"), py::arg("end"), py::arg("ended"),
+          py::arg("device_end"), py::arg("device_release"), py::arg("host_end"), py::arg("host_release"))
+      .def("graph_released", [](PoolGenerations& pool, PoolId id) { pool.graph_released(id); })
+      .def_property_readonly("live_graphs", &PoolGenerations::live_graphs)
+      .def_property_readonly("generations", [](const PoolGenerations& pool) {
+        py::list out;
+        for (const Generation& g : pool.generations()) {
+          py::dict d;
+          d["id"] = py::make_tuple(g.id.first, g.id.second);
+          d["graphs"] = g.graphs;
+          d["recording"] = g.recording;
+          d["retired"] = g.retired;
+          out.append(d);
+        }
+        return out;
+      });
+}
+
 void bind_cache(py::module_& m) {
   py::register_exception<UnkeyableArgument>(m, "UnkeyableArgument", PyExc_TypeError);
 
@@ -199,6 +242,9 @@ void bind_cache(py::module_& m) {
           "erase_entry", [](ShapeCache& cache, c10::Device device, uint64_t id) { return cache.erase_entry(device, id).has_value(); },
           py::arg("device"), py::arg("id"))
       .def("contains_entry", &ShapeCache::contains_entry, py::arg("device"), py::arg("id"))
+      .def(
+          "could_fit", [](ShapeCache& cache, c10::Device device, int64_t bytes) { return cache.lru(device).could_fit(bytes); },
+          py::arg("device"), py::arg("bytes"), "Whether an entry of `bytes` fits the device's budget, after evictions.")
       .def("count_pool_rebuild", &ShapeCache::count_pool_rebuild, py::arg("device"));
 
   py::class_<EntryRunner, std::shared_ptr<EntryRunner>>(m, "EntryRunner")
@@ -366,6 +412,7 @@ void bind_tuning(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "shapecache's C++ core: shape keys, bucket policies, the budgeted LRU, the cached call, conv tuning";
   bind_core(m);
+  bind_pool_generations(m);
   bind_cache(m);
   bind_tuning(m);
 #if SHAPECACHE_WITH_CUDA

@@ -40,7 +40,7 @@ void check_keyable(const at::Tensor& t) {
   }
 }
 
-void add_tensor(ShapeKey& key, const at::Tensor& t) {
+void add_tensor(ShapeKey& key, const at::Tensor& t, uint8_t alias) {
   check_keyable(t);
   if (t.dim() > 255) throw UnkeyableArgument("a tensor of more than 255 dimensions");
   TensorSignature signature;
@@ -51,6 +51,7 @@ void add_tensor(ShapeKey& key, const at::Tensor& t) {
   signature.device_index = static_cast<int16_t>(t.device().index());
   signature.layout = static_cast<uint8_t>(layout_of(t));
   signature.requires_grad = t.requires_grad() ? 1 : 0;
+  signature.alias = alias;
   key.add_tensor(signature, t.sizes().data());
 }
 
@@ -69,7 +70,7 @@ class KeyWriter {
     ShapeKey& key = out_.key;
     if (THPVariable_Check(obj)) {
       const at::Tensor& t = THPVariable_Unpack(obj);
-      add_tensor(key, t);
+      add_tensor(key, t, alias_of(t));
       note_device(t.device());
     } else if (obj == Py_None) {
       key.add_none();
@@ -148,7 +149,7 @@ class KeyWriter {
     }
     note_device(t.device());
     if (padded_dims.empty()) {
-      add_tensor(out_.key, t);
+      add_tensor(out_.key, t, alias_of(t));
       return std::nullopt;
     }
     // Zeros of the bucket's sizes in the argument's own memory format, the argument copied
@@ -157,7 +158,7 @@ class KeyWriter {
     at::Tensor corner = padded;
     for (const CropDim& p : padded_dims) corner = corner.narrow(p.dim, 0, p.original);
     corner.copy_(t);
-    add_tensor(out_.key, padded);
+    add_tensor(out_.key, padded, alias_of(t));  // aliasing as the caller passed it: the padded copy is fresh
     if (out_.crop.empty()) out_.crop = std::move(padded_dims);
     out_.padded = true;
     return py::reinterpret_steal<py::object>(THPVariable_Wrap(padded));
@@ -165,6 +166,23 @@ class KeyWriter {
 
   void note_device(const c10::Device& device) {
     if (!device_) device_ = device;
+  }
+
+  // 1 + the position of the first earlier tensor of the call with the same storage, or 0.
+  // Tensors with no storage (meta, wrapper subclasses) never alias here.
+  uint8_t alias_of(const at::Tensor& t) {
+    const void* storage = t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
+    uint8_t alias = 0;
+    if (storage != nullptr) {
+      for (size_t i = 0; i < storages_.size() && i < 254; ++i) {
+        if (storages_[i] == storage) {
+          alias = static_cast<uint8_t>(i + 1);
+          break;
+        }
+      }
+    }
+    storages_.push_back(storage);
+    return alias;
   }
   c10::Device device() const { return device_.value_or(c10::Device(c10::kCPU)); }
 
@@ -175,6 +193,7 @@ class KeyWriter {
 
   CallKey& out_;
   std::optional<c10::Device> device_;
+  std::vector<const void*> storages_;  // each tensor's storage, in the order keyed
 };
 
 uint64_t context_flags(int training) {
@@ -376,6 +395,7 @@ class KeyReader {
         if (s.layout == static_cast<uint8_t>(MemoryLayout::kChannelsLast3d)) out << " channels_last_3d";
         if (s.layout == static_cast<uint8_t>(MemoryLayout::kOtherStrides)) out << " strided";
         if (s.requires_grad) out << " requires_grad";
+        if (s.alias) out << " same storage as tensor " << static_cast<int>(s.alias - 1);
         break;
       }
       case KeyTag::kInt:

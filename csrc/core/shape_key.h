@@ -57,7 +57,10 @@ struct TensorSignature {
   uint8_t layout;          // MemoryLayout
   int16_t device_index;    // -1 for "current" / CPU
   uint8_t requires_grad;   // 0 or 1: autograd changes what a compiled graph records
-  uint8_t reserved;        // always 0
+  // 0, or 1 + the position (among the call's tensors, up to 254) of an earlier tensor this
+  // one shares storage with: a graph captured for f(a, a) reads one buffer twice, and must
+  // not serve f(b, c).
+  uint8_t alias;
 };
 static_assert(sizeof(TensorSignature) == sizeof(uint64_t), "TensorSignature must pack into one key word");
 

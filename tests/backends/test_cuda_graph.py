@@ -246,3 +246,76 @@ def test_everything_for_cuda_1_stays_on_cuda_1():
     torch.cuda.synchronize(1)
     assert torch.cuda.memory_reserved(0) == before
     assert sc.stats(layer)["entries"][0]["device"] == "cuda:1"
+
+
+class SmallMlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(64, 256)
+        self.b = torch.nn.Linear(256, 64)
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+@pytest.mark.cuda
+def test_every_graph_released_then_captured_again_ten_times():
+    # One pool id for the process made torch abort here: the second capture increfed a pool
+    # whose use count had reached 0. Each cycle now opens a fresh pool generation.
+    net = SmallMlp().cuda().eval()
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        expected = net(x)
+        for _ in range(10):
+            sc.cached(net, backend="cuda_graph")
+            for _ in range(2):
+                torch.testing.assert_close(net(x), expected)
+            assert sc.stats(net)["entries"][0]["backend"] == "cuda_graph"
+            sc.uncached(net)
+            torch.cuda.empty_cache()
+
+
+@pytest.mark.cuda
+def test_a_capture_that_fails_is_followed_by_a_good_one():
+    calls = []
+
+    @sc.cached(backend="cuda_graph")
+    def f(x):
+        calls.append(1)
+        if x.shape[0] == 3 and len(calls) > 1:
+            torch.cuda.synchronize()  # synchronising inside a capture invalidates it
+        return x * 2
+
+    with torch.no_grad():
+        with pytest.warns(RuntimeWarning, match="could not be captured as a CUDA graph .*; its bucket runs eager"):
+            out = f(torch.ones(3, device="cuda"))  # the warm-up ran, the capture failed: the call still returns
+        assert torch.equal(out, torch.full((3,), 2.0, device="cuda"))
+        for n in (4, 5):  # the allocators were left clean: the next captures work
+            assert torch.equal(f(torch.ones(n, device="cuda")), torch.full((n,), 2.0, device="cuda"))
+    assert sorted(e["backend"] for e in sc.stats(f)["entries"]) == ["cuda_graph", "cuda_graph", "eager"]
+
+
+@pytest.mark.cuda
+def test_two_threads_call_one_graph_cached_module():
+    import threading
+
+    net = SmallMlp().cuda().eval()
+    sc.cached(net, backend="cuda_graph")
+    inputs = [torch.randn(n, 64, device="cuda") for n in (4, 8, 16)]
+    with torch.no_grad():
+        expected = [SmallMlp.forward(net, x) for x in inputs]
+    failures = []
+
+    def worker(seed):
+        with torch.no_grad():
+            for i in range(30):
+                k = (seed + i) % 3
+                if not torch.allclose(net(inputs[k]), expected[k], rtol=1e-4, atol=1e-4):
+                    failures.append(k)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and failures == []

@@ -152,3 +152,14 @@ def test_crop_rejects_outputs_it_cannot_walk():
 
     with pytest.raises(TypeError, match="cannot walk an output of type Output .padded buckets and CUDA graphs need"):
         _C.crop_outputs(Output(), [(0, 1, 2)])
+
+
+def test_arguments_that_share_storage_are_keyed_apart_from_ones_that_do_not():
+    a, b = torch.ones(3), torch.ones(3)
+    same = _C.call_key((a, a), {})
+    apart = _C.call_key((a, b), {})
+    assert same["words"] != apart["words"]
+    assert same["description"].endswith("same storage as tensor 0")
+    assert _C.call_key((b, b), {})["words"] == same["words"]  # which tensors, not which storage
+    view = _C.call_key((a, a[:2]), {})
+    assert "same storage as tensor 0" in view["description"]

@@ -86,3 +86,9 @@ def test_a_strategy_that_fails_to_run_makes_the_command_exit_1(capsys):
     # The meta device holds no data: the pipeline cannot run there, so the strategy's process fails.
     assert _cli.main(["repro", "--device", "meta", "--sizes", "32x32", "--strategies", "shapecache"]) == 1
     assert "shapecache: failed:" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the answer without a CUDA device")
+def test_gpu_check_without_a_gpu_says_so_and_exits_1(capsys):
+    assert _cli.main(["gpu-check"]) == 1
+    assert "no CUDA device is visible; nothing was checked" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 #include "cache/cuda/cuda_graph_runner.h"
 
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -24,6 +25,22 @@ void order_after(const c10::cuda::CUDAStream& earlier, const c10::cuda::CUDAStre
   event.block(later);
 }
 
+// Takes a device's lock with the GIL released while it waits: the thread holding the lock may
+// be capturing, which runs Python code and needs the GIL back (taking the lock with the GIL
+// held would deadlock the two threads). Called without the GIL (a destructor run from C++),
+// it just waits.
+std::unique_lock<std::recursive_mutex> lock_device(DeviceGraphs& graphs) {
+  std::unique_lock<std::recursive_mutex> lock(graphs.mutex, std::defer_lock);
+  if (lock.try_lock()) return lock;
+  if (PyGILState_Check()) {
+    py::gil_scoped_release released;
+    lock.lock();
+  } else {
+    lock.lock();
+  }
+  return lock;
+}
+
 py::object strong(const py::object& weak_or_none) {
   if (weak_or_none.is_none()) return py::none();
   py::object alive = weak_or_none();  // a weakref.ref, called
@@ -36,21 +53,16 @@ py::object strong(const py::object& weak_or_none) {
 
 }  // namespace
 
-void PoolGraph::abandon() noexcept {
-  if (capture_ended_ || capture_dev_ == UNDEFINED_DEVICE) return;  // reset() releases the pool
-  try {
-    c10::cuda::CUDACachingAllocator::endAllocateToPool(capture_dev_, mempool_id_);
-  } catch (...) {
-    // capture_end() got past this step before it failed
-  }
-  try {
-    c10::cuda::CUDACachingAllocator::releasePool(capture_dev_, mempool_id_);
-  } catch (...) {
+PoolGraph::~PoolGraph() {
+  const bool ended = capture_ended_;
+  reset();  // releases the pool on both allocators when the capture ended (the base's destructor then does nothing)
+  if (ended) {
+    auto lock = lock_device(graphs_);
+    graphs_.generations.graph_released(mempool_id_);
   }
 }
 
-DeviceGraphs::DeviceGraphs(c10::DeviceIndex index)
-    : device(index), pool(at::cuda::graph_pool_handle()), stream(c10::cuda::getStreamFromPool(false, index)) {}
+DeviceGraphs::DeviceGraphs(c10::DeviceIndex index) : device(index), stream(c10::cuda::getStreamFromPool(false, index)) {}
 
 DeviceGraphs& DeviceGraphs::of(c10::DeviceIndex device) {
   static std::mutex registry_mutex;
@@ -62,9 +74,13 @@ DeviceGraphs& DeviceGraphs::of(c10::DeviceIndex device) {
 }
 
 int64_t DeviceGraphs::pool_bytes() const {
+  const std::vector<PoolGenerations::Generation>& ours = generations.generations();
   int64_t bytes = 0;
   for (const auto& segment : c10::cuda::CUDACachingAllocator::snapshot().segments) {
-    if (segment.device == device && segment.owner_private_pool_id == pool) bytes += segment.total_size;
+    if (segment.device != device) continue;
+    for (const auto& generation : ours) {
+      if (segment.owner_private_pool_id == generation.id) bytes += static_cast<int64_t>(segment.total_size);
+    }
   }
   return bytes;
 }
@@ -98,7 +114,7 @@ std::shared_ptr<CudaGraphRunner> CudaGraphRunner::capture(const py::object& func
     return it->second;
   };
   {
-    std::lock_guard<std::recursive_mutex> lock(graphs.mutex);
+    auto lock = lock_device(graphs);
     order_after(caller, graphs.stream, graphs.caller_done);
     c10::cuda::CUDAStreamGuard stream_guard(graphs.stream);
     for (const at::Tensor& t : inputs) runner->static_inputs_.push_back(static_copy(t));
@@ -114,34 +130,33 @@ void CudaGraphRunner::capture_graph(const py::object& owner) {
   c10::cuda::CUDAGuard device_guard(graphs.device);
   const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(graphs.device);
   workspace_generation_ = WorkspaceArena::of(c10::Device(c10::DeviceType::CUDA, graphs.device)).generation();
-  auto graph = std::make_unique<PoolGraph>();
+  auto graph = std::make_unique<PoolGraph>(graphs);
+  PoolGraph* raw = graph.get();
   const py::tuple call_args =
       owner.is_none() ? static_args_ : py::tuple(py::make_tuple(owner) + static_args_);
   py::object outputs;
+  const c10::DeviceIndex index = graphs.device;
+  // The allocators' calls the clean-up of a failed capture needs (see pool_generations.h).
+  const CaptureSteps steps{
+      [] { return at::cuda::graph_pool_handle(); },
+      [raw](const PoolId& id) { raw->capture_begin(id); },
+      [&] { outputs = function_(*call_args, **static_kwargs_); },
+      [raw] { raw->capture_end(); },
+      [raw] { return raw->ended(); },
+      PoolAllocatorCalls{
+          [index](const PoolId& id) { c10::cuda::CUDACachingAllocator::endAllocateToPool(index, id); },
+          [index](const PoolId& id) { c10::cuda::CUDACachingAllocator::releasePool(index, id); }},
+      PoolAllocatorCalls{
+          [](const PoolId& id) { at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(id); },
+          [](const PoolId& id) { at::getHostAllocator(at::kCUDA)->release_pool(id); }},
+  };
   {
-    std::lock_guard<std::recursive_mutex> lock(graphs.mutex);
+    auto lock = lock_device(graphs);
     order_after(caller, graphs.stream, graphs.caller_done);
     c10::cuda::CUDAStreamGuard stream_guard(graphs.stream);
-    graph->capture_begin(graphs.pool);
-    try {
-      outputs = function_(*call_args, **static_kwargs_);
-    } catch (...) {
-      // No capture may be left open, whatever failed inside it (an out-of-memory error, a
-      // synchronising operation): end it, then report the original error. The graph is
-      // dropped here, so nothing half-captured stays in the pool.
-      try {
-        graph->capture_end();
-      } catch (...) {
-        graph->abandon();
-      }
-      throw;
-    }
-    try {
-      graph->capture_end();
-    } catch (...) {
-      graph->abandon();
-      throw;
-    }
+    // On failure the allocators are clean and the error propagates; `graph` is destroyed on
+    // the way out (counted as released only if its capture ended).
+    graphs.generations.capture(steps);
     order_after(graphs.stream, caller, graphs.graphs_done);
   }
   std::vector<at::Tensor> static_outputs;
@@ -152,7 +167,7 @@ void CudaGraphRunner::capture_graph(const py::object& owner) {
 }
 
 void CudaGraphRunner::release() {
-  std::lock_guard<std::recursive_mutex> lock(device_->mutex);  // not while another thread replays it
+  auto lock = lock_device(*device_);  // not while another thread replays it
   static_outputs_.clear();
   output_structure_ = py::none();
   graph_.reset();  // the graph's pool blocks go back to the pool
@@ -188,7 +203,7 @@ py::object CudaGraphRunner::run(const py::tuple& args, const py::dict& kwargs) {
     // the graphs' stream, which the caller then waits for. The caller's inputs are read on
     // the graphs' stream too, and any reuse of their memory after the caller frees them is
     // queued on the caller's stream, after that wait.
-    std::lock_guard<std::recursive_mutex> lock(graphs.mutex);
+    auto lock = lock_device(graphs);
     for (const at::Tensor& s : static_outputs_) outputs.push_back(at::empty_like(s));
     order_after(caller, graphs.stream, graphs.caller_done);
     c10::cuda::CUDAStreamGuard stream_guard(graphs.stream);

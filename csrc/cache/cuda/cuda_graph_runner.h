@@ -19,6 +19,10 @@
 //     there: freeing them (an eviction) is ordered after the last replay that read them.
 //   - A graph is stale when the weights it captured were replaced or the workspace arena it
 //     may have captured moved: it is then rebuilt, never replayed.
+//   - The pool is a sequence of generations (csrc/core/pool_generations.h, which states
+//     torch's allocator rules it keeps): captures go into the current one; once none of its
+//     graphs is left it retires and the next capture opens a fresh graph_pool_handle(). A
+//     failed capture is cleaned up on the device and the host allocator there.
 #pragma once
 
 #include <ATen/cuda/CUDAEvent.h>
@@ -34,6 +38,7 @@
 
 #include "cache/entry_runner.h"
 #include "cache/weight_snapshot.h"
+#include "core/pool_generations.h"
 
 namespace shapecache {
 
@@ -42,15 +47,17 @@ namespace py = pybind11;
 struct DeviceGraphs {
   static DeviceGraphs& of(c10::DeviceIndex device);
 
-  // Bytes the allocator holds in this device's graph pool now.
+  // Bytes the allocator holds in this device's graph pool now, every generation's (a retired
+  // one holds blocks until the allocator's cache is emptied).
   int64_t pool_bytes() const;
 
   const c10::DeviceIndex device;
-  const decltype(at::cuda::graph_pool_handle()) pool;
+  PoolGenerations generations;   // guarded by `mutex`
   c10::cuda::CUDAStream stream;  // every capture and every replay of the device
-  // One capture or replay at a time; guards the events too. Recursive: the function being
-  // captured may call another cached function of the device (which then fails to replay
-  // inside a capture with an error, instead of waiting forever on this lock).
+  // One capture or replay at a time; guards the events and `generations` too. Recursive: the
+  // function being captured may call another cached function of the device (which then fails
+  // to replay inside a capture with an error, instead of waiting forever on this lock). Taken
+  // with the GIL released while waiting (lock_device in the .cpp).
   std::recursive_mutex mutex;
   at::cuda::CUDAEvent caller_done;  // orders the graphs' stream after a caller's work
   at::cuda::CUDAEvent graphs_done;  // orders a caller's later work after the graphs' stream
@@ -59,14 +66,17 @@ struct DeviceGraphs {
   explicit DeviceGraphs(c10::DeviceIndex index);
 };
 
-// at::cuda::CUDAGraph, plus the clean-up of a capture that failed. When cudaStreamEndCapture
-// fails (the capture was invalidated, by a synchronising call inside it, say), capture_end()
-// throws before it tells the allocator the capture is over, and reset() then never gives
-// back the graph's hold on the pool: the pool could never be emptied again. abandon() does
-// what capture_end() and reset() left undone, whichever step failed.
+// at::cuda::CUDAGraph that tells its device's pool generations when it is gone. Its
+// destructor releases the pool through reset() first (torch does so only for a capture that
+// ended: a failed one was cleaned up by PoolGenerations::capture, and is not counted).
 class PoolGraph final : public at::cuda::CUDAGraph {
  public:
-  void abandon() noexcept;
+  explicit PoolGraph(DeviceGraphs& graphs) : graphs_(graphs) {}
+  ~PoolGraph();  // CUDAGraph's destructor is not virtual: a PoolGraph is only ever owned as one
+  bool ended() const { return capture_ended_; }
+
+ private:
+  DeviceGraphs& graphs_;
 };
 
 class CudaGraphRunner final : public EntryRunner {

@@ -5,6 +5,8 @@ eager warm-up on a side stream, and replayed from C++. The pool's size and rebui
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.utils._pytree import tree_leaves
 
@@ -39,10 +41,20 @@ def build_graph(function, args, kwargs, device, context: BuildContext, *, compil
         eager_seconds = min(_timing.timings(lambda: runnable(*args, **kwargs), device, repeats=2))
 
     cache = context.cache
-    runner, entry_bytes = graph_pool.measured_capture(
-        lambda: _C.capture_cuda_graph(runnable, owner, tuple(call_args), dict(kwargs), list(context.parameter_names),
-                                      weights),
-        device, cache)
+    try:
+        runner, entry_bytes = graph_pool.measured_capture(
+            lambda: _C.capture_cuda_graph(runnable, owner, tuple(call_args), dict(kwargs),
+                                          list(context.parameter_names), weights),
+            device, cache)
+    except torch.OutOfMemoryError:
+        raise  # the cache's own retry: evict, empty the allocator's cache, build again
+    except Exception as error:  # noqa: BLE001  (the call computed its result already: never fail it here)
+        # A function that cannot be captured (a synchronising call, a CPU round trip): the
+        # allocators were cleaned up (csrc/core/pool_generations.h); this bucket runs eager.
+        warnings.warn(f"shapecache: {getattr(function, '__qualname__', function)} could not be captured as a CUDA "
+                      f"graph ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+                      "its bucket runs eager", RuntimeWarning, stacklevel=2)
+        return BuiltEntry(function, 0, output, "eager")
     if graph_pool.pool_over_budget(device, cache, entry_bytes):
         # Evicting entries cannot shrink the pool (see graph_pool.py): rebuild it.
         rebuilt = graph_pool.rebuild_largest_first(device, cache, runner)

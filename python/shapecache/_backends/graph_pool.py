@@ -29,12 +29,16 @@ from shapecache._extension import _C
 
 def release_device_memory(device: torch.device, cache=None) -> None:
     """Frees what an out-of-memory error or an eviction left behind on `device`: garbage
-    (a failed call's frames and tensors) and the allocator's cached blocks; then charges the
-    pool's new size to `cache`, if given."""
+    (a failed call's frames and tensors), the device allocator's cached blocks (retired pool
+    generations among them) and the pinned host allocator's, whose graph pools hold the host
+    memory of captured copies; then charges the pool's new size to `cache`, if given."""
     gc.collect()
     if device.type == "cuda":
         with torch.cuda.device(device):
             torch.cuda.empty_cache()
+        host_empty_cache = getattr(torch._C, "_host_emptyCache", None)  # CUDA builds of torch have it
+        if host_empty_cache is not None:
+            host_empty_cache()
         if cache is not None and _C.has_cuda_graphs:
             charge_shared_bytes(device, cache)
 
@@ -72,10 +76,9 @@ def measured_recapture(runner, device: torch.device, cache) -> int:
 
 def pool_over_budget(device: torch.device, cache, entry_bytes: int) -> bool:
     """Whether the pool and workspace, with one more entry of `entry_bytes`, exceed the budget
-    even if every other entry went."""
-    figures = cache.stats()["devices"][str(device)]
-    budget = figures["budget"]
-    return budget is not None and figures["pool_bytes"] + figures["workspace_bytes"] + entry_bytes > budget
+    even if every other entry went (the budget rule's own check, BudgetedLru::could_fit, with
+    no entry pinned)."""
+    return not cache.could_fit(device, entry_bytes)
 
 
 def rebuild_largest_first(device: torch.device, cache, new_runner) -> int | None:

@@ -5,6 +5,7 @@ result); 1 when a strategy failed to run, or the command failed; 2 for a usage e
 
 import argparse
 
+from shapecache.scenarios import _gpu_check as gpu_check
 from shapecache.scenarios import _repro as repro
 from shapecache.scenarios import _serve as serve
 
@@ -21,6 +22,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     serve_parser = commands.add_parser(
         "serve", help="serve a model at mixed sizes through the cache and print a per-size table")
     serve.add_arguments(serve_parser)
+    gpu_parser = commands.add_parser(
+        "gpu-check", help="verify the GPU path in one command (tests, benchmarks, the SDXL loop); writes a report")
+    gpu_check.add_arguments(gpu_parser)
     return parser.parse_args(argv)
 
 
@@ -29,6 +33,8 @@ def main(argv=None) -> int:
     if args.command in ("demo", "repro"):
         results = repro.run(args)
         return 1 if any("failed" in result for result in results.values()) else 0
+    if args.command == "gpu-check":
+        return gpu_check.run(args)
     serve.run(args)
     return 0
 

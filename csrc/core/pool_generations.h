@@ -1,0 +1,205 @@
+// PoolGenerations: the lifecycle of one device's CUDA graph memory pool, torch-free.
+//
+// Every graph of a device is captured into one shared pool, named by an id that torch's
+// allocators key their private pools by. The pool is a sequence of generations, each with an
+// id of its own: captures go into the current generation; once none of its graphs is left it
+// retires for good, and the next capture opens a fresh id (at::cuda::graph_pool_handle()).
+//
+// The rules this class keeps are torch's (c10/cuda/CUDACachingAllocator.cpp, the
+// CachingHostAllocator, ATen/cuda/CUDAGraph.cpp; torch 2.11 to 2.13). Each allocator, the
+// device's and the host's, does the same with a pool id:
+//   A1 begin (beginAllocateToPool) increfs the pool of that id, creating it when the id is
+//      unknown. Increfing a known pool whose use count reached 0 is an internal assert: the
+//      process aborts. The id stays known after its count reaches 0, until the allocator
+//      frees every block of the pool, which may be never (a cuBLAS workspace made during a
+//      capture lives in the pool).
+//   A2 begin on an id that is recording already fails, after its incref.
+//   A3 end (endAllocateToPool) fails when the id is not recording.
+//   A4 release (releasePool) decrefs; below 0 is an internal assert.
+//   A5 CUDAGraph::capture_begin runs: begin on the device allocator, begin on the host
+//      allocator, cudaStreamBeginCapture. A throw leaves the steps before it done.
+//   A6 CUDAGraph::capture_end runs: cudaStreamEndCapture, end on the device, end on the
+//      host, then checks the graph. A throw leaves the steps before it done, and the graph
+//      then never releases the pool (reset() releases it only for a capture that ended).
+//   A7 A graph whose capture ended releases the pool on both allocators when destroyed.
+//
+// What follows, and what this class guarantees:
+//   G1 No generation is begun after its use count reached 0 (A1): a retired generation is
+//      never captured into again; a fresh id is opened instead.
+//   G2 No two captures record into one generation (A2): captures of a device are
+//      serialised by its caller; a capture into a recording generation is refused here.
+//   G3 A capture that fails is cleaned up on both allocators (A5, A6): recording is ended
+//      where it was begun, the reference taken is released where the graph will not
+//      release it, and the generation retires.
+//   G4 Every live graph's generation is counted: a generation retires only when its count
+//      of graphs (this class's view of the allocators' use count) returns to 0.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+namespace shapecache {
+
+// torch's MempoolId_t (c10/core/Allocator.h), spelled the same so that no conversion is needed.
+using PoolId = std::pair<unsigned long long, unsigned long long>;
+
+// What one allocator (the device's or the host's) does with a pool id, as the capture's
+// clean-up needs it. Each may throw, as torch's do (A3, A4).
+struct PoolAllocatorCalls {
+  std::function<void(const PoolId&)> end_recording;  // endAllocateToPool
+  std::function<void(const PoolId&)> release;        // releasePool
+};
+
+// The steps of one capture, as the CUDA layer runs them (torch's CUDAGraph).
+struct CaptureSteps {
+  std::function<PoolId()> open_pool;             // a fresh id: at::cuda::graph_pool_handle()
+  std::function<void(const PoolId&)> begin;      // CUDAGraph::capture_begin(id)
+  std::function<void()> body;                    // run the function being captured
+  std::function<void()> end;                     // CUDAGraph::capture_end()
+  std::function<bool()> ended;                   // whether the capture ended (the graph then releases the pool)
+  PoolAllocatorCalls device;
+  PoolAllocatorCalls host;
+};
+
+class PoolGenerations {
+ public:
+  struct Generation {
+    PoolId id;
+    int64_t graphs = 0;      // live graphs captured into it, a capture underway included
+    bool recording = false;  // a capture into it is underway
+    bool retired = false;    // its count returned to 0, or a capture into it failed: never begun again
+  };
+
+  // Runs one capture into the current generation (or a fresh one) and returns the id the
+  // graph holds. On success the graph counts against that generation until graph_released(id).
+  // On failure the allocators are cleaned up (G3) and the error is rethrown.
+  PoolId capture(const CaptureSteps& steps) {
+    Generation& generation = generation_for_capture(steps.open_pool);
+    const PoolId id = generation.id;
+    // A5: begin may throw after the device allocator, or both, took a reference and started
+    // recording. Ending recording succeeds exactly where it had begun, and there the
+    // reference is released too.
+    try {
+      steps.begin(id);
+    } catch (...) {
+      for (const PoolAllocatorCalls* calls : {&steps.device, &steps.host}) {
+        if (try_call(calls->end_recording, id)) try_call(calls->release, id);
+      }
+      retire(find(id));
+      throw;
+    }
+    generation.recording = true;
+    ++generation.graphs;
+    try {
+      steps.body();
+    } catch (...) {
+      // The capture must end whatever failed inside it. If it ends, the graph exists and
+      // releases the pool when destroyed (A7): the caller drops it and reports that with
+      // graph_released(). If ending fails too, clean up as below.
+      try {
+        steps.end();
+      } catch (...) {
+      }
+      if (steps.ended()) {
+        find(id).recording = false;
+        retire(find(id));
+      } else {
+        abandon(steps, id);
+      }
+      throw;
+    }
+    try {
+      steps.end();
+    } catch (...) {
+      if (steps.ended()) {  // it ended, then failed (instantiating, say): the graph releases the pool (A7)
+        find(id).recording = false;
+        retire(find(id));
+      } else {
+        abandon(steps, id);
+      }
+      throw;
+    }
+    find(id).recording = false;
+    return id;
+  }
+
+  // A graph captured into `id` was destroyed (its destructor released the pool: A7).
+  void graph_released(const PoolId& id) {
+    Generation& generation = find(id);
+    if (generation.graphs <= 0) throw std::logic_error("PoolGenerations: a graph released twice");
+    if (--generation.graphs == 0) generation.retired = true;
+  }
+
+  // The generation new captures go into, if one is open (for the pool's figures).
+  const Generation* current() const {
+    if (generations_.empty() || generations_.back().retired) return nullptr;
+    return &generations_.back();
+  }
+
+  // Every generation opened so far, oldest first (retired ones stay listed: the allocator may
+  // still hold their blocks until it frees them).
+  const std::vector<Generation>& generations() const { return generations_; }
+
+  int64_t live_graphs() const {
+    int64_t n = 0;
+    for (const Generation& g : generations_) n += g.graphs;
+    return n;
+  }
+
+ private:
+  Generation& generation_for_capture(const std::function<PoolId()>& open_pool) {
+    if (!generations_.empty() && !generations_.back().retired) {
+      if (generations_.back().recording) {
+        throw std::logic_error("PoolGenerations: a capture is underway in this pool already; captures of a device "
+                               "must take turns");
+      }
+      return generations_.back();
+    }
+    const PoolId id = open_pool();
+    for (const Generation& g : generations_) {
+      if (g.id == id) throw std::logic_error("PoolGenerations: a fresh pool id repeats an earlier generation's");
+    }
+    generations_.push_back(Generation{id, 0, false, false});
+    return generations_.back();
+  }
+
+  // A6 failed: the stream capture did not end (or the graph proved invalid after it did).
+  // Recording is ended where it still runs (an end that fails had ended already), the
+  // reference is released on both allocators (the graph will never release it), and the
+  // generation retires.
+  void abandon(const CaptureSteps& steps, const PoolId& id) {
+    for (const PoolAllocatorCalls* calls : {&steps.device, &steps.host}) {
+      try_call(calls->end_recording, id);
+      try_call(calls->release, id);
+    }
+    Generation& generation = find(id);
+    generation.recording = false;
+    --generation.graphs;
+    retire(generation);
+  }
+
+  static void retire(Generation& generation) { generation.retired = true; }
+
+  static bool try_call(const std::function<void(const PoolId&)>& call, const PoolId& id) {
+    try {
+      call(id);
+      return true;
+    } catch (...) {
+      return false;
+    }
+  }
+
+  Generation& find(const PoolId& id) {
+    for (Generation& g : generations_) {
+      if (g.id == id) return g;
+    }
+    throw std::logic_error("PoolGenerations: no generation has this pool id");
+  }
+
+  std::vector<Generation> generations_;
+};
+
+}  // namespace shapecache
