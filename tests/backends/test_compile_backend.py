@@ -1,5 +1,7 @@
 """backend="compile": one torch.compile'd graph per bucket, none of them silently eager."""
 
+import warnings
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -81,3 +83,54 @@ def test_evicting_a_bucket_releases_its_compiled_code():
         backends.fresh_code_copy = original
     gc.collect()
     assert [r() is None for r in made] == [True, False]
+
+
+class UserNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class Holder:
+    def __init__(self):
+        self.scale = 3.0
+
+    @sc.cached(backend="compile", compile_options={"backend": "eager"})
+    def run(self, x):
+        return x * self.scale + 1
+
+
+def sequential():
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
+
+
+@pytest.mark.parametrize("kind", ["function", "method", "user module", "torch-defined module"])
+def test_every_bucket_of_every_kind_of_callable_compiles(kind):
+    # A torch-defined module's forward (nn.Sequential) used to compile inside one frame of
+    # torch's that every bucket shared: from the 9th bucket on nothing compiled, and the
+    # entries said "eager".
+    if kind == "function":
+        call = sc.cached(lambda x: torch.sin(x) * 2, backend="compile", compile_options={"backend": "eager"})
+        reference = lambda x: torch.sin(x) * 2  # noqa: E731
+        target = call
+    elif kind == "method":
+        holder = Holder()
+        call = holder.run
+        reference = lambda x: x * 3.0 + 1  # noqa: E731
+        target = call
+    else:
+        module = UserNet().eval() if kind == "user module" else sequential()
+        with torch.no_grad():
+            plain = [module(torch.ones(n, 4)) for n in range(1, 13)]
+        reference = lambda x: plain[x.shape[0] - 1]  # noqa: E731
+        call = target = sc.cached(module, backend="compile", compile_options={"backend": "eager"})
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no bucket may fall back to eager with a warning
+        for n in range(1, 13):
+            x = torch.ones(n, 4)
+            torch.testing.assert_close(call(x), reference(x))
+    st = sc.stats(target)
+    assert len(st["entries"]) == 12 and {e["backend"] for e in st["entries"]} == {"compile"}

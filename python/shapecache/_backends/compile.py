@@ -1,10 +1,14 @@
 """The ``"compile"`` backend: ``torch.compile(dynamic=False)`` per bucket.
 
-Each bucket compiles its own copy of the function's code object: Dynamo keeps compiled code,
-guards and its recompile count per code object, so one copy per bucket means no bucket ever
-meets Dynamo's recompile limit (which would silently run the 9th shape eager), guards are
-checked against one bucket's entry instead of all of them, and evicting a bucket frees its
-compiled code with the copy.
+Each bucket compiles an entry point of its own: a function of this file that calls the cached
+function, with a code object of its own. Dynamo keeps compiled code, guards and its recompile
+count per code object, so one per bucket means no bucket ever meets Dynamo's recompile limit
+(which would silently run the 9th shape eager), guards are checked against one bucket's entry
+instead of all of them, and evicting a bucket frees its compiled code with its entry point.
+The entry point is shapecache's, not the function's own code: torch.compile wraps a function
+defined in torch's own files (``nn.Sequential.forward``) in one ``inner`` frame of torch's
+that every bucket would share, limit included; Dynamo compiles this frame and inlines the
+function instead.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from shapecache._backends import BuiltEntry
 
 
 def build_compiled(function, compile_options, args, kwargs, device) -> BuiltEntry:
-    copy = fresh_code_copy(function)
+    copy = entry_point(function)
     runner = torch.compile(copy, dynamic=False, **compile_options)
     compiled = _dynamo_compiled(copy)
     allocated_before = allocated_bytes(device)
@@ -38,31 +42,32 @@ def build_compiled(function, compile_options, args, kwargs, device) -> BuiltEntr
 
 
 def _dynamo_compiled(copy) -> Callable[[], bool]:
-    """A check, to run after the first call, of whether Dynamo compiled `copy`: its own code
-    object has cache entries. (Callables without a code object of their own fall back to
-    Dynamo's process-wide graph counter, which misses graphs that hit Dynamo's cache.)"""
+    """A check, to run after the first call, of whether Dynamo compiled the entry point `copy`:
+    its own code object has cache entries. (Where torch lacks that debug accessor, Dynamo's
+    process-wide graph counter stands in; it misses graphs that hit Dynamo's cache.)"""
     from torch._dynamo import eval_frame
     from torch._dynamo.utils import counters
 
-    function = copy.__func__ if isinstance(copy, types.MethodType) else copy
-    code = getattr(function, "__code__", None)
+    code = copy.__code__
     entries = getattr(eval_frame, "_debug_get_cache_entry_list", None)
-    if isinstance(function, types.FunctionType) and code is not None and entries is not None:
+    if entries is not None:
         return lambda: len(entries(code)) > 0
     before = counters["stats"]["unique_graphs"]
     return lambda: counters["stats"]["unique_graphs"] > before
 
 
-def fresh_code_copy(function: Callable) -> Callable:
-    """`function` with a code object of its own (methods: their function's copy, rebound).
+def entry_point(function: Callable) -> Callable:
+    """A function with a code object of its own that calls `function` (see the module's docstring)."""
 
-    Callables that are not Python functions (modules, partials, builtins) come back as they
-    are and share Dynamo's cache across buckets.
-    """
-    if isinstance(function, types.MethodType):
-        return types.MethodType(fresh_code_copy(function.__func__), function.__self__)
-    if not isinstance(function, types.FunctionType):
-        return function
+    def call(*args, **kwargs):
+        return function(*args, **kwargs)
+
+    return fresh_code_copy(call)
+
+
+def fresh_code_copy(function: types.FunctionType) -> types.FunctionType:
+    """`function` with a code object of its own (a nested ``def`` shares its code object with
+    every function made from it)."""
     copy = types.FunctionType(
         function.__code__.replace(),
         function.__globals__,
@@ -72,8 +77,6 @@ def fresh_code_copy(function: Callable) -> Callable:
     )
     copy.__kwdefaults__ = function.__kwdefaults__
     copy.__qualname__ = function.__qualname__
-    copy.__module__ = function.__module__
-    copy.__dict__.update(function.__dict__)
     return copy
 
 

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_leaves
 
 from shapecache import _timing
 from shapecache._backends import BuildContext, BuiltEntry, graph_pool
-from shapecache._backends.compile import fresh_code_copy
+from shapecache._backends.compile import entry_point
 from shapecache._backends.weights import snapshot
 from shapecache._extension import _C
 
@@ -20,7 +20,7 @@ from shapecache._extension import _C
 def build_graph(function, args, kwargs, device, context: BuildContext, *, compiled: bool,
                 keep_only_if_faster: bool) -> BuiltEntry:
     owner, call_args = (args[0], args[1:]) if context.has_owner else (None, args)
-    runnable = torch.compile(fresh_code_copy(function), dynamic=False, **context.compile_options) if compiled \
+    runnable = torch.compile(entry_point(function), dynamic=False, **context.compile_options) if compiled \
         else function
     weights = snapshot(owner) if isinstance(owner, torch.nn.Module) else None
 

@@ -9,13 +9,13 @@ from collections.abc import Callable
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from shapecache._backends.compile import fresh_code_copy
+from shapecache._backends.compile import entry_point
 
 
 def naive_forward(forward: Callable, device: torch.device, compile_options: dict) -> Callable:
     """`forward(self, ...)` served by one artifact per input shape, all kept: on CUDA a CUDA
     graph in a pool of its own (``capture_per_size_graph``), elsewhere a ``torch.compile``
-    graph of its own code copy."""
+    graph of its own entry point."""
     artifacts = {}
 
     def shape_key(args, kwargs):
@@ -28,7 +28,7 @@ def naive_forward(forward: Callable, device: torch.device, compile_options: dict
             if device.type == "cuda":
                 artifacts[key] = capture_per_size_graph(forward, self, args, kwargs)
             else:
-                artifacts[key] = torch.compile(fresh_code_copy(forward), dynamic=False, **compile_options)
+                artifacts[key] = torch.compile(entry_point(forward), dynamic=False, **compile_options)
         return artifacts[key](self, *args, **kwargs)
 
     return naive
