@@ -134,3 +134,40 @@ def test_every_bucket_of_every_kind_of_callable_compiles(kind):
             torch.testing.assert_close(call(x), reference(x))
     st = sc.stats(target)
     assert len(st["entries"]) == 12 and {e["backend"] for e in st["entries"]} == {"compile"}
+
+
+def frozen_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).eval()
+
+
+FREEZING = {"options": {"freezing": True}}  # inductor's freezing, for this cache's builds only
+
+
+def test_compiled_cpu_entries_are_charged_what_their_builds_left_allocated_and_the_budget_bounds_them():
+    import statistics
+
+    import torch._inductor.config as inductor_config
+
+    from shapecache._backends.host_memory import heap_bytes
+
+    if heap_bytes() is None:
+        pytest.skip("the C library reports no heap figures here (not glibc >= 2.33)")
+    net = sc.cached(frozen_mlp(), backend="compile", compile_options=FREEZING)
+    with torch.no_grad():
+        for n in (4, 8, 12, 16):
+            net(torch.randn(n, 256))
+    st = sc.stats(net)
+    sizes = [e["bytes"] for e in st["entries"]]
+    assert all(b > 0 for b in sizes) and st["entry_bytes"] == sum(sizes)
+    assert inductor_config.freezing is False  # the global setting is left as it was
+
+    # A byte budget of about two and a half entries: any number of sizes stays under it.
+    budget = int(2.5 * statistics.median(sizes))
+    bounded = sc.cached(frozen_mlp(), backend="compile", compile_options=FREEZING, budget=budget)
+    with torch.no_grad():
+        for n in (4, 8, 12, 16, 20, 24, 4, 8):
+            bounded(torch.randn(n, 256))
+            assert sc.stats(bounded)["bytes"] <= budget
+    st = sc.stats(bounded)
+    assert st["evictions"] > 0 and st["entries"]

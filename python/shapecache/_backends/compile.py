@@ -21,12 +21,15 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from shapecache._backends import BuiltEntry
+from shapecache._backends.host_memory import heap_bytes
 
 
 def build_compiled(function, compile_options, args, kwargs, device) -> BuiltEntry:
     copy = entry_point(function)
     runner = torch.compile(copy, dynamic=False, **compile_options)
     compiled = _dynamo_compiled(copy)
+    # What the build leaves allocated beyond its output: on the CPU, inductor's compiled module
+    # with what it keeps (frozen constants among them).
     allocated_before = allocated_bytes(device)
     output = runner(*args, **kwargs)
     held = max(0, allocated_bytes(device) - allocated_before - tensor_bytes(output, device))
@@ -81,16 +84,17 @@ def fresh_code_copy(function: types.FunctionType) -> types.FunctionType:
 
 
 def allocated_bytes(device: torch.device) -> int:
-    """The CUDA caching allocator's allocated bytes on `device` (0 elsewhere: not measured)."""
+    """Bytes allocated on `device` now: the CUDA caching allocator's figure, or on the CPU the
+    C library's heap in use (see host_memory.py); 0 where neither can be read."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        return heap_bytes() or 0
     return 0
 
 
 def tensor_bytes(output, device: torch.device) -> int:
-    """Bytes of the distinct storages of the tensors in `output` on a CUDA `device`."""
-    if device.type != "cuda":
-        return 0
+    """Bytes of the distinct storages of the tensors in `output` on `device`."""
     seen = {}
     for t in tree_leaves(output):
         if isinstance(t, torch.Tensor) and t.device == device:

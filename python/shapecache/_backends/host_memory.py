@@ -1,0 +1,42 @@
+"""What a CPU entry holds: the C library's heap in use, read before and after its build.
+
+Chosen over the process's resident size, which keeps pages the allocator holds on to after a
+free and counts code loaded once for every later build; and over torch's CPU allocator
+statistics, which are off unless enabled and miss what inductor's compiled modules keep outside
+tensors. glibc's mallinfo2 counts every live allocation, tensors (through posix_memalign) and
+Python objects alike: arenas in use plus mmap'd blocks. The figure is the process's, so
+allocations by other threads during a build are charged to it too. Where the C library has
+no mallinfo2 (not glibc, or glibc before 2.33), CPU entries are charged 0 bytes, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+@functools.cache
+def _mallinfo2():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        function = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    function.restype = _MallInfo2
+    return function
+
+
+def heap_bytes() -> int | None:
+    """Bytes the C library's heap has in use now, or None where it cannot say."""
+    mallinfo2 = _mallinfo2()
+    if mallinfo2 is None:
+        return None
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd
