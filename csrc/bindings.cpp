@@ -385,6 +385,8 @@ void bind_tuning(py::module_& m) {
   });
   m.def("tuning_clear", [] { ConvTuner::instance().clear(); });
   m.def("tuning_set_enabled", [](bool enabled) { ConvTuner::instance().set_enabled(enabled); });
+  m.def("_tuning_fail_candidate", [](std::string name) { ConvTuner::instance().fail_candidate_for_tests(std::move(name)); },
+        "Fault injection for tests: tuning makes the named candidate fail ('' for none).");
   m.def("tuning_environment", [](c10::Device device) { return ConvTuner::instance().environment(device); });
   m.def("record_key", [](const py::dict& record) {  // the identity of a record's problem, for merging files
     const TuningRecord r = record_from_dict(record);

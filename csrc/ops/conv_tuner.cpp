@@ -177,15 +177,27 @@ TuningResult ConvTuner::tune(const ConvArgs& args) {
       // A candidate that needs more than the arena holds is timed on scratch memory, freed
       // right after: the arena grows only for the algorithm that is chosen.
       const int64_t bytes = timing.workspace_bytes;
-      at::Tensor scratch;
-      if (bytes > arena.bytes()) scratch = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
-      timing.microseconds = median_microseconds(hooks, device, [&] {
-        if (scratch.defined()) {
-          algorithm.run(args, scratch);
-        } else {
-          run_algorithm(hooks, static_cast<int>(i), args, bytes);
-        }
-      });
+      // A candidate that fails to run (a cuDNN algorithm that reports it applies, then does
+      // not; scratch memory that cannot be had) is skipped: only the default, which applies
+      // to every problem, may fail the caller's call.
+      try {
+        if (algorithm.name == failing_candidate_) throw std::runtime_error("failure injected for tests");
+        at::Tensor scratch;
+        if (bytes > arena.bytes()) scratch = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+        timing.microseconds = median_microseconds(hooks, device, [&] {
+          if (scratch.defined()) {
+            algorithm.run(args, scratch);
+          } else {
+            run_algorithm(hooks, static_cast<int>(i), args, bytes);
+          }
+        });
+      } catch (const std::exception& error) {
+        if (i == 0) throw;
+        timing.skipped = std::string("failed: ") + error.what();
+        timing.microseconds = -1;
+        result.candidates.push_back(timing);
+        continue;
+      }
       if (best < 0 || timing.microseconds < best_time) {
         best = static_cast<int>(i);
         best_time = timing.microseconds;
@@ -261,6 +273,11 @@ TunerStats ConvTuner::stats() {
 void ConvTuner::clear() {
   std::lock_guard<std::mutex> guard(mutex_);
   table_.clear();
+}
+
+void ConvTuner::fail_candidate_for_tests(std::string name) {
+  std::lock_guard<std::mutex> guard(mutex_);
+  failing_candidate_ = std::move(name);
 }
 
 void ConvTuner::set_enabled(bool enabled) {

@@ -98,6 +98,8 @@ class ConvTuner {
   void clear();  // forget every record (tests, and a corrupt file set aside)
 
   void set_enabled(bool enabled);  // false: problems without a record run the default, untuned
+  // Fault injection for tests: tuning makes the candidate of this name fail ("" for none).
+  void fail_candidate_for_tests(std::string name);
 
  private:
   ConvTuner() = default;
@@ -106,6 +108,7 @@ class ConvTuner {
   std::mutex mutex_;  // guards everything below; held while tuning
   TuningTable table_;
   bool enabled_ = true;
+  std::string failing_candidate_;  // see fail_candidate_for_tests
 };
 
 }  // namespace shapecache

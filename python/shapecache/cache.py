@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shapecache import _checks
-from shapecache._backends import BACKENDS, BuildContext, check_available, make_builder
+from shapecache._backends import BACKENDS, GRAPH_BACKENDS, BuildContext, check_available, make_builder
 from shapecache._backends.graph_pool import release_device_memory
 from shapecache._extension import _C
 from shapecache._holder import HOLDER, CacheHolder, holder_on
@@ -52,7 +52,6 @@ class CacheOptions:
         parsed = parse_budget(budget)
         if not isinstance(backend, str) or backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: expected one of {', '.join(repr(b) for b in BACKENDS)}")
-        check_available(backend)
         if max_entries is not None:
             _checks.positive_int("max_entries", max_entries, "or None for no count limit")
         check_buckets(buckets)
@@ -65,11 +64,17 @@ class CacheOptions:
                 f"compile_options were given with backend={backend!r}, which compiles nothing; "
                 "use backend='compile' or 'compile+cuda_graph'"
             )
+        if backend in GRAPH_BACKENDS and compile_options.get("mode") in ("reduce-overhead", "max-autotune"):
+            raise ValueError(
+                f"compile_options: mode={compile_options['mode']!r} captures CUDA graphs of its own, inside the ones "
+                f"backend={backend!r} captures; use mode='max-autotune-no-cudagraphs' or 'default'"
+            )
         if "dynamic" in compile_options:
             raise ValueError(
                 "compile_options: 'dynamic' is fixed to False; shapecache compiles one static graph per bucket"
             )
         _checks.boolean("tune_convs", tune_convs)
+        check_available(backend)  # last: the options are checked even where the backend cannot run
         return cls(parsed, backend, buckets, max_entries, dict(compile_options), tune_convs)
 
 

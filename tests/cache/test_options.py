@@ -67,6 +67,8 @@ def test_budget_from_environment(monkeypatch):
         ({"budget": "150%"}, ValueError, r"budget='150%': a percentage"),
         ({"disable": "false"}, TypeError, r"disable='false' \(str\): expected True or False"),
         ({"tune_convs": 1}, TypeError, r"tune_convs=1 \(int\): expected True or False"),
+        ({"backend": "compile+cuda_graph", "compile_options": {"mode": "reduce-overhead"}}, ValueError,
+         r"compile_options: mode='reduce-overhead' captures CUDA graphs of its own, inside the ones backend='compile\+cuda_graph' captures"),
     ],
 )
 def test_bad_options(kwargs, error, message):

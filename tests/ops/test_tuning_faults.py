@@ -107,3 +107,17 @@ def test_a_writer_killed_mid_write_leaves_the_file_whole_and_the_next_writer_cle
     _C.tune_conv2d(torch.randn(1, 2, 6, 6), torch.randn(3, 2, 3, 3), None, **PROBLEM)
     assert TuningDb(db).flush() == 1
     assert list(tmp_path.glob(".tuning.json.tmp-*")) == [] and len(TuningDb(db).records()) == 1
+
+
+def test_a_candidate_that_fails_while_tuning_is_skipped_not_the_users_call(fresh_tuner):
+    x, w = torch.randn(2, 8, 12, 12), torch.randn(16, 8, 3, 3)
+    try:
+        _C._tuning_fail_candidate("im2col_gemm")
+        result = _C.tune_conv2d(x, w, None, **PROBLEM)
+        out = torch.ops.shapecache.conv2d(x, w, None, **PROBLEM)
+    finally:
+        _C._tuning_fail_candidate("")
+    failed = [c for c in result["candidates"] if c["algorithm"] == "im2col_gemm"]
+    assert failed and failed[0]["skipped"] == "failed: failure injected for tests" and failed[0]["microseconds"] is None
+    assert result["algorithm"] != "im2col_gemm"
+    torch.testing.assert_close(out, F.conv2d(x, w, padding=1), rtol=1e-4, atol=1e-4)

@@ -16,6 +16,17 @@ from shapecache._backends.compile import entry_point
 from shapecache._backends.weights import snapshot
 from shapecache._extension import _C
 
+_warm_up_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def warm_up_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every warm-up: cuBLAS keeps a workspace per (handle,
+    stream) pair, outside any budget, so a new stream per build would leave one behind each."""
+    stream = _warm_up_streams.get(device)
+    if stream is None:
+        stream = _warm_up_streams.setdefault(device, torch.cuda.Stream(device))
+    return stream
+
 
 def build_graph(function, args, kwargs, device, context: BuildContext, *, compiled: bool,
                 keep_only_if_faster: bool) -> BuiltEntry:
@@ -27,7 +38,7 @@ def build_graph(function, args, kwargs, device, context: BuildContext, *, compil
     # Warm-up on a side stream: cuDNN's benchmarking, lazy initialisation and compilation
     # happen here, never inside capture. Its output is the call's result (the eager numbers).
     caller = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device)
+    side = warm_up_stream(device)
     side.wait_stream(caller)
     with torch.cuda.device(device), torch.cuda.stream(side):
         output = runnable(*args, **kwargs)
