@@ -1,4 +1,4 @@
-"""Command line: ``python -m shapecache demo|repro|serve``.
+"""shapecache's command line: demo, repro, serve, gpu-check.
 
 Exit status: 0 when the command showed its result (a strategy running out of memory is such a
 result); 1 when a strategy failed to run, or the command failed; 2 for a usage error."""
