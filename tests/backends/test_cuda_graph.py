@@ -319,3 +319,24 @@ def test_two_threads_call_one_graph_cached_module():
     for t in threads:
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads) and failures == []
+
+
+@pytest.mark.cuda
+def test_a_recapture_runs_under_the_modes_the_entry_was_built_with():
+    # A pool rebuild recaptures every graph of the device from inside another call: the modes
+    # of that call (autocast to float16 and grad on, here) must not leak into graphs built
+    # without them: the replay would silently return float16.
+    net = SmallMlp().cuda().eval()
+    sc.cached(net, backend="cuda_graph")
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        expected = net(x)
+    device = torch.device("cuda", torch.cuda.current_device())
+    (_, runner, _), = net.forward.cache.entries(device)
+    runner.release()
+    with torch.enable_grad(), torch.autocast("cuda", dtype=torch.float16):
+        runner.recapture()
+    with torch.no_grad():
+        out = net(x)
+    assert out.dtype == torch.float32 and not out.requires_grad
+    torch.testing.assert_close(out, expected)

@@ -122,6 +122,14 @@ class CudaGraphRunner final : public EntryRunner {
   py::object output_structure_;               // the outputs as captured (static tensors inside)
   std::shared_ptr<WeightSnapshot> weights_;   // null for functions without an owner module
   uint64_t workspace_generation_ = 0;         // the arena's generation when captured
+  // The modes of the call that built the entry, which its key records: a recapture (a pool
+  // rebuild another call triggered) runs under these, not under that other call's.
+  struct CaptureModes {
+    bool grad = true;
+    bool inference = false;
+    bool autocast = false;
+    at::ScalarType autocast_dtype = at::kHalf;
+  } modes_;
 };
 
 void bind_cuda_graphs(py::module_& m);
