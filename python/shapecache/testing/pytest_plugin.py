@@ -47,10 +47,6 @@ def pytest_configure(config):
             raise pytest.UsageError(str(error)) from None
 
 
-def _configured_budget(config):
-    return _configured(config)[0]
-
-
 def _configured(config) -> tuple:
     """(budget, where it was set) of the budget for every test, or (None, None)."""
     for budget, source in ((config.getoption("--vram-budget"), "--vram-budget"),
@@ -62,7 +58,7 @@ def _configured(config) -> tuple:
 
 
 def pytest_report_header(config):
-    budget = _configured_budget(config)
+    budget, _ = _configured(config)
     return f"shapecache: vram budget {budget or 'none by default, per-test markers only'} (skipped without CUDA)"
 
 
