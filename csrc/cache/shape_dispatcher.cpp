@@ -135,7 +135,7 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
   EntryLru& lru = cache_->lru(key.device);
   py::object out;
   Entry* entry = lru.find(key.key);
-  if (entry != nullptr && entry->native && !entry->native->valid()) {
+  if (entry != nullptr && !entry->valid()) {
     // What the entry captured was replaced: it must not run. Rebuild it (or, if a call up the
     // stack is running it, run this call uncached).
     ++counters_.invalidations;
@@ -175,12 +175,14 @@ py::object ShapeDispatcher::build(CallKey& key, PyObject* args, PyObject* kwargs
   py::tuple built = std::move(*maybe_built);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ++counters_.builds;
-  if (built.size() != 4) throw py::type_error("shapecache: a builder must return (runner, bytes, output, backend)");
+  if (built.size() != 4 && built.size() != 5)
+    throw py::type_error("shapecache: a builder must return (runner, bytes, output, backend[, weights])");
 
   Entry entry;
   entry.id = ShapeCache::next_entry_id();
   entry.runner = built[0];
   if (py::isinstance<EntryRunner>(entry.runner)) entry.native = entry.runner.cast<std::shared_ptr<EntryRunner>>();
+  if (built.size() == 5 && !built[4].is_none()) entry.weights = built[4].cast<std::shared_ptr<WeightSnapshot>>();
   entry.function_id = id_;
   entry.bucket = describe_key(key.key);
   entry.backend = built[3].cast<std::string>();

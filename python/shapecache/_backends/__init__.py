@@ -28,12 +28,13 @@ GRAPH_BACKENDS = ("cuda_graph", "compile+cuda_graph")
 
 
 class BuiltEntry(NamedTuple):
-    """What a builder returns to the C++ cache (which reads it as a 4-tuple)."""
+    """What a builder returns to the C++ cache (which reads it as a tuple)."""
 
     runner: Callable  # serves the bucket's later calls (a _C.EntryRunner serves them from C++)
     bytes: int  # device memory the entry holds beyond what the uncached call leaves behind
     output: Any  # the result of the call that built the entry
     backend: str  # what built the runner: "eager", "compile", "cuda_graph", "compile+cuda_graph"
+    weights: Any = None  # a _C.WeightSnapshot: the entry is stale once they are replaced
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def make_builder(function: Callable, backend: str, context: BuildContext) -> Cal
         if chosen == "compile":
             from shapecache._backends.compile import build_compiled
 
-            return build_compiled(function, context.compile_options, args, kwargs, device)
+            return build_compiled(function, context, args, kwargs, device)
         from shapecache._backends.cuda_graph import build_graph
 
         return build_graph(function, args, kwargs, device, context, compiled=chosen == "compile+cuda_graph",

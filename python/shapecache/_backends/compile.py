@@ -1,43 +1,66 @@
-"""The ``"compile"`` backend: ``torch.compile(dynamic=False)`` per bucket.
+"""The ``"compile"`` backend: one inductor graph per bucket.
 
-Each bucket compiles an entry point of its own: a function of this file that calls the cached
+Each bucket is captured whole by ``torch.export`` and compiled by inductor (exported.py), so
+that evicting it gives its memory back. Where the call cannot be exported whole, or the
+compile options ask for what only ``torch.compile`` does (another backend, CUDA graph trees),
+the bucket is built by ``torch.compile(dynamic=False)`` (Dynamo) instead, as follows.
+
+Each Dynamo bucket compiles an entry point of its own: a function of this file that calls the cached
 function, with a code object of its own. Dynamo keeps compiled code, guards and its recompile
 count per code object, so one per bucket means no bucket ever meets Dynamo's recompile limit
-(which would silently run the 9th shape eager), guards are checked against one bucket's entry
-instead of all of them, and evicting a bucket frees its compiled code with its entry point.
+(which would silently run the 9th shape eager) and guards are checked against one bucket's entry
+instead of all of them.
 The entry point is shapecache's, not the function's own code: torch.compile wraps a function
 defined in torch's own files (``nn.Sequential.forward``) in one ``inner`` frame of torch's
 that every bucket would share, limit included; Dynamo compiles this frame and inlines the
-function instead.
+function instead. Dynamo keeps what it compiled reachable after eviction (see exported.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-from shapecache._backends import BuiltEntry
+from shapecache._backends import BuiltEntry, exported
 from shapecache._backends.host_memory import heap_bytes
+from shapecache._backends.weights import snapshot
 
 
-def build_compiled(function, compile_options, args, kwargs, device) -> BuiltEntry:
+def build_compiled(function, context, args, kwargs, device) -> BuiltEntry:
+    """The bucket's entry: one exported graph compiled by inductor (exported.py), or where the
+    call cannot be exported whole or the options ask for another backend, Dynamo's build."""
+    options = context.compile_options
+    owner = args[0] if context.has_owner and isinstance(args[0], torch.nn.Module) else None
+    if exported.handles(options):
+        try:
+            with _held_bytes(device) as held:
+                runner = exported.compile_call(function, args, kwargs, context.parameter_names, context.has_owner,
+                                               options)
+                output = runner(*args, **kwargs)
+        except exported.ExportFailed as failure:
+            _warn_once(function, f"torch.export could not capture it as one graph ({failure}); its buckets are "
+                       "compiled by Dynamo, whose compiled code stays in memory after eviction")
+        else:
+            # The graph reads the weights it was built with (frozen: copies of them): replacing
+            # one (a new parameter, .data =, .to()) makes the entry stale.
+            weights = snapshot(owner) if owner is not None else None
+            return BuiltEntry(runner, held.bytes(output), output, "compile", weights)
+    return _build_with_dynamo(function, options, args, kwargs, device)
+
+
+def _build_with_dynamo(function, compile_options, args, kwargs, device) -> BuiltEntry:
     copy = entry_point(function)
     runner = torch.compile(copy, dynamic=False, **compile_options)
     compiled = _dynamo_compiled(copy)
-    # What the build leaves allocated beyond its output: on the CPU, inductor's compiled module
-    # with what it keeps (frozen constants among them). The heap figure is the process's: the
-    # garbage collector runs first, so that garbage it would free during the build is not
-    # taken from this entry's figure (a collection costs milliseconds; a build, seconds).
-    if device.type == "cpu":
-        gc.collect()
-    allocated_before = allocated_bytes(device)
-    output = runner(*args, **kwargs)
-    held = max(0, allocated_bytes(device) - allocated_before - tensor_bytes(output, device))
+    with _held_bytes(device) as held:
+        output = runner(*args, **kwargs)
     if not compiled():
         warnings.warn(
             f"shapecache: torch.compile made no graph for a new bucket of {getattr(function, '__qualname__', function)}; "
@@ -45,8 +68,45 @@ def build_compiled(function, compile_options, args, kwargs, device) -> BuiltEntr
             RuntimeWarning,
             stacklevel=2,
         )
-        return BuiltEntry(runner, held, output, "eager")
-    return BuiltEntry(runner, held, output, "compile")
+        return BuiltEntry(runner, held.bytes(output), output, "eager")
+    return BuiltEntry(runner, held.bytes(output), output, "compile")
+
+
+class _HeldBytes:
+    def __init__(self, device):
+        self.device = device
+        self.before = self.after = 0
+
+    def bytes(self, output) -> int:
+        """What the build left allocated beyond its output."""
+        return max(0, self.after - self.before - tensor_bytes(output, self.device))
+
+
+@contextlib.contextmanager
+def _held_bytes(device):
+    """Measures what the block leaves allocated on `device`: on the CPU, inductor's compiled
+    module with what it keeps (frozen constants among them). The heap figure is the process's:
+    the garbage collector runs first, so that garbage it would free during the build is not
+    taken from this entry's figure (a collection costs milliseconds; a build, seconds)."""
+    held = _HeldBytes(device)
+    if device.type == "cpu":
+        gc.collect()
+    held.before = allocated_bytes(device)
+    yield held
+    held.after = allocated_bytes(device)
+
+
+_warned = weakref.WeakSet()
+
+
+def _warn_once(function, text: str) -> None:
+    try:
+        if function in _warned:
+            return
+        _warned.add(function)
+    except TypeError:  # not weakly referenceable: warn every time
+        pass
+    warnings.warn(f"shapecache: {getattr(function, '__qualname__', function)}: {text}", RuntimeWarning, stacklevel=3)
 
 
 def _dynamo_compiled(copy) -> Callable[[], bool]:

@@ -1,0 +1,181 @@
+"""A bucket built as one graph: ``torch.export`` captures the call at its shapes, inductor
+compiles the graph, and evicting the entry gives its memory back.
+
+Why not ``torch.compile`` (Dynamo): every compiled frame of Dynamo stays reachable from the
+process after its entry is dropped (Dynamo installs the graph in the frame's globals, guards
+watch guarded objects with finalizers), so an evicted bucket's memory is never returned; with
+inductor's freezing that is a copy of the weights per bucket. shapecache's key already is the
+guard: an entry serves exactly one bucket's shapes, dtypes, devices and constant arguments, so
+Dynamo's guards and recompiles add nothing. ``torch.export(strict=False)`` traces the call
+once at the bucket's shapes (every shape static), ``compile_fx`` compiles it, and the runner
+is the only holder of the result, except for one cache of inductor's: ``PyCodeCache.modules``
+keeps every generated module it loads, with the compiled graph's constants (frozen weights)
+as module attributes, for the life of the process. The modules a build loads are recorded
+and removed from that cache (and from ``sys.modules``) when the runner is freed.
+
+A call that torch.export cannot capture whole (data-dependent control flow, unsupported
+operators) is built by Dynamo instead (compile.py), which handles graph breaks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+# Builds of this route change inductor's configuration for their duration (config.patch is
+# process-wide) and attribute the modules inductor loads meanwhile to one entry: one at a time.
+_build_lock = threading.RLock()
+
+# torch.compile arguments this route understands; any other (a backend other than inductor,
+# a mode that captures CUDA graphs) goes to Dynamo.
+_MODES = (None, "default", "max-autotune-no-cudagraphs")
+
+
+def handles(compile_options: dict) -> bool:
+    """Whether this route builds with `compile_options` (keyword arguments of torch.compile)."""
+    if set(compile_options) - {"options", "mode", "fullgraph"}:
+        return False
+    return compile_options.get("mode") in _MODES
+
+
+class ExportFailed(Exception):
+    """torch.export could not capture the call as one graph (the cause is chained)."""
+
+
+def compile_call(function: Callable, args: tuple, kwargs: dict, parameter_names: tuple, has_owner: bool,
+                 compile_options: dict) -> Callable:
+    """A runner for later calls of `function` spelled like this one, and at these shapes.
+
+    Raises ExportFailed when the call cannot be captured as one graph; inductor's own errors
+    propagate.
+    """
+    leaves, spec = tree_flatten((args, kwargs))
+    tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    module = _Call(function, leaves, spec, tensor_positions)
+    tensors = tuple(leaves[i] for i in tensor_positions)
+    options = dict(compile_options.get("options") or {})
+    mode = compile_options.get("mode")
+    if mode not in (None, "default"):
+        options = {**torch._inductor.list_mode_options(mode), **options}
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    with _build_lock:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # export's notes on how it traced are not the user's concern
+                graph = torch.export.export(module, tensors, strict=False).module()
+        except Exception as error:  # noqa: BLE001  (export's failures share no base class)
+            raise ExportFailed(f"{type(error).__name__}: {_first_line(error)}") from error
+        with _loaded_modules() as loaded, inductor_config.patch(options):
+            compiled = compile_fx(graph, list(tensors))
+        del graph
+
+    runner = _runner(compiled, function, args, kwargs, parameter_names, has_owner, tensor_positions)
+    weakref.finalize(runner, _forget_modules, loaded)
+    return runner
+
+
+class _Call(torch.nn.Module):
+    """The call as a module of its tensors alone: the other leaves of its arguments (the module
+    a method belongs to, ints, strings) are constants of the bucket, as its key holds them.
+    Modules among the arguments are registered as submodules, so their weights are the
+    graph's parameters (which freezing folds)."""
+
+    def __init__(self, function, leaves, spec, tensor_positions):
+        super().__init__()
+        self.function = function
+        self.leaves = leaves
+        self.spec = spec
+        self.tensor_positions = tensor_positions
+        owned = [leaf for leaf in leaves if isinstance(leaf, torch.nn.Module)]
+        self.owned = torch.nn.ModuleList(owned)
+
+    def forward(self, *tensors):
+        leaves = list(self.leaves)
+        for position, tensor in zip(self.tensor_positions, tensors, strict=True):
+            leaves[position] = tensor
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        return self.function(*args, **kwargs)
+
+
+def _runner(compiled, function, args, kwargs, parameter_names, has_owner, tensor_positions) -> Callable:
+    """``run(*args, **kwargs)``: the compiled graph of the call's tensors.
+
+    Calls that share the entry have the same key, so the same arguments with the same values
+    and shapes, but they may spell them differently (a parameter passed by position here, by
+    keyword there); such a call is first spelled as the build's was."""
+    count = len(args)
+    keywords = tuple(kwargs)
+    keyword_set = frozenset(keywords)
+    offset = 1 if has_owner else 0
+    names = parameter_names
+
+    def respell(call_args, call_kwargs):
+        if len(call_args) - offset > len(names):  # a *args tail is only ever spelled by position
+            return None
+        named = dict(zip(names, call_args[offset:], strict=False))  # fewer arguments than names
+        if named.keys() & call_kwargs.keys():
+            return None
+        named.update(call_kwargs)
+        positional = list(call_args[:offset])
+        for name in names[:count - offset]:
+            if name not in named:
+                return None
+            positional.append(named.pop(name))
+        if set(named) != keyword_set:
+            return None
+        return tuple(positional), {k: named[k] for k in keywords}
+
+    def run(*call_args, **call_kwargs):
+        if len(call_args) != count or call_kwargs.keys() != keyword_set:
+            respelled = respell(call_args, call_kwargs)
+            if respelled is None:  # cannot happen for calls with this entry's key; never answer wrongly
+                return function(*call_args, **call_kwargs)
+            call_args, call_kwargs = respelled
+        leaves, _ = tree_flatten((call_args, {k: call_kwargs[k] for k in keywords}))
+        return compiled(*[leaves[i] for i in tensor_positions])
+
+    return run
+
+
+@contextlib.contextmanager
+def _loaded_modules():
+    """Collects the modules inductor's PyCodeCache loads inside the block."""
+    from torch._inductor.codecache import PyCodeCache
+
+    before = {id(m) for m in PyCodeCache.modules}
+    loaded = []
+    try:
+        yield loaded
+    finally:
+        loaded.extend(m for m in PyCodeCache.modules if id(m) not in before)
+
+
+def _forget_modules(modules: list) -> None:
+    """Removes `modules` from inductor's module caches and sys.modules, so that they and the
+    constants attached to them are freed with the last runner that uses them."""
+    from torch._inductor.codecache import PyCodeCache
+
+    gone = {id(m) for m in modules}
+    PyCodeCache.modules[:] = [m for m in PyCodeCache.modules if id(m) not in gone]
+    for path, module in list(PyCodeCache.modules_no_attr.items()):
+        if id(module) in gone:
+            PyCodeCache.modules_no_attr.pop(path, None)
+    for module in modules:
+        if sys.modules.get(module.__name__) is module:
+            del sys.modules[module.__name__]
+    modules.clear()
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
