@@ -56,7 +56,16 @@ const py::object& out_of_memory_type() {
   return storage.call_once_and_store_result([] { return py::module_::import("torch").attr("OutOfMemoryError"); }).get_stored();
 }
 
-bool is_out_of_memory(py::error_already_set& error) { return error.matches(out_of_memory_type()); }
+// A failed allocation: CUDA's torch.OutOfMemoryError, Python's MemoryError, or torch's CPU
+// allocator failing, which raises a plain RuntimeError ("[enforce fail at alloc_cpu.cpp]
+// DefaultCPUAllocator: can't allocate memory", also inside the errors torch.compile wraps it
+// in). Read only when a build raised.
+bool is_out_of_memory(py::error_already_set& error) {
+  if (error.matches(out_of_memory_type()) || error.matches(PyExc_MemoryError)) return true;
+  if (!error.matches(PyExc_RuntimeError)) return false;
+  const std::string text = py::str(error.value());
+  return text.find("DefaultCPUAllocator: can't allocate memory") != std::string::npos;
+}
 
 // `args` with the owner in front, when there is one.
 py::tuple with_owner(const py::object& self, const py::tuple& args) {

@@ -47,6 +47,40 @@ def test_one_out_of_memory_evicts_retries_and_keeps_the_entry():
     assert f.cache.stats()["evictions"] == 2
 
 
+class CpuAllocatorFailure(FlakyBuilder):
+    """Fails its first build with torch's own CPU allocator error (a plain RuntimeError), as
+    a process under a memory limit meets it, or with MemoryError."""
+
+    def __init__(self, function, error):
+        super().__init__(function, failures=0)
+        self.error = error
+
+    def __call__(self, args, kwargs, device):
+        if self.calls == 0:
+            self.calls = 1
+            if self.error is MemoryError:
+                raise MemoryError()
+            torch.empty(1 << 50, dtype=torch.uint8)  # a PiB: the allocator refuses it
+        return super().__call__(args, kwargs, device)
+
+
+@pytest.mark.parametrize("error", ["cpu allocator", MemoryError])
+def test_a_cpu_allocation_failure_is_out_of_memory_too(error):
+    builder = CpuAllocatorFailure(double, error)
+    f = cached(double, builder)
+    assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+    st = f.stats()
+    assert builder.calls == 2 and st["oom_retries"] == 1 and st["fallbacks"] == 0 and len(st["entries"]) == 1
+
+
+def test_other_runtime_errors_of_a_build_are_not_retried():
+    def broken(args, kwargs, device):
+        raise RuntimeError("shape mismatch")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        cached(double, broken)(torch.ones(3))
+
+
 def test_two_out_of_memory_errors_run_the_call_uncached():
     builder = FlakyBuilder(double, failures=2)
     f = cached(double, builder)

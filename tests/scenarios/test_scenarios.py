@@ -15,7 +15,8 @@ SIZES = [(32, 32), (48, 64), (32, 48)]
 
 def test_shapecache_strategy_largest_first():
     unet = tp.stable_diffusion().unet
-    records = size_loop(unet, SIZES, order="largest_first", strategy="shapecache", budget="1GiB")
+    records = size_loop(unet, SIZES, order="largest_first", strategy="shapecache", budget="1GiB",
+                        compile_options={"backend": "eager"})
     assert [r.size for r in records] == [(48, 64), (32, 48), (32, 32)]
     assert all(r.error is None and r.build_seconds > 0 and r.call_seconds > 0 and r.reserved > 0 for r in records)
     assert "forward" not in unet.__dict__  # the strategy is undone
@@ -98,3 +99,52 @@ def test_sdxl_size_loop_naive_runs_out_and_shapecache_completes():
     ours = size_loop(unet, sizes, strategy="shapecache", budget="20GiB")
     assert [r.error for r in ours] == [None] * len(sizes)
     assert max(r.reserved for r in ours) <= 24 * 2**30
+
+
+def record(size, resident, error=None):
+    return {"size": list(size), "build_seconds": 1.0, "call_seconds": 0.01, "allocated": resident,
+            "reserved": resident, "peak": resident, "evictions": 0, "fallbacks": 0, "error": error}
+
+
+def test_verdicts_say_out_of_memory_only_for_a_failed_allocation_and_over_the_budget_without_a_limit():
+    from shapecache.scenarios import _repro
+
+    mib = 1 << 20
+    sizes = [(64, 64), (64, 96), (96, 96)]
+    failed = {"records": [record(sizes[0], 500 * mib), record(sizes[1], 600 * mib, "RuntimeError: can't allocate")],
+              "limit": {"set": True}}
+    assert _repro.verdict(failed, 3, 160 * mib) == "out of memory at 64x96"
+    grown = [record(s, (500 + 200 * i) * mib) for i, s in enumerate(sizes)]
+    assert _repro.verdict({"records": grown, "limit": {"set": False}}, 3, 160 * mib) == "over the budget at 96x96"
+    assert _repro.verdict({"records": grown, "limit": {"set": True}}, 3, 160 * mib) == "completed"
+    flat = {"records": [record(s, 500 * mib) for s in sizes], "limit": {"set": False}}
+    assert _repro.shown({"naive": {"records": grown, "limit": {"set": False}}, "shapecache": flat}, 3, 160 * mib) is None
+    assert "did not exceed" in _repro.shown({"naive": flat, "shapecache": flat}, 3, 160 * mib)
+    assert "shapecache did not complete" in _repro.shown({"naive": failed, "shapecache": failed}, 3, 160 * mib)
+
+
+LIMITED = """
+import json, torch
+from shapecache.scenarios._repro import limit_data_segment
+from shapecache.scenarios._size_loop import out_of_memory
+limit = limit_data_segment(64 << 20)
+small = torch.ones(16 << 20, dtype=torch.uint8)  # within the limit
+try:
+    torch.ones(256 << 20, dtype=torch.uint8)
+    outcome = "allocated"
+except BaseException as error:
+    outcome = f"{type(error).__name__} {out_of_memory(error)}"
+print(json.dumps({"limit": limit, "outcome": outcome}))
+"""
+
+
+def test_the_cpu_memory_limit_makes_torchs_allocator_fail_cleanly():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LIMITED], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if not result["limit"]["set"]:
+        pytest.skip(f"no data-segment limit can be set here: {result['limit']['why']}")
+    assert result["outcome"] == "RuntimeError True"

@@ -29,7 +29,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from shapecache._backends import BuiltEntry, exported
-from shapecache._backends.host_memory import heap_bytes
+from shapecache._backends.host_memory import heap_bytes, return_free_memory
 from shapecache._backends.weights import snapshot
 
 
@@ -91,6 +91,7 @@ def _held_bytes(device):
     held = _HeldBytes(device)
     if device.type == "cpu":
         gc.collect()
+        return_free_memory()  # what entries evicted since the last build freed
     held.before = allocated_bytes(device)
     yield held
     held.after = allocated_bytes(device)

@@ -33,6 +33,10 @@ def release_device_memory(device: torch.device, cache=None) -> None:
     generations among them) and the pinned host allocator's, whose graph pools hold the host
     memory of captured copies; then charges the pool's new size to `cache`, if given."""
     gc.collect()
+    if device.type == "cpu":
+        from shapecache._backends.host_memory import return_free_memory
+
+        return_free_memory()
     if device.type == "cuda":
         with torch.cuda.device(device):
             torch.cuda.empty_cache()

@@ -7,6 +7,14 @@ tensors. glibc's mallinfo2 counts every live allocation, tensors (through posix_
 Python objects alike: arenas in use plus mmap'd blocks. The figure is the process's, so
 allocations by other threads during a build are charged to it too. Where the C library has
 no mallinfo2 (not glibc, or glibc before 2.33), CPU entries are charged 0 bytes, as before.
+
+Freed memory stays in the heap's free lists, counted in the process's resident size, until the
+C library returns it: glibc raises its mmap threshold to the largest block freed, so after the
+first large frees, tensors of frozen weights come from the heap and their pages are not given
+back on free. ``return_free_memory`` (malloc_trim) gives them back; it runs before each CPU
+build and when the cache makes room after an allocation failure. Measured on a 54 MiB conv
+net under a 160 MiB budget, 7 sizes: resident memory 754 MiB without it, 560 MiB with it, for
+the same 300 MiB of heap in use.
 """
 
 from __future__ import annotations
@@ -31,6 +39,25 @@ def _mallinfo2():
         return None
     function.restype = _MallInfo2
     return function
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        function = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_size_t]
+    function.restype = ctypes.c_int
+    return function
+
+
+def return_free_memory() -> None:
+    """Returns the heap's free pages to the operating system (glibc's malloc_trim; nothing elsewhere)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def heap_bytes() -> int | None:

@@ -1,7 +1,9 @@
 """shapecache's command line: demo, repro, serve, gpu-check.
 
 Exit status: 0 when the command showed its result (a strategy running out of memory is such a
-result); 1 when a strategy failed to run, or the command failed; 2 for a usage error."""
+result); 1 when a strategy failed to run, the demo could not show that the per-size graphs
+outgrow the memory limit while shapecache completes, or the command failed; 2 for a usage
+error."""
 
 import argparse
 
@@ -15,7 +17,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m shapecache", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo_parser = commands.add_parser(
-        "demo", help="the out-of-memory size loop with the tiny pipeline on the default device: repro's defaults")
+        "demo", help="the out-of-memory size loop under a memory limit: on the CPU a 54 MiB conv net compiled "
+                    "with freezing, on CUDA the tiny pipeline")
     repro.add_arguments(demo_parser)
     repro_parser = commands.add_parser("repro", help="run the out-of-memory size loop per strategy; table and plot")
     repro.add_arguments(repro_parser)
@@ -32,7 +35,15 @@ def main(argv=None) -> int:
     args = parse_arguments(argv)
     if args.command in ("demo", "repro"):
         results = repro.run(args)
-        return 1 if any("failed" in result for result in results.values()) else 0
+        if any("failed" in result for result in results.values()):
+            return 1
+        if args.command == "demo":
+            sizes = args.sizes or repro.parse_sizes(repro.DEFAULT_SIZES[args.model])
+            missing = repro.shown(results, len(sizes), repro.budget_bytes(args) if args.budget else None)
+            if missing:
+                print(f"the demo could not show its result: {missing}")
+                return 1
+        return 0
     if args.command == "gpu-check":
         return gpu_check.run(args)
     serve.run(args)

@@ -7,8 +7,17 @@ Strategies:
   naive          what per-size graph caches do: a new compiled artifact per size, each with
                  its own memory, none ever dropped (CUDA: a CUDA graph per size in a pool of
                  its own; CPU: a torch.compile graph per size)
-  torch_compile  torch.compile(mode="reduce-overhead", dynamic=False) (CUDA graph trees on CUDA)
-  shapecache     sc.cached (a module) or sc.wrap (a pipeline) under `budget`
+  torch_compile  CUDA: torch.compile(mode="reduce-overhead", dynamic=False) (CUDA graph trees);
+                 CPU: torch.compile with its default dynamic-shape behaviour (a static graph
+                 for the first shape, then one dynamic graph)
+  shapecache     sc.cached (a module) or sc.wrap (a pipeline) under `budget`; a module on the
+                 CPU with backend="compile"
+
+`freezing=True` turns on inductor's freezing (weights folded into each compiled graph, as CPU
+inference guides recommend). The naive and torch_compile strategies get it the way their users
+set it, process-wide: Dynamo reads that flag when it traces, and only then treats weights as
+constants (a per-call ``options={"freezing": True}`` reaches inductor after weights became
+graph inputs, and freezes nothing). shapecache gets it as a compile option of its own builds.
 
 Each size gets a record: build seconds (its first call), call seconds (its second call),
 allocated / reserved / peak bytes after it (shapecache.testing.memory), the cache's evictions and
@@ -65,7 +74,8 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
 
 def size_loop(model_or_pipe, sizes: Sequence, order: str = "given", strategy: str = "shapecache", budget=None, *,
               batch: int = 1, steps: int = 2, compile_options: dict | None = None,
-              inputs: Callable | None = None) -> list[SizeRecord]:
+              inputs: Callable | None = None, freezing: bool = False, repeats: int = 1,
+              after_first: Callable[[SizeRecord], None] | None = None) -> list[SizeRecord]:
     """Runs `model_or_pipe` at every size of `sizes` (pixels, (height, width)) under `strategy`.
 
     Args:
@@ -75,7 +85,10 @@ def size_loop(model_or_pipe, sizes: Sequence, order: str = "given", strategy: st
         budget: the cache's budget for the shapecache strategy (see shapecache.budget).
         batch: images per call (a UNet's batch is doubled, as with classifier-free guidance).
         steps: denoising steps per pipeline call.
-        compile_options: extra torch.compile arguments for the naive and torch_compile strategies.
+        compile_options: extra torch.compile arguments for every strategy's compiles.
+        freezing: inductor's freezing for every strategy (see the module's docstring).
+        repeats: calls timed per size after its first; the fastest is its call time.
+        after_first: called with the first size's record once it is measured.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r}: expected one of {STRATEGIES}")
@@ -91,7 +104,7 @@ def size_loop(model_or_pipe, sizes: Sequence, order: str = "given", strategy: st
     device = next(module.parameters()).device
     call = _pipeline_call(model_or_pipe, batch, steps) if is_pipe else _module_call(module, batch, inputs)
 
-    undo = _apply(strategy, model_or_pipe, module, is_pipe, device, budget, compile_options)
+    undo = _apply(strategy, model_or_pipe, module, is_pipe, device, budget, compile_options, freezing)
     records = []
     try:
         with torch.no_grad():
@@ -100,9 +113,11 @@ def size_loop(model_or_pipe, sizes: Sequence, order: str = "given", strategy: st
                 records.append(record)
                 try:
                     record.build_seconds = _timing.seconds(lambda: call(size), device)
-                    record.call_seconds = _timing.seconds(lambda: call(size), device)
-                except torch.OutOfMemoryError as error:
-                    record.error = f"OutOfMemoryError: {str(error).splitlines()[0]}"
+                    record.call_seconds = min(_timing.timings(lambda: call(size), device, repeats))
+                except (torch.OutOfMemoryError, MemoryError, RuntimeError) as error:
+                    if not out_of_memory(error):
+                        raise
+                    record.error = f"{type(error).__name__}: {_allocation_failure(error)}"
                 figures = memory_figures(device)
                 record.allocated, record.reserved, record.peak = figures.allocated, figures.reserved, figures.peak
                 if strategy == "shapecache":
@@ -110,9 +125,26 @@ def size_loop(model_or_pipe, sizes: Sequence, order: str = "given", strategy: st
                     record.evictions, record.fallbacks = st["evictions"], st["fallbacks"]
                 if record.error:
                     break
+                if after_first is not None and len(records) == 1:
+                    after_first(record)
     finally:
         undo()
     return records
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is a failed allocation: CUDA's OutOfMemoryError, Python's MemoryError, or
+    torch's CPU allocator failing (a RuntimeError from ``alloc_cpu.cpp``, "can't allocate memory")."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+
+
+def _allocation_failure(error: BaseException) -> str:
+    text = str(error).strip()
+    if "DefaultCPUAllocator" in text:  # "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: ..."
+        text = text[text.index("DefaultCPUAllocator"):]
+    return text.splitlines()[0] if text else ""
 
 
 def _denoiser(pipe) -> torch.nn.Module:
@@ -148,18 +180,32 @@ def _module_call(module, batch, inputs):
     return call
 
 
-def _apply(strategy, model_or_pipe, module, is_pipe, device, budget, compile_options) -> Callable:
+def _apply(strategy, model_or_pipe, module, is_pipe, device, budget, compile_options, freezing) -> Callable:
     """Puts `strategy` in place; returns what undoes it."""
     if strategy == "shapecache":
+        options = dict(compile_options)
+        if freezing:
+            options["options"] = {**options.get("options", {}), "freezing": True}
         if is_pipe:
             sc.wrap(model_or_pipe, budget=budget, progress=False)
             return lambda: sc.uncached(model_or_pipe)
-        sc.cached(module, budget=budget)
+        backend = "compile" if device.type == "cpu" else "auto"
+        sc.cached(module, budget=budget, backend=backend, compile_options=options)
         return lambda: sc.uncached(module)
+
+    from torch._inductor import config as inductor_config
+
+    frozen_before = inductor_config.freezing
+    inductor_config.freezing = frozen_before or freezing
+
+    def undo():
+        module.__dict__.pop("forward", None)
+        inductor_config.freezing = frozen_before
+
     if strategy == "torch_compile":
-        options = {"mode": "reduce-overhead"} if device.type == "cuda" else {}
+        options = {"mode": "reduce-overhead", "dynamic": False} if device.type == "cuda" else {}
         options.update(compile_options)
-        module.forward = torch.compile(module.forward, dynamic=False, **options)
-        return lambda: module.__dict__.pop("forward", None)
+        module.forward = torch.compile(module.forward, **options)
+        return undo
     module.forward = types.MethodType(naive_forward(type(module).forward, device, compile_options), module)
-    return lambda: module.__dict__.pop("forward", None)
+    return undo
