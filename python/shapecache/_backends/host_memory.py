@@ -31,38 +31,28 @@ class _MallInfo2(ctypes.Structure):
 
 
 @functools.cache
-def _mallinfo2():
+def _libc_function(name: str, restype, *argtypes):
+    """glibc's function `name`, or None where the C library has none."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        function = libc.mallinfo2
+        function = getattr(libc, name)
     except (OSError, AttributeError):
         return None
-    function.restype = _MallInfo2
-    return function
-
-
-@functools.cache
-def _malloc_trim():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        function = libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_size_t]
-    function.restype = ctypes.c_int
+    function.restype = restype
+    function.argtypes = list(argtypes)
     return function
 
 
 def return_free_memory() -> None:
     """Returns the heap's free pages to the operating system (glibc's malloc_trim; nothing elsewhere)."""
-    trim = _malloc_trim()
+    trim = _libc_function("malloc_trim", ctypes.c_int, ctypes.c_size_t)
     if trim is not None:
         trim(0)
 
 
 def heap_bytes() -> int | None:
     """Bytes the C library's heap has in use now, or None where it cannot say."""
-    mallinfo2 = _mallinfo2()
+    mallinfo2 = _libc_function("mallinfo2", _MallInfo2)
     if mallinfo2 is None:
         return None
     info = mallinfo2()
