@@ -71,6 +71,10 @@ class PrewarmRecord(TypedDict):
     batch: int
     seconds: float
     bytes: int  # what the cache held more after the size was built
+    # inductor's on-disk FX graph cache for what the size compiled: "warm" (read from it),
+    # "cold" (compiled and written), "not cached" (graphs holding prepacked weights, as
+    # freezing makes them, are not), None (nothing compiled)
+    inductor_cache: str | None
 
 
 class PipelineStats(CacheStats):

@@ -240,6 +240,32 @@ def test_an_exported_entry_serves_calls_however_they_spell_its_arguments_and_is_
     assert sc.stats(net)["invalidations"] == 2 and sc.stats(net)["builds"] == 3
 
 
+def small_conv_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.SiLU(),
+                               torch.nn.Conv2d(8, 4, 3, padding=1)).eval()
+
+
+def test_a_rebuilt_bucket_is_read_from_inductors_disk_cache_and_a_frozen_one_is_not_cached():
+    from shapecache._backends.exported import disk_cache_counts, disk_cache_state
+
+    def build(net, x):
+        before = disk_cache_counts()
+        with torch.no_grad():
+            net(x)
+        return disk_cache_state(before)
+
+    x = torch.randn(1, 4, 10, 12)
+    net = sc.cached(small_conv_net(), backend="compile")
+    assert build(net, x) in ("cold", "warm")  # warm when an earlier run compiled this graph
+    sc.clear(net)
+    assert build(net, x) == "warm"  # what a second process finds: the graph read back, not compiled
+    # Freezing prepacks convolution weights as mkldnn tensors, which inductor cannot pickle:
+    # its cache bypasses such graphs (the limit the README states with its numbers).
+    frozen = sc.cached(small_conv_net(), backend="compile", compile_options={"options": {"freezing": True}})
+    assert build(frozen, x) == "not cached"
+
+
 def test_a_call_torch_export_cannot_capture_is_compiled_by_dynamo_with_a_warning():
     @sc.cached(backend="compile")
     def data_dependent(x):

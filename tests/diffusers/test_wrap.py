@@ -114,6 +114,7 @@ def test_prewarm_later_logs_each_size_and_shows_progress(caplog, capsys):
         records = sc.prewarm(pipe, [(32, 32), (48, 48)], progress=True)
     assert [r["size"] for r in records] == [(48, 48), (32, 32)]
     assert all(r["seconds"] > 0 and r["bytes"] == 0 for r in records)  # eager entries hold no memory
+    assert all(r["inductor_cache"] is None for r in records)  # nothing compiled
     warmed = [m for m in caplog.messages if m.startswith("shapecache: warmed")]
     assert [m.split()[2] for m in warmed] == ["48x48", "32x32"]
     assert "shapecache prewarm" in capsys.readouterr().err
@@ -213,6 +214,7 @@ def test_compile_backend_is_bit_identical_to_torch_compile():
     assert torch.equal(run(pipe, text_inputs(), size), expected)
     st = sc.stats(pipe)
     assert st["builds"] == 2 and [e["backend"] for e in st["entries"]] == ["compile", "compile"]
+    assert st["prewarmed"][0]["inductor_cache"] in ("cold", "warm")  # what inductor's disk cache did
 
 
 def test_disable_env_leaves_the_pipeline_alone(monkeypatch):

@@ -140,4 +140,4 @@ def test_pipeline_stats_keys_are_the_typed_definition():
     st = sc.stats(pipe)
     assert set(st) == set(sc.PipelineStats.__annotations__) | set(sc.CacheStats.__annotations__)
     assert all(set(c) == set(sc.CacheStats.__annotations__) for c in st["components"].values())
-    assert set(st["prewarmed"][0]) == {"size", "batch", "seconds", "bytes"}
+    assert set(st["prewarmed"][0]) == {"size", "batch", "seconds", "bytes", "inductor_cache"}

@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from torch._guards import tracing
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 # Builds of this route change inductor's configuration for their duration (config.patch is
@@ -75,13 +76,29 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, parameter_names:
                 graph = torch.export.export(module, tensors, strict=False).module()
         except Exception as error:  # noqa: BLE001  (export's failures share no base class)
             raise ExportFailed(f"{type(error).__name__}: {_first_line(error)}") from error
-        with _loaded_modules() as loaded, inductor_config.patch(options):
-            compiled = compile_fx(graph, list(tensors))
+        with _loaded_modules() as loaded, inductor_config.patch(options), tracing(_static_context()):
+            compiled = compile_fx(graph, list(tensors), ignore_shape_env=True)
         del graph
 
     runner = _runner(compiled, function, args, kwargs, parameter_names, has_owner, tensor_positions)
     weakref.finalize(runner, _forget_modules, loaded)
     return runner
+
+
+def _static_context():
+    """The tracing context inductor's FX graph cache needs to read and write a build.
+
+    The cache keeps only graphs traced under a shape environment (it stores the guards on
+    symbolic sizes with the graph; `_check_shape_env` in torch/_inductor/codecache.py bypasses
+    the cache without one), and compile_fx called outside Dynamo makes a fake mode without one.
+    This context holds a fake mode with an empty ShapeEnv; `ignore_shape_env=True` keeps every
+    input's sizes static (aot_autograd would otherwise make each size a symbol of that
+    environment), so the cached graph's guards are empty and the bucket's key is its guard."""
+    from torch._guards import TracingContext
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return TracingContext(FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True))
 
 
 class _Call(torch.nn.Module):
@@ -174,6 +191,29 @@ def _forget_modules(modules: list) -> None:
         if sys.modules.get(module.__name__) is module:
             del sys.modules[module.__name__]
     modules.clear()
+
+
+def disk_cache_counts() -> tuple[int, int, int]:
+    """Inductor's FX graph cache so far in this process: (hits, misses, bypasses). A build that
+    adds a hit was read from the on-disk cache ("warm"); a miss compiled and wrote it ("cold").
+    Before anything compiled, torch._dynamo is not loaded, and the counts are zero."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return 0, 0, 0
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"], inductor["fxgraph_cache_bypass"]
+
+
+def disk_cache_state(before: tuple[int, int, int]) -> str | None:
+    """"warm", "cold" or "not cached" for the builds since `disk_cache_counts()` was `before`;
+    None when nothing was compiled meanwhile."""
+    hits, misses, bypasses = (now - then for now, then in zip(disk_cache_counts(), before, strict=True))
+    if misses:
+        return "cold"
+    if hits:
+        return "warm"
+    return "not cached" if bypasses else None
 
 
 def _first_line(error: BaseException) -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shapecache import _checks
+from shapecache._backends.exported import disk_cache_counts, disk_cache_state
 from shapecache._holder import HOLDER, CacheHolder, holder_on
 from shapecache.budget import format_bytes
 from shapecache.cache import CacheOptions, cache_module, disabled_by_environment, make_cache, uncached
@@ -211,6 +212,7 @@ def _prewarm(pipe, sizes, batch_size, guidance, text_length, progress) -> list:
     with torch.no_grad():  # as the pipelines' __call__ run: the autograd mode is part of the key
         for height, width in tqdm(sizes, desc="shapecache prewarm", disable=not progress):
             bytes_before = state.cache.stats()["bytes"]
+            compiled_before = disk_cache_counts()
             start = time.perf_counter()
             denoiser(**family.denoiser_inputs(pipe, height, width, denoiser_batch, text_length))
             if decoder is not None:
@@ -221,12 +223,16 @@ def _prewarm(pipe, sizes, batch_size, guidance, text_length, progress) -> list:
                 "batch": batch_size,
                 "seconds": time.perf_counter() - start,
                 "bytes": state.cache.stats()["bytes"] - bytes_before,
+                # inductor's on-disk cache for what this size compiled: "warm", "cold",
+                # "not cached" (graphs of prepacked frozen weights), or None (nothing compiled)
+                "inductor_cache": disk_cache_state(compiled_before),
             }
             records.append(record)
             state.prewarmed.append(record)
             logger.info(
-                "shapecache: warmed %dx%d (batch %d) in %.2f s, %s more held",
+                "shapecache: warmed %dx%d (batch %d) in %.2f s, %s more held%s",
                 height, width, batch_size, record["seconds"], format_bytes(record["bytes"]),
+                f", inductor cache {record['inductor_cache']}" if record["inductor_cache"] else "",
             )
     return records
 
