@@ -66,6 +66,7 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, parameter_names:
     if mode not in (None, "default"):
         options = {**torch._inductor.list_mode_options(mode), **options}
 
+    from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
@@ -76,7 +77,11 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, parameter_names:
                 graph = torch.export.export(module, tensors, strict=False).module()
         except Exception as error:  # noqa: BLE001  (export's failures share no base class)
             raise ExportFailed(f"{type(error).__name__}: {_first_line(error)}") from error
-        with _loaded_modules() as loaded, inductor_config.patch(options), tracing(_static_context()):
+        # AOT autograd's own cache is off for these builds: its key pickles the exported module,
+        # whose closures do not pickle, so it never hits and logs a traceback on every build;
+        # inductor's FX graph cache below it is what a second process reads.
+        with (_loaded_modules() as loaded, inductor_config.patch(options), tracing(_static_context()),
+              functorch_config.patch(enable_autograd_cache=False)):
             compiled = compile_fx(graph, list(tensors), ignore_shape_env=True)
         del graph
 
