@@ -198,12 +198,12 @@ void bind_cache(py::module_& m) {
 
   m.def(
       "crop_outputs",
-      [](py::object outputs, std::vector<std::tuple<int64_t, int64_t, int64_t>> crop) {
-        std::vector<CropDim> dims;
-        for (const auto& [dim, original, padded] : crop) dims.push_back(CropDim{dim, original, padded});
-        return crop_outputs(outputs, dims);
+      [](py::object outputs, std::vector<std::vector<int64_t>> shapes) -> py::object {
+        std::optional<py::object> cropped = crop_outputs(outputs, shapes);
+        return cropped ? std::move(*cropped) : py::object(py::none());
       },
-      py::arg("outputs"), py::arg("crop"));
+      py::arg("outputs"), py::arg("shapes"),
+      "`outputs` with each tensor narrowed to its shape in `shapes` (map order); None when they do not match.");
 
   py::class_<ShapeCache, std::shared_ptr<ShapeCache>>(m, "ShapeCache")
       .def(py::init([](py::object budget_for_device, std::optional<int64_t> max_entries,

@@ -159,7 +159,7 @@ class KeyWriter {
     for (const CropDim& p : padded_dims) corner = corner.narrow(p.dim, 0, p.original);
     corner.copy_(t);
     add_tensor(out_.key, padded, alias_of(t));  // aliasing as the caller passed it: the padded copy is fresh
-    if (out_.crop.empty()) out_.crop = std::move(padded_dims);
+    out_.crop.insert(out_.crop.end(), padded_dims.begin(), padded_dims.end());
     out_.padded = true;
     return py::reinterpret_steal<py::object>(THPVariable_Wrap(padded));
   }
@@ -226,22 +226,6 @@ const ArgumentBuckets* buckets_for_name(const std::vector<ArgumentBuckets>& buck
   return nullptr;
 }
 
-
-at::Tensor crop_tensor(const at::Tensor& t, const std::vector<CropDim>& crop) {
-  at::Tensor out = t;
-  for (const CropDim& c : crop) {
-    if (c.dim >= out.dim()) continue;
-    const int64_t n = out.size(c.dim);
-    if (n == c.padded) {
-      out = out.narrow(c.dim, 0, c.original);
-    } else if (n > c.padded && n % c.padded == 0) {
-      out = out.narrow(c.dim, 0, c.original * (n / c.padded));
-    } else if (n > 0 && n < c.padded && c.padded % n == 0 && c.original % (c.padded / n) == 0) {
-      out = out.narrow(c.dim, 0, c.original / (c.padded / n));
-    }
-  }
-  return out;
-}
 
 }  // namespace
 
@@ -365,8 +349,31 @@ py::object map_tensors(const py::object& value, const std::function<at::Tensor(c
                        "of them)");
 }
 
-py::object crop_outputs(const py::object& outputs, const std::vector<CropDim>& crop) {
-  return map_tensors(outputs, [&](const at::Tensor& t) { return crop_tensor(t, crop); });
+namespace {
+struct OutputsDoNotMatch {};
+}  // namespace
+
+std::optional<py::object> crop_outputs(const py::object& outputs, const std::vector<std::vector<int64_t>>& shapes) {
+  size_t next = 0;
+  auto crop = [&](const at::Tensor& t) {
+    if (next == shapes.size()) throw OutputsDoNotMatch{};
+    const std::vector<int64_t>& shape = shapes[next++];
+    if (static_cast<size_t>(t.dim()) != shape.size()) throw OutputsDoNotMatch{};
+    at::Tensor out = t;
+    for (size_t d = 0; d < shape.size(); ++d) {
+      const int64_t size = t.size(static_cast<int64_t>(d));
+      if (shape[d] > size) throw OutputsDoNotMatch{};
+      if (shape[d] < size) out = out.narrow(static_cast<int64_t>(d), 0, shape[d]);
+    }
+    return out;
+  };
+  try {
+    py::object cropped = map_tensors(outputs, crop);
+    if (next != shapes.size()) return std::nullopt;
+    return cropped;
+  } catch (const OutputsDoNotMatch&) {
+    return std::nullopt;
+  }
 }
 
 namespace {

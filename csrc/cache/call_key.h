@@ -6,10 +6,12 @@
 // value. Anything else cannot be keyed: UnkeyableArgument, and the call runs uncached.
 //
 // Padding: an argument with a non-exact BucketPolicy is padded with zeros at the end of each
-// bucketed dimension. Outputs are cropped back by this rule: for each dimension d padded in
-// the first padded argument (size s padded to p), every output tensor whose size at d is
-// p * r (or p / r) for a whole r is narrowed to s * r (or s / r when that divides). This
-// covers batch padding and convolutional nets that scale spatial sizes by whole factors.
+// bucketed dimension. Outputs are cropped to the sizes the plain call would return, found by
+// running the function on fake tensors of the caller's sizes (no compute) once per distinct
+// sizes of the padded dimensions (ShapeDispatcher's crop plans): the only rule that follows
+// every output from every padded argument, through reductions, transposes and constants.
+// Each output tensor keeps the leading corner of its padded counterpart; an output whose
+// rank or count differs from the plain call's is never guessed at (the call runs uncached).
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -19,6 +21,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -36,7 +39,7 @@ class UnkeyableArgument : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// One padded dimension of the first padded argument: what outputs are cropped back to.
+// One padded dimension of a padded argument, in argument order.
 struct CropDim {
   int64_t dim;
   int64_t original;
@@ -49,7 +52,7 @@ struct CallKey {
   bool padded = false;            // if true, call with `args`/`kwargs` below and crop outputs
   py::tuple args;
   py::dict kwargs;
-  std::vector<CropDim> crop;
+  std::vector<CropDim> crop;     // every padded dimension of every argument, in order
 };
 
 // Words that make the same arguments key differently: which function, and the autograd,
@@ -92,8 +95,10 @@ py::object map_tensors(const py::object& value, const std::function<at::Tensor(c
 CallKey make_call_key(const CallContext& context, const py::tuple& args, const py::dict& kwargs,
                       const std::vector<ArgumentBuckets>& buckets);
 
-// Outputs of a padded call, cropped back by the rule above.
-py::object crop_outputs(const py::object& outputs, const std::vector<CropDim>& crop);
+// Outputs of a padded call cropped to `shapes`, one per output tensor in map_tensors' order
+// (the plain call's sizes); nullopt when the outputs do not match them in count or rank, or
+// a size is larger than the padded output's.
+std::optional<py::object> crop_outputs(const py::object& outputs, const std::vector<std::vector<int64_t>>& shapes);
 
 // "(2, 4, 64, 64) float32 cpu; 3; 'text'" for stats and messages.
 std::string describe_key(const ShapeKey& key);

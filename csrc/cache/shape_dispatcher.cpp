@@ -1,5 +1,6 @@
 #include "cache/shape_dispatcher.h"
 
+#include <pybind11/stl.h>
 #include <torch/csrc/Device.h>
 
 #include <atomic>
@@ -81,6 +82,21 @@ py::tuple with_owner(const py::object& self, const py::tuple& args) {
   return out;
 }
 
+// Set while a crop plan's fake-tensor run is on this thread's stack: cached functions it
+// reaches (a cached submodule, recursion) run plain, so no entry is built from fake tensors.
+thread_local bool planning_crop = false;
+
+class PlanningCrop {
+ public:
+  PlanningCrop() : outer_(planning_crop) { planning_crop = true; }
+  ~PlanningCrop() { planning_crop = outer_; }
+  PlanningCrop(const PlanningCrop&) = delete;
+  PlanningCrop& operator=(const PlanningCrop&) = delete;
+
+ private:
+  bool outer_;
+};
+
 }  // namespace
 
 ShapeDispatcher::ShapeDispatcher(py::object function, py::object builder, std::shared_ptr<ShapeCache> cache,
@@ -117,6 +133,7 @@ py::object ShapeDispatcher::owner() const {
 }
 
 py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs) {
+  if (planning_crop) return call_python(function_.ptr(), with_owner(owner(), args).ptr(), kwargs.ptr());
   ++counters_.calls;
   py::object self = owner();
   CallContext context;
@@ -137,6 +154,11 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
                                      " that cannot be keyed; such calls run uncached (keyed: tensors, ints, floats, "
                                      "bools, strings, None, dtypes, devices, and tuples, lists and dicts of those)");
     return call_python(function_.ptr(), with_owner(self, args).ptr(), kwargs.ptr());
+  }
+  std::shared_ptr<const CropPlan> plan;
+  if (key.padded) {
+    plan = crop_plan(key, with_owner(self, args), kwargs);
+    if (!plan->shapes) return run_unpadded(self, args, kwargs, plan->reason);
   }
   py::tuple call_args = with_owner(self, key.padded ? key.args : static_cast<const py::tuple&>(args));
   PyObject* call_kwargs = key.padded ? key.kwargs.ptr() : kwargs.ptr();
@@ -174,7 +196,36 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
     ++counters_.misses;
     out = build(key, call_args.ptr(), call_kwargs);
   }
-  return key.padded ? crop_outputs(out, key.crop) : out;
+  if (!key.padded) return out;
+  if (std::optional<py::object> cropped = crop_outputs(out, *plan->shapes)) return std::move(*cropped);
+  return run_unpadded(self, args, kwargs, "the padded call returned other outputs than the plain call's");
+}
+
+std::shared_ptr<const ShapeDispatcher::CropPlan> ShapeDispatcher::crop_plan(const CallKey& key, const py::tuple& args,
+                                                                            const py::dict& kwargs) {
+  ShapeKey plan_key = key.key;
+  for (const CropDim& c : key.crop) plan_key.add_int(c.original);
+  if (auto found = crop_plans_.find(plan_key); found != crop_plans_.end()) return found->second;
+  auto plan = std::make_shared<CropPlan>();
+  try {
+    PlanningCrop planning;
+    py::object output_shapes = py::module_::import("shapecache.buckets").attr("output_shapes");
+    plan->shapes = output_shapes(function_, args, kwargs).cast<std::vector<std::vector<int64_t>>>();
+  } catch (py::error_already_set& error) {
+    if (!error.matches(PyExc_Exception)) throw;  // KeyboardInterrupt, SystemExit
+    plan->reason = std::string(py::str(error.type().attr("__name__"))) + ": " + std::string(py::str(error.value()));
+  }
+  if (crop_plans_.size() >= kMaxCropPlans) crop_plans_.clear();
+  return crop_plans_.emplace(std::move(plan_key), std::move(plan)).first->second;
+}
+
+py::object ShapeDispatcher::run_unpadded(const py::object& self, const py::tuple& args, const py::dict& kwargs,
+                                         const std::string& reason) {
+  ++counters_.uncached_calls;
+  warn_once(warned_uncroppable_, "shapecache: cannot tell the sizes of a padded call's outputs (" +
+                                     reason.substr(0, reason.find('\n')) +
+                                     "); calls of this function that need padding run uncached, at their own sizes");
+  return call_python(function_.ptr(), with_owner(self, args).ptr(), kwargs.ptr());
 }
 
 py::object ShapeDispatcher::build(CallKey& key, PyObject* args, PyObject* kwargs) {
@@ -275,7 +326,10 @@ py::dict ShapeDispatcher::stats() const {
   return out;
 }
 
-void ShapeDispatcher::clear() { cache_->clear(id_); }
+void ShapeDispatcher::clear() {
+  cache_->clear(id_);
+  crop_plans_.clear();
+}
 
 void ShapeDispatcher::warn_once(bool& warned, const std::string& message) {
   if (warned) return;

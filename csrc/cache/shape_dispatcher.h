@@ -2,7 +2,7 @@
 // compiled entry. This file holds the hot path of shapecache.
 //
 // A call: build the key from the arguments (C++), find the entry on the key's device, pin
-// it, run it, unpin it, crop padded outputs. A miss asks the Python builder for an entry
+// it, run it, unpin it, crop padded outputs to the plain call's sizes. A miss asks the Python builder for an entry
 // (the slow path: compiling and measuring belong to Python and torch) and inserts it under
 // the budget; a miss of a bucket that another call is building runs uncached (one build per
 // bucket). An argument that cannot be keyed runs the call uncached, with one warning.
@@ -18,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "core/bucket_policy.h"
@@ -34,7 +35,7 @@ struct FunctionCounters {
   int64_t misses = 0;          // no entry: one was built
   int64_t builds = 0;          // entries built (== misses unless a build failed)
   int64_t fallbacks = 0;       // ran uncached: the entry did not fit, or building ran out of memory twice
-  int64_t uncached_calls = 0;  // calls with an argument that cannot be keyed
+  int64_t uncached_calls = 0;  // calls with an argument that cannot be keyed, or padded outputs that cannot be cropped
   int64_t oom_retries = 0;     // builds retried after an out-of-memory error
   int64_t invalidations = 0;   // entries found stale (weights replaced) and rebuilt
   int64_t busy_misses = 0;     // misses of a bucket another call was building: ran uncached
@@ -69,6 +70,16 @@ class ShapeDispatcher {
   py::object owner() const;
   void warn_once(bool& warned, const std::string& message);
 
+  // What a padded call's outputs are cropped to (call_key.h): the plain call's size of each
+  // output tensor, or none when the function cannot run on fake tensors (`reason` says why).
+  struct CropPlan {
+    std::optional<std::vector<std::vector<int64_t>>> shapes;
+    std::string reason;
+  };
+  std::shared_ptr<const CropPlan> crop_plan(const CallKey& key, const py::tuple& args, const py::dict& kwargs);
+  py::object run_unpadded(const py::object& self, const py::tuple& args, const py::dict& kwargs,
+                          const std::string& reason);
+
   py::object function_;
   py::object builder_;
   std::shared_ptr<ShapeCache> cache_;
@@ -81,6 +92,12 @@ class ShapeDispatcher {
   bool warned_unkeyable_ = false;
   bool warned_rejected_ = false;
   bool warned_out_of_memory_ = false;
+  bool warned_uncroppable_ = false;
+  // Crop plans by padded key and the caller's sizes of its padded dimensions. A plan costs a
+  // fake-tensor run of the function, once per distinct sizes; the map is emptied when it
+  // reaches kMaxCropPlans, so a stream of ever-new sizes cannot grow it without bound.
+  static constexpr size_t kMaxCropPlans = 4096;
+  std::unordered_map<ShapeKey, std::shared_ptr<const CropPlan>, ShapeKeyHash> crop_plans_;
 };
 
 }  // namespace shapecache

@@ -113,7 +113,7 @@ def test_nesting_limit():
         key(value)
 
 
-def test_padding_pads_and_records_the_crop():
+def test_padding_pads_and_records_every_padded_dimension():
     buckets = [_C.ArgumentBuckets(0, "x", [(0, sc.power_of_two()), (-1, sc.multiple_of(8))])]
     x = torch.arange(15.0).reshape(3, 5)
     k = key(x, buckets=buckets)
@@ -134,16 +134,28 @@ def test_padding_keeps_channels_last():
     assert padded.is_contiguous(memory_format=torch.channels_last)
 
 
-def test_crop_rule_scales_with_whole_factors():
-    crop = [(2, 5, 8)]
+def test_crop_narrows_each_output_to_its_shape_and_keeps_containers():
     out = _C.crop_outputs(
-        {"same": torch.zeros(1, 1, 8), "up": torch.zeros(1, 1, 64), "down": torch.zeros(1, 1, 4), "odd": torch.zeros(1, 1, 7)},
-        crop,
+        {"up": torch.zeros(2, 64), "same": torch.zeros(8), "constant": torch.zeros(3)},
+        [(2, 40), (5,), (3,)],
     )
-    assert {k: v.shape[2] for k, v in out.items()} == {"same": 5, "up": 40, "down": 4, "odd": 7}
-    # 5 is not divisible by 2, so the halved output stays whole; tuples and lists keep their type
-    t = _C.crop_outputs((torch.zeros(1, 1, 8), [torch.zeros(1, 1, 8)]), crop)
-    assert isinstance(t, tuple) and isinstance(t[1], list) and t[1][0].shape[2] == 5
+    assert {k: tuple(v.shape) for k, v in out.items()} == {"up": (2, 40), "same": (5,), "constant": (3,)}
+    t = _C.crop_outputs((torch.arange(8.0), [torch.zeros(4, 4)], 7, None), [(5,), (4, 2)])
+    assert isinstance(t, tuple) and isinstance(t[1], list) and t[1][0].shape == (4, 2) and t[2:] == (7, None)
+    assert torch.equal(t[0], torch.arange(5.0))  # the leading corner
+
+
+@pytest.mark.parametrize(
+    ("outputs", "shapes"),
+    [
+        ((torch.zeros(4), torch.zeros(4)), [(3,)]),  # more tensors than the plain call returns
+        (torch.zeros(4), [(3,), (3,)]),  # fewer
+        (torch.zeros(4, 2), [(3,)]),  # another rank
+        (torch.zeros(4), [(5,)]),  # larger than the padded output
+    ],
+)
+def test_crop_refuses_outputs_that_do_not_match_the_plain_calls(outputs, shapes):
+    assert _C.crop_outputs(outputs, shapes) is None
 
 
 def test_crop_rejects_outputs_it_cannot_walk():
@@ -151,7 +163,7 @@ def test_crop_rejects_outputs_it_cannot_walk():
         pass
 
     with pytest.raises(TypeError, match="cannot walk an output of type Output .padded buckets and CUDA graphs need"):
-        _C.crop_outputs(Output(), [(0, 1, 2)])
+        _C.crop_outputs(Output(), [(1,)])
 
 
 def test_arguments_that_share_storage_are_keyed_apart_from_ones_that_do_not():
