@@ -196,6 +196,8 @@ void bind_cache(py::module_& m) {
       py::arg("function_id") = 0, py::arg("training") = -1, py::arg("parameter_names") = std::vector<std::string>{},
       "The key of calling a function with `args` and `kwargs` (for tests and debugging).");
 
+  m.attr("RUN_ENTRY") = run_entry_marker();
+
   m.def(
       "crop_outputs",
       [](py::object outputs, std::vector<std::vector<int64_t>> shapes) -> py::object {

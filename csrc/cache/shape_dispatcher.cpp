@@ -97,7 +97,31 @@ class PlanningCrop {
   bool outer_;
 };
 
+// CPython 3.11 counts C calls against the recursion limit together with Python frames, and
+// a call of a cached function is two of them before its frame (the instance's tp_call, then
+// pybind11's method call): a recursive cached function reached a third of the plain depth,
+// where any Python decorator reaches half. For the call's duration one of the two is given
+// back, so each level costs what a decorator's does. From 3.12 on, the limit counts Python
+// frames only (C calls have their own, larger one), and nothing is given back.
+class RecursionAllowance {
+ public:
+#if PY_VERSION_HEX < 0x030C0000
+  RecursionAllowance() { Py_LeaveRecursiveCall(); }
+  ~RecursionAllowance() {
+    if (Py_EnterRecursiveCall("")) PyErr_Clear();  // restores the count it had; cannot pass the limit
+  }
+#endif
+  RecursionAllowance(const RecursionAllowance&) = delete;
+  RecursionAllowance& operator=(const RecursionAllowance&) = delete;
+};
+
 }  // namespace
+
+const py::object& run_entry_marker() {
+  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> storage;
+  return storage.call_once_and_store_result([] { return py::module_::import("builtins").attr("object")(); })
+      .get_stored();
+}
 
 ShapeDispatcher::ShapeDispatcher(py::object function, py::object builder, std::shared_ptr<ShapeCache> cache,
                                std::vector<ArgumentBuckets> buckets, std::vector<std::string> parameter_names,
@@ -133,6 +157,7 @@ py::object ShapeDispatcher::owner() const {
 }
 
 py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs) {
+  RecursionAllowance allowance;
   if (planning_crop) return call_python(function_.ptr(), with_owner(owner(), args).ptr(), kwargs.ptr());
   ++counters_.calls;
   py::object self = owner();
@@ -283,8 +308,18 @@ std::optional<py::tuple> ShapeDispatcher::run_builder(const c10::Device& device,
   py::object device_obj = py::reinterpret_steal<py::object>(THPDevice_New(device));
   for (int attempt = 0;; ++attempt) {
     try {
-      return builder_(py::reinterpret_borrow<py::tuple>(args), py::reinterpret_borrow<py::dict>(kwargs), device_obj)
-          .cast<py::tuple>();
+      py::tuple built =
+          builder_(py::reinterpret_borrow<py::tuple>(args), py::reinterpret_borrow<py::dict>(kwargs), device_obj)
+              .cast<py::tuple>();
+      // An entry whose runner is the call itself (eager) is run here, once the builder has
+      // returned, so that a recursive cached function costs the interpreter's recursion limit
+      // one Python frame per level, as any decorator does, and not the builder's frame too.
+      if (built.size() >= 3 && py::object(built[2]).is(run_entry_marker())) {
+        py::list fields(built);
+        fields[2] = call_python(built[0].ptr(), args, kwargs);
+        built = py::tuple(fields);
+      }
+      return built;
     } catch (py::error_already_set& error) {
       if (!is_out_of_memory(error)) throw;
     }  // the error, and the traceback that holds the failed build's tensors, are released here

@@ -41,10 +41,15 @@ struct FunctionCounters {
   int64_t busy_misses = 0;     // misses of a bucket another call was building: ran uncached
 };
 
+// What a builder returns as the output of an entry it did not run: the dispatcher runs the
+// entry's runner on the call's arguments itself, as part of the build.
+const py::object& run_entry_marker();
+
 class ShapeDispatcher {
  public:
   // `builder(args: tuple, kwargs: dict, device: torch.device) -> (runner, bytes, output,
-  // backend)` builds the entry of a new bucket and returns the output of the call it ran.
+  // backend)` builds the entry of a new bucket and returns the output of the call it ran, or
+  // run_entry_marker() when the runner is to be called on the call's arguments instead.
   // `owner` is None, or the object a method is bound to (the nn.Module of a forward): it is
   // held through a weak reference and passed as the first argument of every call, so that
   // the owner -> cached function -> owner cycle, which the garbage collector cannot see

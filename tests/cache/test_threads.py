@@ -1,6 +1,7 @@
 """Invariant 7: any thread may call a cached function, stats, clear or uncached at any time; a
 bucket missed by several calls at once is built once; a call that computed its result returns it."""
 
+import functools
 import gc
 import threading
 import time
@@ -108,6 +109,41 @@ def test_a_recursive_call_of_the_bucket_being_built_runs_uncached():
     assert torch.equal(same(torch.ones(2)), torch.ones(2))
     st = sc.stats(same)
     assert (st["builds"], st["busy_misses"]) == (1, 1)
+
+
+def deepest(function) -> int:
+    """The deepest recursion `function(x, n)` reaches before RecursionError."""
+    low, high = 1, 5000
+    while low < high:
+        middle = (low + high + 1) // 2
+        try:
+            function(torch.zeros(1), middle)
+            low = middle
+        except RecursionError:
+            high = middle - 1
+    return low
+
+
+def test_a_cached_recursive_function_goes_as_deep_as_under_any_decorator():
+    # Each level used to cost the builder's frame besides the call's: 312 levels against 498
+    # for a plain decorator and 996 undecorated (recursion limit 1000).
+    def decorate(function):
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    @decorate
+    def decorated(x, n: int):
+        return x if n == 0 else decorated(x, n - 1) + 1
+
+    @sc.cached(backend="eager")
+    def cached(x, n: int):
+        return x if n == 0 else cached(x, n - 1) + 1  # every level a new bucket: a build each
+
+    assert deepest(cached) >= 0.95 * deepest(decorated)
+    assert torch.equal(cached(torch.zeros(1), 100), torch.full((1,), 100.0))  # and the entries serve the next call
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the warning, reported instead

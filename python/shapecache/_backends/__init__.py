@@ -32,7 +32,7 @@ class BuiltEntry(NamedTuple):
 
     runner: Callable  # serves the bucket's later calls (a _C.EntryRunner serves them from C++)
     bytes: int  # device memory the entry holds beyond what the uncached call leaves behind
-    output: Any  # the result of the call that built the entry
+    output: Any  # the result of the call that built the entry, or _C.RUN_ENTRY: the cache runs `runner` for it
     backend: str  # what built the runner: "eager", "compile", "cuda_graph", "compile+cuda_graph"
     weights: Any = None  # a _C.WeightSnapshot: the entry is stale once they are replaced
 
@@ -79,8 +79,8 @@ def make_builder(function: Callable, backend: str, context: BuildContext) -> Cal
             warned.append(True)
             warnings.warn(f"shapecache: backend={backend!r} got tensors on {device}; such calls run eager",
                           RuntimeWarning, stacklevel=2)
-        if chosen == "eager":
-            return BuiltEntry(function, 0, function(*args, **kwargs), "eager")
+        if chosen == "eager":  # the dispatcher runs it: no frame of this builder under the call
+            return BuiltEntry(function, 0, _C.RUN_ENTRY, "eager")
         if chosen == "compile":
             from shapecache._backends.compile import build_compiled
 
