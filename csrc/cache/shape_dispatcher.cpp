@@ -234,11 +234,20 @@ std::shared_ptr<const ShapeDispatcher::CropPlan> ShapeDispatcher::crop_plan(cons
   auto plan = std::make_shared<CropPlan>();
   try {
     PlanningCrop planning;
-    py::object output_shapes = py::module_::import("shapecache.buckets").attr("output_shapes");
-    plan->shapes = output_shapes(function_, args, kwargs).cast<std::vector<std::vector<int64_t>>>();
+    py::object fake_call = py::module_::import("shapecache.buckets").attr("call_on_fake_tensors");
+    py::object outputs = fake_call(function_, args, kwargs);
+    // Sizes in the order crop_outputs will meet the real outputs: the same walk.
+    std::vector<std::vector<int64_t>> shapes;
+    map_tensors(outputs, [&](const at::Tensor& t) {
+      shapes.push_back(t.sizes().vec());
+      return t;
+    });
+    plan->shapes = std::move(shapes);
   } catch (py::error_already_set& error) {
     if (!error.matches(PyExc_Exception)) throw;  // KeyboardInterrupt, SystemExit
     plan->reason = std::string(py::str(error.type().attr("__name__"))) + ": " + std::string(py::str(error.value()));
+  } catch (const py::type_error& error) {  // an output map_tensors cannot walk
+    plan->reason = std::string("TypeError: ") + error.what();
   }
   if (crop_plans_.size() >= kMaxCropPlans) crop_plans_.clear();
   return crop_plans_.emplace(std::move(plan_key), std::move(plan)).first->second;

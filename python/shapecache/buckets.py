@@ -8,7 +8,7 @@
 
 Dimensions without a policy are exact. A padded argument is zero-padded at the end of each
 bucketed dimension, and every output tensor is cropped to the size the plain call would give
-it: ``output_shapes`` finds those sizes by running the function on fake tensors, once per
+it: ``call_on_fake_tensors`` finds those sizes by running the function on fake tensors, once per
 distinct sizes of the padded dimensions (``csrc/cache/call_key.h``). A function that cannot
 run on fake tensors (sizes that depend on values, operators without a fake kernel) is never
 guessed at: its calls that need padding run uncached, with one warning.
@@ -29,37 +29,17 @@ from shapecache._extension import _C
 BucketPolicy = _C.BucketPolicy
 
 
-def output_shapes(function: Callable, args: tuple, kwargs: dict) -> list[tuple[int, ...]]:
-    """The size of each tensor `function(*args, **kwargs)` returns, in the order the cache
-    walks outputs (tensors, then tuples, lists and dict values in order), computed by running
-    it on fake tensors of the arguments' sizes: shapes propagate, nothing is computed. Raises
-    what the fake run raises, or TypeError for an output the cache cannot walk."""
+def call_on_fake_tensors(function: Callable, args: tuple, kwargs: dict):
+    """What `function(*args, **kwargs)` returns when run on fake tensors of the arguments'
+    sizes: outputs with the plain call's sizes, nothing computed (the cache reads their sizes
+    as it walks outputs). Raises what the fake run raises."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._pytree import tree_map_only
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:  # weights stay real, read as fakes
         fake_args, fake_kwargs = tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
-        outputs = function(*fake_args, **fake_kwargs)
-    shapes = []
-    _walk(outputs, shapes)
-    return shapes
-
-
-def _walk(value, shapes: list) -> None:
-    """As ``map_tensors`` in csrc/cache/call_key.cpp walks an output."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        shapes.append(tuple(value.shape))
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            _walk(item, shapes)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _walk(item, shapes)
-    elif value is not None and not isinstance(value, (bool, int, float, str)):
-        raise TypeError(f"shapecache cannot walk an output of type {type(value).__name__}")
+        return function(*fake_args, **fake_kwargs)
 
 
 def exact() -> BucketPolicy:
