@@ -90,6 +90,9 @@ void bind_core(py::module_& m) {
       .def("unpin", &IntLru::unpin)
       .def("pin_count", &IntLru::pin_count)
       .def("could_fit", &IntLru::could_fit)
+      .def(
+          "make_room_for", [](IntLru& lru, int64_t bytes) { return evicted_keys(lru.make_room_for(bytes)); },
+          py::arg("bytes"))
       .def("erase", [](IntLru& lru, int64_t key) { return lru.erase(key).has_value(); })
       .def("clear", [](IntLru& lru) { return evicted_keys(lru.clear()); })
       .def(

@@ -60,12 +60,26 @@ const py::object& out_of_memory_type() {
 // A failed allocation: CUDA's torch.OutOfMemoryError, Python's MemoryError, or torch's CPU
 // allocator failing, which raises a plain RuntimeError ("[enforce fail at alloc_cpu.cpp]
 // DefaultCPUAllocator: can't allocate memory", also inside the errors torch.compile wraps it
-// in). Read only when a build raised.
+// in). Read only when a call raised.
 bool is_out_of_memory(py::error_already_set& error) {
   if (error.matches(out_of_memory_type()) || error.matches(PyExc_MemoryError)) return true;
   if (!error.matches(PyExc_RuntimeError)) return false;
   const std::string text = py::str(error.value());
   return text.find("DefaultCPUAllocator: can't allocate memory") != std::string::npos;
+}
+
+// A failed allocation, or an error that may be one: oneDNN reports a failed allocation while
+// creating a primitive (its JIT code, its scratchpad) as "could not create a primitive", the
+// text of every failed creation (dnnl.hpp wraps dnnl_primitive_create's status in it, and
+// torch keeps only the text). Under a data-segment limit a convolution of a new size raises
+// it where the next size raises the allocator's own error. A build that raises it is retried
+// once after making room, like an out-of-memory build; only a definite one is reported to the
+// user as out of memory.
+bool may_be_out_of_memory(py::error_already_set& error) {
+  if (is_out_of_memory(error)) return true;
+  if (!error.matches(PyExc_RuntimeError)) return false;
+  const std::string text = py::str(error.value());
+  return text.find("could not create a primitive") != std::string::npos;
 }
 
 // `args` with the owner in front, when there is one.
@@ -263,6 +277,10 @@ py::object ShapeDispatcher::run_unpadded(const py::object& self, const py::tuple
 }
 
 py::object ShapeDispatcher::build(CallKey& key, PyObject* args, PyObject* kwargs) {
+  {
+    auto last = last_build_bytes_.find(key.device);
+    auto evicted = cache_->lru(key.device).make_room_for(last == last_build_bytes_.end() ? 0 : last->second);
+  }  // what was evicted is released here, before the build allocates
   const auto start = std::chrono::steady_clock::now();
   std::optional<py::tuple> maybe_built = run_builder(key.device, args, kwargs);
   if (!maybe_built) return run_uncached_after_out_of_memory(key.device, args, kwargs);
@@ -284,6 +302,7 @@ py::object ShapeDispatcher::build(CallKey& key, PyObject* args, PyObject* kwargs
   entry.last_use = unix_seconds();
   const int64_t bytes = built[1].cast<int64_t>();
   py::object output = built[2];
+  if (bytes >= 0) last_build_bytes_[key.device] = bytes;
 
   // The same key may have been built by a re-entrant call meanwhile; then `inserted` is false
   // and the existing entry stays.
@@ -330,7 +349,7 @@ std::optional<py::tuple> ShapeDispatcher::run_builder(const c10::Device& device,
       }
       return built;
     } catch (py::error_already_set& error) {
-      if (!is_out_of_memory(error)) throw;
+      if (!may_be_out_of_memory(error)) throw;
     }  // the error, and the traceback that holds the failed build's tensors, are released here
     if (attempt == 1) return std::nullopt;
     ++counters_.oom_retries;

@@ -7,6 +7,9 @@
 // the budget; a miss of a bucket that another call is building runs uncached (one build per
 // bucket). An argument that cannot be keyed runs the call uncached, with one warning.
 //
+// Before a build, room is made for an entry the size of this function's last build on the
+// device (BudgetedLru::make_room_for), so a build never runs beside a full budget.
+//
 // Out of memory while building (invariant 3): evict the device's unpinned entries, empty
 // the allocator's cache, retry once; then run the call uncached and count a fallback. Only an
 // out-of-memory error of the plain uncached call reaches the user, with the cache's state.
@@ -103,6 +106,10 @@ class ShapeDispatcher {
   // reaches kMaxCropPlans, so a stream of ever-new sizes cannot grow it without bound.
   static constexpr size_t kMaxCropPlans = 4096;
   std::unordered_map<ShapeKey, std::shared_ptr<const CropPlan>, ShapeKeyHash> crop_plans_;
+  // Bytes of this function's last build per device: the estimate room is made for before the
+  // next build. The last one, not the largest: sizes served together are usually alike, and
+  // an overestimate evicts entries the user keeps calling.
+  std::unordered_map<c10::Device, int64_t> last_build_bytes_;
 };
 
 }  // namespace shapecache

@@ -8,6 +8,8 @@
 //     <= budget and entry count <= max_entries.
 //   - An insertion that cannot fit even after evicting every unpinned entry is rejected
 //     and evicts nothing: a doomed insertion never costs the user entries they had.
+//   - Room may be made before an entry exists (`make_room_for`, by the same rule), so that
+//     building it never holds the budget and the new entry at once.
 //   - A pinned entry (one that is running) is never evicted, erased or cleared.
 //   - `find` counts a hit or a miss and makes the entry most recently used.
 // Not thread-safe: the owner serialises access.
@@ -110,6 +112,19 @@ class BudgetedLru {
     note_peak();
     result.inserted = true;
     return result;
+  }
+
+  // Makes room for an entry that does not exist yet: evicts least recently used unpinned
+  // entries until one more entry of `expected_bytes` fits by the budget rule, or nothing when
+  // no amount of eviction would make that room. An owner calls it before building an entry it
+  // can only estimate, so that the build runs beside at most budget - expected bytes: the peak
+  // while building is then the budget plus the build's own transient memory, where room made
+  // only at insertion would add a whole entry to it. The cost: if the built entry turns out
+  // not to fit at all, it is rejected and the entries evicted for the estimate stay gone.
+  std::vector<Evicted> make_room_for(int64_t expected_bytes) {
+    if (expected_bytes < 0)
+      throw std::invalid_argument("BudgetedLru::make_room_for: bytes must be >= 0, got " + std::to_string(expected_bytes));
+    return make_room(expected_bytes, 1).evicted;
   }
 
   // Whether an entry of `bytes` could be inserted now, possibly after evictions.

@@ -73,6 +73,55 @@ def test_a_cpu_allocation_failure_is_out_of_memory_too(error):
     assert builder.calls == 2 and st["oom_retries"] == 1 and st["fallbacks"] == 0 and len(st["entries"]) == 1
 
 
+class PrimitiveFailure(FlakyBuilder):
+    """Fails its first `failures` builds as oneDNN does when an allocation inside primitive
+    creation fails (a process under RLIMIT_DATA meets it at a new convolution size): torch
+    surfaces dnnl's error as a RuntimeError with its text only."""
+
+    def __call__(self, args, kwargs, device):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise RuntimeError("could not create a primitive")
+        return self.function, self.nbytes, self.function(*args, **kwargs), "eager"
+
+
+def test_a_onednn_primitive_that_could_not_be_created_is_retried_after_making_room():
+    builder = PrimitiveFailure(double, failures=1)
+    f = cached(double, builder)
+    assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+    st = f.stats()
+    assert builder.calls == 2 and st["oom_retries"] == 1 and st["fallbacks"] == 0 and len(st["entries"]) == 1
+
+
+def test_a_onednn_failure_that_persists_reaches_the_user_as_itself_not_as_out_of_memory():
+    def unsupported(x):
+        raise RuntimeError("could not create a primitive")
+
+    f = cached(unsupported, PrimitiveFailure(unsupported, failures=2))
+    with pytest.warns(RuntimeWarning, match="ran out of memory twice"):
+        with pytest.raises(RuntimeError, match="^could not create a primitive$") as raised:
+            f(torch.ones(3))
+    assert not isinstance(raised.value, torch.OutOfMemoryError)
+    assert f.stats()["oom_retries"] == 1 and f.stats()["fallbacks"] == 1
+
+
+def test_room_for_an_entry_like_the_last_is_made_before_the_next_build():
+    held_while_building = []
+    cache = _C.ShapeCache(lambda device: 1000, None)
+
+    def builder(args, kwargs, device):
+        held_while_building.append(cache.stats()["devices"].get("cpu", {}).get("bytes", 0))
+        return double, 300, double(*args), "eager"
+
+    f = _C.ShapeDispatcher(double, builder, cache, [], ["x"], None, False)
+    for n in range(1, 6):
+        f(torch.ones(n))
+    # Three entries of 300 fit in 1000; from the fourth build on, one goes before building, so
+    # no build runs beside more than 1000 - 300 bytes (after the build, as many entries stay).
+    assert held_while_building == [0, 300, 600, 600, 600]
+    assert len(cache.stats()["entries"]) == 3 and cache.stats()["evictions"] == 2
+
+
 def test_other_runtime_errors_of_a_build_are_not_retried():
     def broken(args, kwargs, device):
         raise RuntimeError("shape mismatch")

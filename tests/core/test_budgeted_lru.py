@@ -53,6 +53,14 @@ class LruModel:
         self.bytes[key], self.pins[key] = nbytes, 0
         return True, evicted
 
+    def make_room_for(self, nbytes):
+        """Room for one more entry of `nbytes`, as an insertion would make it, inserting nothing."""
+        pinned = [k for k in self.order if self.pins[k] > 0]
+        pinned_bytes = sum(self.bytes[k] for k in pinned)
+        if nbytes > self.budget - self.shared - pinned_bytes or 1 > self.max_entries - len(pinned):
+            return []
+        return self._evict_while_over(nbytes, 1)
+
     def find(self, key):
         if key not in self.bytes:
             return False
@@ -103,6 +111,15 @@ class LruMachine(RuleBasedStateMachine):
             assert self.lru.total_bytes <= self.lru.budget
             assert len(self.lru) <= self.lru.max_entries
         assert pinned_before <= set(self.lru.keys())
+
+    @rule(nbytes=BYTES)
+    def make_room_for(self, nbytes):
+        evicted = self.lru.make_room_for(nbytes)
+        assert evicted == self.model.make_room_for(nbytes)
+        if evicted:
+            # room was made: an entry of `nbytes` now fits without evicting anything more
+            assert self.lru.total_bytes + nbytes <= self.lru.budget
+            assert len(self.lru) + 1 <= self.lru.max_entries
 
     @rule(key=KEYS)
     def find(self, key):
@@ -239,3 +256,16 @@ def test_set_bytes_that_cannot_fit_removes_only_that_entry():
         lru.set_entry_bytes(2, -1)
     with pytest.raises(IndexError):
         lru.set_entry_bytes(7, 1)
+
+
+def test_room_made_before_an_entry_exists_bounds_what_is_held_while_it_is_built():
+    lru = _C.IntLru(budget=100)
+    for key in (1, 2, 3):
+        lru.insert(key, key, 30)
+    assert lru.make_room_for(30) == [1]  # 90 + 30 would pass 100: the least recent goes first
+    assert lru.total_bytes == 60
+    assert lru.insert(4, 4, 30) == (True, [])  # the room is there: nothing more is evicted
+    assert lru.make_room_for(101) == []  # could never fit: nothing is evicted for it
+    assert lru.keys() == [4, 3, 2]
+    with pytest.raises(ValueError, match="bytes must be >= 0, got -1"):
+        lru.make_room_for(-1)
