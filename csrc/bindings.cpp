@@ -406,6 +406,7 @@ void bind_tuning(py::module_& m) {
     d["generation"] = arena.generation();
     return d;
   });
+  m.def("workspace_leases_on_this_thread", &WorkspaceArena::leases_on_this_thread);
   m.def(
       "set_workspace_cap",
       [](c10::Device device, std::optional<int64_t> bytes) {

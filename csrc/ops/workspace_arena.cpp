@@ -5,6 +5,11 @@
 #include <string>
 
 namespace shapecache {
+namespace {
+thread_local uint64_t thread_leases = 0;
+}  // namespace
+
+uint64_t WorkspaceArena::leases_on_this_thread() { return thread_leases; }
 
 WorkspaceArena& WorkspaceArena::of(const c10::Device& device) {
   static std::mutex registry_mutex;
@@ -19,6 +24,7 @@ WorkspaceArena& WorkspaceArena::of(const c10::Device& device) {
 std::optional<WorkspaceArena::Lease> WorkspaceArena::lease(int64_t bytes) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (bytes > cap_) return std::nullopt;
+  ++thread_leases;
   const int64_t held = buffer_.defined() ? buffer_.numel() : 0;
   if (bytes > held) {
     // Release the old buffer first so that the allocator can reuse its block for the new one.

@@ -8,6 +8,9 @@
 //     convolutions share it, so it is sized by the largest, not the sum. Built largest
 //     first, it reaches its final size on the first build.
 //   - Growth bumps `generation`: a CUDA graph that captured the old address must be rebuilt.
+//     Only such a graph: a capture compares `leases_on_this_thread` before and after to learn
+//     whether its kernels took the buffer at all (a graph without tuned convolutions did not,
+//     and growth leaves it valid).
 //   - Capped: a request above the cap is refused, and the tuner leaves out algorithms that
 //     would need it.
 //   - A kernel holds the arena's lease while it uses the buffer: host threads that run
@@ -46,6 +49,11 @@ class WorkspaceArena {
   int64_t cap() const;
   int64_t bytes() const;
   uint64_t generation() const;
+
+  // Leases taken so far by the calling thread, of any device's arena. A capture runs its
+  // function on the capturing thread, so a change across it means the graph holds an address
+  // of an arena's buffer. Another thread's leases never count here.
+  static uint64_t leases_on_this_thread();
 
  private:
   explicit WorkspaceArena(c10::Device device) : device_(device) {}

@@ -340,3 +340,25 @@ def test_a_recapture_runs_under_the_modes_the_entry_was_built_with():
         out = net(x)
     assert out.dtype == torch.float32 and not out.requires_grad
     torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.cuda
+def test_a_growing_workspace_leaves_graphs_without_tuned_convolutions_valid():
+    net = SmallMlp().cuda().eval()
+    sc.cached(net, backend="cuda_graph")
+    x = torch.randn(8, 64, device="cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
+    with torch.no_grad():
+        expected = net(x).clone()  # captured: its kernels never take the arena
+        # Grow the arena: run the candidate that needs the most workspace, above what it holds.
+        big, weight = torch.randn(1, 64, 128, 128, device="cuda"), torch.randn(64, 64, 5, 5, device="cuda")
+        conv = (big, weight, None, [1, 1], [2, 2], [1, 1], 1)
+        candidates = _C.tune_conv2d(*conv)["candidates"]
+        hungriest = max((c for c in candidates if c["microseconds"] is not None), key=lambda c: c["workspace_bytes"])
+        before = _C.workspace_stats(device)
+        assert hungriest["workspace_bytes"] > before["bytes"], "no candidate needs more workspace than the arena holds"
+        _C.conv2d_algorithm(hungriest["algorithm"], *conv)
+        assert _C.workspace_stats(device)["generation"] > before["generation"]
+        torch.testing.assert_close(net(x), expected)
+    st = sc.stats(net)
+    assert st["invalidations"] == 0 and st["builds"] == 1 and st["hits"] == 1

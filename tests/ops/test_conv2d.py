@@ -1,5 +1,6 @@
 """shapecache::conv2d: numerics, registration, the tuner's choice and the workspace arena."""
 
+import threading
 
 import pytest
 import torch
@@ -110,6 +111,25 @@ def test_the_arena_grows_for_chosen_algorithms_only():
     assert _C.workspace_stats(CPU)["bytes"] == before  # tuning alone grows nothing
     torch.ops.shapecache.conv2d(x, w, None, [1, 1], [1, 1], [1, 1], 1)
     assert _C.workspace_stats(CPU)["bytes"] == max(before, result["workspace_bytes"])
+
+
+def test_leases_are_counted_per_thread_so_a_capture_knows_whether_its_kernels_took_the_arena():
+    # What a CUDA graph capture reads (cuda_graph_runner.cpp): a graph whose kernels never
+    # took the arena's buffer stays valid when the arena grows.
+    x, w = torch.randn(1, 8, 12, 12), torch.randn(4, 8, 3, 3)
+
+    def leases_around(run):
+        before = _C.workspace_leases_on_this_thread()
+        run()
+        return _C.workspace_leases_on_this_thread() - before
+
+    def im2col():
+        _C.conv2d_algorithm("im2col_gemm", x, w, None, [1, 1], [1, 1], [1, 1], 1)
+
+    assert leases_around(im2col) == 1
+    assert leases_around(lambda: F.conv2d(x, w, padding=1)) == 0  # no tuned convolution
+    other = threading.Thread(target=im2col)
+    assert leases_around(lambda: (other.start(), other.join())) == 0  # another thread's lease
 
 
 @pytest.fixture

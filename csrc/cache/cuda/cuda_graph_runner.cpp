@@ -161,7 +161,9 @@ void CudaGraphRunner::capture_graph(const py::object& owner) {
     c10::cuda::CUDAStreamGuard stream_guard(graphs.stream);
     // On failure the allocators are clean and the error propagates; `graph` is destroyed on
     // the way out (counted as released only if its capture ended).
+    const uint64_t leases_before = WorkspaceArena::leases_on_this_thread();
     graphs.generations.capture(steps);
+    uses_workspace_ = WorkspaceArena::leases_on_this_thread() != leases_before;
     order_after(graphs.stream, caller, graphs.graphs_done);
   }
   std::vector<at::Tensor> static_outputs;
@@ -241,7 +243,9 @@ bool CudaGraphRunner::valid() {
   // A released graph whose recapture did not happen (a rebuild cut short by an error) is
   // rebuilt from its caller's next call, like a stale one.
   if (!graph_) return false;
-  if (WorkspaceArena::of(c10::Device(c10::DeviceType::CUDA, device_->device)).generation() != workspace_generation_) {
+  // Only a graph whose kernels took the arena's buffer holds its address (workspace_arena.h).
+  if (uses_workspace_ &&
+      WorkspaceArena::of(c10::Device(c10::DeviceType::CUDA, device_->device)).generation() != workspace_generation_) {
     return false;
   }
   return !weights_ || weights_->valid();

@@ -17,8 +17,9 @@
 //     right after its own replay, under the lock, before any other graph runs.
 //   - Static inputs are allocated outside the pool, on the graphs' stream, and used only
 //     there: freeing them (an eviction) is ordered after the last replay that read them.
-//   - A graph is stale when the weights it captured were replaced or the workspace arena it
-//     may have captured moved: it is then rebuilt, never replayed.
+//   - A graph is stale when the weights it captured were replaced or the workspace arena its
+//     kernels took during capture moved: it is then rebuilt, never replayed. A graph without
+//     tuned convolutions never took the arena and stays valid when it grows.
 //   - The pool is a sequence of generations (csrc/core/pool_generations.h, which states
 //     torch's allocator rules it keeps): captures go into the current one; once none of its
 //     graphs is left it retires and the next capture opens a fresh graph_pool_handle(). A
@@ -122,6 +123,7 @@ class CudaGraphRunner final : public EntryRunner {
   py::object output_structure_;               // the outputs as captured (static tensors inside)
   std::shared_ptr<WeightSnapshot> weights_;   // null for functions without an owner module
   uint64_t workspace_generation_ = 0;         // the arena's generation when captured
+  bool uses_workspace_ = false;               // whether the captured kernels took the arena's buffer
   // The modes of the call that built the entry, which its key records: a recapture (a pool
   // rebuild another call triggered) runs under these, not under that other call's.
   struct CaptureModes {
