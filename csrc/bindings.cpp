@@ -268,6 +268,7 @@ void bind_cache(py::module_& m) {
                     std::vector<std::string>, py::object, bool>(),
            py::arg("function"), py::arg("builder"), py::arg("cache"), py::arg("buckets"), py::arg("parameter_names"),
            py::arg("owner"), py::arg("key_training"))
+      .def_static("set_fake_tensor_runner", &ShapeDispatcher::set_fake_tensor_runner, py::arg("runner"))
       .def("__call__", &ShapeDispatcher::call)
       .def("stats", &ShapeDispatcher::stats)
       .def("clear", &ShapeDispatcher::clear)

@@ -246,26 +246,37 @@ std::shared_ptr<const ShapeDispatcher::CropPlan> ShapeDispatcher::crop_plan(cons
   for (const CropDim& c : key.crop) plan_key.add_int(c.original);
   if (auto found = crop_plans_.find(plan_key); found != crop_plans_.end()) return found->second;
   auto plan = std::make_shared<CropPlan>();
-  try {
-    PlanningCrop planning;
-    py::object fake_call = py::module_::import("shapecache.buckets").attr("call_on_fake_tensors");
-    py::object outputs = fake_call(function_, args, kwargs);
-    // Sizes in the order crop_outputs will meet the real outputs: the same walk.
-    std::vector<std::vector<int64_t>> shapes;
-    map_tensors(outputs, [&](const at::Tensor& t) {
-      shapes.push_back(t.sizes().vec());
-      return t;
-    });
-    plan->shapes = std::move(shapes);
-  } catch (py::error_already_set& error) {
-    if (!error.matches(PyExc_Exception)) throw;  // KeyboardInterrupt, SystemExit
-    plan->reason = std::string(py::str(error.type().attr("__name__"))) + ": " + std::string(py::str(error.value()));
-  } catch (const py::type_error& error) {  // an output map_tensors cannot walk
-    plan->reason = std::string("TypeError: ") + error.what();
+  const py::object& fake_call = fake_tensor_runner();
+  if (fake_call.is_none()) {
+    plan->reason = "no fake-tensor runner is set (ShapeDispatcher.set_fake_tensor_runner)";
+  } else {
+    try {
+      PlanningCrop planning;
+      py::object outputs = fake_call(function_, args, kwargs);
+      // Sizes in the order crop_outputs will meet the real outputs: the same walk.
+      std::vector<std::vector<int64_t>> shapes;
+      map_tensors(outputs, [&](const at::Tensor& t) {
+        shapes.push_back(t.sizes().vec());
+        return t;
+      });
+      plan->shapes = std::move(shapes);
+    } catch (py::error_already_set& error) {
+      if (!error.matches(PyExc_Exception)) throw;  // KeyboardInterrupt, SystemExit
+      plan->reason = std::string(py::str(error.type().attr("__name__"))) + ": " + std::string(py::str(error.value()));
+    } catch (const py::type_error& error) {  // an output map_tensors cannot walk
+      plan->reason = std::string("TypeError: ") + error.what();
+    }
   }
   if (crop_plans_.size() >= kMaxCropPlans) crop_plans_.clear();
   return crop_plans_.emplace(std::move(plan_key), std::move(plan)).first->second;
 }
+
+py::object& ShapeDispatcher::fake_tensor_runner() {
+  static auto* runner = new py::object(py::none());  // never destroyed: it may outlive the interpreter
+  return *runner;
+}
+
+void ShapeDispatcher::set_fake_tensor_runner(py::object runner) { fake_tensor_runner() = std::move(runner); }
 
 py::object ShapeDispatcher::run_unpadded(const py::object& self, const py::tuple& args, const py::dict& kwargs,
                                          const std::string& reason) {

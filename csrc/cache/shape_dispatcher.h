@@ -71,6 +71,10 @@ class ShapeDispatcher {
   uint64_t id() const { return id_; }
   const FunctionCounters& counters() const { return counters_; }
 
+  // What runs a function on fake tensors of its arguments' sizes, for crop plans:
+  // runner(function, args, kwargs) -> outputs. Set once by the Python package (buckets.py).
+  static void set_fake_tensor_runner(py::object runner);
+
  private:
   py::object build(CallKey& key, PyObject* args, PyObject* kwargs);
   std::optional<py::tuple> run_builder(const c10::Device& device, PyObject* args, PyObject* kwargs);
@@ -87,6 +91,7 @@ class ShapeDispatcher {
   std::shared_ptr<const CropPlan> crop_plan(const CallKey& key, const py::tuple& args, const py::dict& kwargs);
   py::object run_unpadded(const py::object& self, const py::tuple& args, const py::dict& kwargs,
                           const std::string& reason);
+  static py::object& fake_tensor_runner();
 
   py::object function_;
   py::object builder_;
