@@ -87,7 +87,7 @@ void bind_core(py::module_& m) {
         return v ? std::optional<int64_t>(*v) : std::nullopt;
       })
       .def("pin", &IntLru::pin)
-      .def("unpin", &IntLru::unpin)
+      .def("unpin", [](IntLru& lru, int64_t key) { return evicted_keys(lru.unpin(key)); })
       .def("pin_count", &IntLru::pin_count)
       .def("could_fit", &IntLru::could_fit)
       .def(

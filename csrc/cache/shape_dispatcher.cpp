@@ -27,7 +27,8 @@ py::object call_python(PyObject* callable, PyObject* args, PyObject* kwargs) {
 class PinGuard {
  public:
   PinGuard(EntryLru& lru, const ShapeKey& key) : lru_(lru), key_(key) { lru_.pin(key_); }
-  ~PinGuard() { lru_.unpin(key_); }
+  // What the unpinning evicts (budgeted_lru.h) is destroyed here, with the GIL held.
+  ~PinGuard() { auto evicted = lru_.unpin(key_); }
   PinGuard(const PinGuard&) = delete;
   PinGuard& operator=(const PinGuard&) = delete;
 

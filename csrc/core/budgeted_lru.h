@@ -10,7 +10,9 @@
 //     and evicts nothing: a doomed insertion never costs the user entries they had.
 //   - Room may be made before an entry exists (`make_room_for`, by the same rule), so that
 //     building it never holds the budget and the new entry at once.
-//   - A pinned entry (one that is running) is never evicted, erased or cleared.
+//   - A pinned entry (one that is running) is never evicted, erased or cleared. While one
+//     is pinned the invariant may not hold (nothing else could be evicted); `unpin` restores
+//     it, so it holds whenever no entry is pinned.
 //   - `find` counts a hit or a miss and makes the entry most recently used.
 // Not thread-safe: the owner serialises access.
 #pragma once
@@ -79,10 +81,14 @@ class BudgetedLru {
   bool contains(const Key& key) const { return index_.count(key) != 0; }
 
   void pin(const Key& key) { ++node(key).pins; }
-  void unpin(const Key& key) {
+  // Unpins, then applies the budget rule again: room that could not be made while the entry
+  // was pinned (shared bytes grown, an entry resized, limits lowered meanwhile) is made now.
+  // Returns what that evicted, possibly the entry itself.
+  std::vector<Evicted> unpin(const Key& key) {
     Node& n = node(key);
     if (n.pins == 0) throw std::logic_error("BudgetedLru::unpin: entry is not pinned");
     --n.pins;
+    return evict_while_over(0, 0);
   }
   int pin_count(const Key& key) const {
     auto it = index_.find(key);

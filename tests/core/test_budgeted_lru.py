@@ -139,8 +139,12 @@ class LruMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def unpin(self, data):
         key = data.draw(st.sampled_from([k for k, p in self.model.pins.items() if p > 0]))
-        self.lru.unpin(key)
         self.model.pins[key] -= 1
+        # the budget rule applies again: what pins kept over the budget goes now
+        assert self.lru.unpin(key) == self.model._evict_while_over(0, 0)
+        if not any(self.model.pins.values()):
+            assert self.lru.total_bytes <= self.lru.budget or len(self.lru) == 0
+            assert len(self.lru) <= self.lru.max_entries
 
     @rule(key=KEYS)
     def erase(self, key):

@@ -9,11 +9,16 @@ records a violation instead of aborting, and the test fails on it. Random sequen
 recording, or lose count of a live graph.
 """
 
+import warnings
+import weakref
+
 import pytest
+import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from shapecache._backends import graph_pool
 from shapecache._extension import _C
 
 
@@ -225,3 +230,229 @@ def test_a_second_capture_while_one_records_is_refused_before_touching_the_alloc
                          machine.device.end, machine.device.release, machine.host.end, machine.host.release)
     assert inner_error and "a capture is underway in this pool already" in inner_error[0]
     assert machine.device.use_count[graph.pool] == 1  # the refused capture took no reference
+
+
+# --- the pool under the budget: graphs as cache entries ---------------------------------------
+#
+# The same allocator model, with the pool's graphs as entries of a real ShapeCache under a byte
+# budget, built and rebuilt in the order the CUDA layer follows (_backends/cuda_graph.py's build:
+# capture, charge the pool, rebuild largest first through graph_pool.rebuild_largest_first when
+# the pool leaves no room, or, with a graph running up the stack, evict and capture alone). Calls
+# go through a real ShapeDispatcher, so evictions, pins, clears and the out-of-memory retry are the
+# cache's own. What stands in for CUDA: GraphModel for torch's CUDAGraph, and a model of the
+# pool's bytes (a capture adds its temporaries unless a larger graph of the same generation left
+# blocks it reuses; an emptied cache frees the blocks of a generation with no graph left).
+
+CPU = torch.device("cpu")
+BUDGET = 400
+SIZES = st.integers(1, 6)
+FAILURES = st.sampled_from((None, None, None, "oom", "oom twice") + STEPS)
+
+
+class BucketGraph:
+    """One bucket's graph: input bytes 10 * size, temporaries 40 * size in the pool."""
+
+    def __init__(self, device, size):
+        self.device, self.size = device, size
+        self.graph = None
+        device.graphs.add(self)
+
+    @property
+    def static_input_bytes(self):
+        return 10 * self.size
+
+    def capture(self, fail_at=None):
+        self.graph = self.device.capture(40 * self.size, fail_at)
+
+    def recapture(self):
+        assert self.graph is None, "recapture() needs a released graph"
+        self.capture()
+
+    def release(self):
+        if self.graph is not None:
+            graph, self.graph = self.graph, None
+            self.device.drop(graph)
+
+    def valid(self):
+        return self.graph is not None
+
+    def __call__(self, x):  # a replay
+        assert self.graph is not None, "replay of a released graph"
+        pool = self.graph.pool
+        assert self.device.allocator.use_count[pool] > 0, "replay of a graph whose pool was released"
+        if self.device.inner_call is not None:  # a cached call made from inside this one
+            size, self.device.inner_call = self.device.inner_call, None
+            self.device.cached(torch.zeros(size))
+        return x * 2
+
+    def __del__(self):
+        self.release()
+
+
+class GraphDevice:
+    """What the CUDA layer keeps per device: the pool's generations on the two allocators, the
+    pool's bytes, and the cache its graphs are entries of."""
+
+    def __init__(self):
+        self.allocator, self.host = AllocatorModel("device"), AllocatorModel("host")
+        self.generations = _C.PoolGenerations()
+        self.next_id = 0
+        self.held = {}     # pool id -> bytes of blocks the allocator holds for it
+        self.largest = {}  # pool id -> largest temporaries captured into it
+        self.graphs = weakref.WeakSet()
+        self.failures = []  # injected into the next captures, in order
+        self.inner_call = None
+        self.cache = _C.ShapeCache(lambda device: BUDGET, None, self.release_memory)
+        self.cached = _C.ShapeDispatcher(lambda x: x * 2, self.build, self.cache, [], ["x"], None, False)
+
+    def open_pool(self):
+        self.next_id += 1
+        return (0, self.next_id)
+
+    def capture(self, temporaries, fail_at):
+        graph = GraphModel(self.allocator, self.host, None if fail_at == "oom" else fail_at)
+
+        def body():
+            if fail_at == "oom":
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+        try:
+            self.generations.capture(self.open_pool, graph.capture_begin, body, graph.capture_end,
+                                     lambda: graph.ended, self.allocator.end, self.allocator.release,
+                                     self.host.end, self.host.release)
+        except BaseException:
+            self.drop(graph)
+            raise
+        pool = graph.pool
+        if temporaries > self.largest.get(pool, 0):
+            self.held[pool] = self.held.get(pool, 0) + temporaries
+            self.largest[pool] = temporaries
+        return graph
+
+    def drop(self, graph):
+        ended = graph.ended
+        graph.reset()
+        if ended:
+            self.generations.graph_released(graph.pool)
+
+    def pool_bytes(self):
+        return sum(self.held.values())
+
+    def charge(self, cache):
+        cache.set_shared_bytes(CPU, pool=self.pool_bytes())
+
+    def release_memory(self, device, cache):  # graph_pool.release_device_memory, with empty_cache modelled
+        # (no gc.collect(): nothing here is in a cycle, and refcounting frees a dropped graph at once)
+        for pool in list(self.held):
+            if self.allocator.use_count.get(pool, 0) == 0:
+                del self.held[pool], self.largest[pool]
+        self.charge(cache)
+
+    def recapture(self, runner, device, cache):  # graph_pool.measured_recapture
+        runner.recapture()
+        self.charge(cache)
+        return runner.static_input_bytes
+
+    def build(self, args, kwargs, device):  # _backends/cuda_graph.py's build, after the warm-up
+        (x,) = args
+        runner = BucketGraph(self, x.numel())
+        fail_at = self.failures.pop(0) if self.failures else None
+        try:
+            runner.capture(fail_at)
+        except torch.OutOfMemoryError:
+            raise  # the cache's own retry
+        except Injected:
+            return (lambda y: y * 2), 0, x * 2, "eager"
+        self.charge(self.cache)
+        entry_bytes = runner.static_input_bytes
+        if graph_pool.pool_over_budget(CPU, self.cache, entry_bytes):
+            rebuilt = graph_pool.rebuild_largest_first(
+                CPU, self.cache, runner, graphs_of=lambda r: isinstance(r, BucketGraph),
+                recapture=self.recapture, release=self.release_memory)
+            if rebuilt is None:  # a graph is running up the stack
+                self.cache.evict_unpinned(CPU)
+                runner.release()
+                self.release_memory(CPU, self.cache)
+                rebuilt = self.recapture(runner, CPU, self.cache)
+            entry_bytes = rebuilt
+        return runner, entry_bytes, x * 2, "cuda_graph"
+
+
+class PoolUnderBudget(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.device = GraphDevice()
+
+    def call(self, size):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # "ran out of memory twice": the fallback's own
+            assert torch.equal(self.device.cached(torch.zeros(size) + 1), torch.full((size,), 2.0))
+
+    @rule(size=SIZES, failure=FAILURES)
+    def call_a_size(self, size, failure):
+        if failure == "oom twice":
+            self.device.failures = ["oom", "oom"]
+        elif failure is not None:
+            self.device.failures = [failure]
+        self.call(size)
+        self.device.failures = []
+
+    @rule(outer=SIZES, inner=SIZES)
+    def call_a_size_from_inside_a_replay(self, outer, inner):
+        self.call(outer)  # built if need be; the next call is a replay, if it stayed a graph
+        self.device.inner_call = inner
+        self.call(outer)
+        self.device.inner_call = None
+
+    @rule()
+    def clear(self):
+        self.device.cached.clear()
+
+    @rule()
+    def evict_and_empty(self):  # what the out-of-memory retry does, from outside a call
+        self.device.cache.evict_unpinned(CPU)
+        self.device.release_memory(CPU, self.device.cache)
+
+    @invariant()
+    def torch_never_asserts(self):
+        assert self.device.allocator.violations == [] and self.device.host.violations == []
+        assert self.device.allocator.recording == set() and self.device.host.recording == set()
+
+    @invariant()
+    def every_live_graph_is_counted_in_its_generation(self):
+        live = {}
+        for runner in list(self.device.graphs):
+            if runner.graph is not None:
+                live[runner.graph.pool] = live.get(runner.graph.pool, 0) + 1
+        for generation in self.device.generations.generations:
+            pool = tuple(generation["id"])
+            assert generation["graphs"] == live.get(pool, 0) == self.device.allocator.use_count.get(pool, 0)
+        assert self.device.generations.live_graphs == sum(live.values())
+
+    @invariant()
+    def the_cache_holds_live_graphs_within_the_budget(self):
+        entries = self.device.cache.entries(CPU)
+        for _, runner, pinned in entries:
+            assert not pinned  # between calls nothing runs
+            if isinstance(runner, BucketGraph):
+                assert runner.valid()
+        figures = self.device.cache.stats()["devices"].get("cpu")
+        if figures and entries:
+            assert figures["bytes"] <= BUDGET
+            assert figures["pool_bytes"] == self.device.pool_bytes()
+
+
+TestPoolUnderBudget = PoolUnderBudget.TestCase
+TestPoolUnderBudget.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+
+
+def test_a_pool_grown_smallest_first_past_the_budget_is_rebuilt_largest_first_on_the_cpu_model():
+    machine = PoolUnderBudget()
+    for size in (1, 2, 3, 4):  # temporaries 40, 80, 120, 160: smallest first the pool adds each
+        machine.call(size)
+    stats = machine.device.cache.stats()
+    assert stats["pool_rebuilds"] >= 1
+    assert machine.device.pool_bytes() == 160  # rebuilt largest first: the largest's blocks serve all
+    assert stats["devices"]["cpu"]["bytes"] <= BUDGET
+    machine.torch_never_asserts()
+    machine.every_live_graph_is_counted_in_its_generation()

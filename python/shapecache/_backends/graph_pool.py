@@ -85,7 +85,12 @@ def pool_over_budget(device: torch.device, cache, entry_bytes: int) -> bool:
     return not cache.could_fit(device, entry_bytes)
 
 
-def rebuild_largest_first(device: torch.device, cache, new_runner) -> int | None:
+def is_graph(runner) -> bool:
+    return isinstance(runner, _C.CudaGraphRunner)
+
+
+def rebuild_largest_first(device: torch.device, cache, new_runner, *, graphs_of=is_graph,
+                          recapture=measured_recapture, release=release_device_memory) -> int | None:
     """Drops every graph of `device` in `cache` and `new_runner`'s, lets the pool empty, and
     captures them again largest first (most input bytes first: for one model, a bucket's
     temporaries grow with its input). Each recaptured entry is charged at its new cost under
@@ -95,9 +100,13 @@ def rebuild_largest_first(device: torch.device, cache, new_runner) -> int | None
 
     Graphs that other caches captured into the device's pool keep it from emptying: the
     rebuild is then correct but frees less.
+
+    `graphs_of`, `recapture` and `release` are the CUDA layer's; the pool lifecycle test
+    (tests/core/test_pool_generations.py) runs this same order on the CPU with its model of
+    torch's allocators in their place.
     """
     graphs = [(entry_id, runner, pinned) for entry_id, runner, pinned in cache.entries(device)
-              if isinstance(runner, _C.CudaGraphRunner)]
+              if graphs_of(runner)]
     if any(pinned for _, _, pinned in graphs):
         return None
     queue = []
@@ -111,7 +120,7 @@ def rebuild_largest_first(device: torch.device, cache, new_runner) -> int | None
     cache.count_pool_rebuild(device)
     for _, runner in queue:
         runner.release()
-    release_device_memory(device, cache)
+    release(device, cache)
 
     # sorted() is stable: among equals, the most recently used (listed first) goes first.
     queue = sorted(queue, key=lambda item: item[1].static_input_bytes, reverse=True)
@@ -121,7 +130,7 @@ def rebuild_largest_first(device: torch.device, cache, new_runner) -> int | None
         if entry_id is not None and not cache.contains_entry(device, entry_id):
             continue  # evicted by an earlier recapture's cost
         try:
-            entry_bytes = measured_recapture(runner, device, cache)
+            entry_bytes = recapture(runner, device, cache)
         except Exception as error:
             if entry_id is None:
                 raise  # the caller's own bucket: its builder's error handling takes over
@@ -132,7 +141,7 @@ def rebuild_largest_first(device: torch.device, cache, new_runner) -> int | None
                               "dropped", RuntimeWarning, stacklevel=2)
             cache.erase_entry(device, entry_id)
             del runner, error
-            release_device_memory(device, cache)
+            release(device, cache)
             continue
         if entry_id is None:
             new_bytes = entry_bytes
