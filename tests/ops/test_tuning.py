@@ -156,8 +156,8 @@ def test_cpu_tuning_never_initializes_cuda(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_cuda_tuned_op_matches_f_conv2d(dtype):
-    torch.backends.cudnn.allow_tf32 = False
+def test_cuda_tuned_op_matches_f_conv2d(dtype, monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # restored after the test
     x = torch.randn(2, 64, 32, 32, device="cuda", dtype=dtype)
     w = torch.randn(32, 64, 3, 3, device="cuda", dtype=dtype)
     b = torch.randn(32, device="cuda", dtype=dtype)
