@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/bucket_policy.h"
+#include "cache/call_modes.h"
 #include "core/budgeted_lru.h"
 #include "core/pool_generations.h"
 #include "cache/shape_dispatcher.h"

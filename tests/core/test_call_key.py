@@ -175,3 +175,22 @@ def test_arguments_that_share_storage_are_keyed_apart_from_ones_that_do_not():
     assert _C.call_key((b, b), {})["words"] == same["words"]  # which tensors, not which storage
     view = _C.call_key((a, a[:2]), {})
     assert "same storage as tensor 0" in view["description"]
+
+
+def test_tensors_that_share_storage_are_keyed_apart_from_tensors_that_do_not():
+    # A CUDA graph captured as f(a, a) holds one static copy for both arguments: served f(b, c)
+    # it would compute f(c, c). The key records which arguments share a storage.
+    a, b, c = torch.randn(4), torch.randn(4), torch.randn(4)
+    same = key(a, a)
+    assert same["words"] == key(b, b)["words"]
+    assert same["words"] != key(b, c)["words"]
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    assert key(x, x[0])["words"] == key(y, y[1])["words"]  # a view shares its base's storage
+    assert key(x, x[0])["words"] != key(x, y[0])["words"]
+    assert key([a, {"t": a}])["words"] != key([a, {"t": b}])["words"]  # inside containers too
+
+    calls = sc.cached(lambda p, q: p + q)
+    calls(a, a)
+    calls(b, c)
+    calls(c, c)
+    assert sc.stats(calls)["builds"] == 2 and sc.stats(calls)["hits"] == 1

@@ -1,11 +1,8 @@
 #include "cache/cuda/cuda_graph_runner.h"
 
-#include <ATen/autocast_mode.h>
 #include <ATen/core/CachingHostAllocator.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/core/GradMode.h>
-#include <c10/core/InferenceMode.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -106,8 +103,7 @@ std::shared_ptr<CudaGraphRunner> CudaGraphRunner::capture(const py::object& func
   DeviceGraphs& graphs = DeviceGraphs::of(device.index());
   runner->device_ = &graphs;
   const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(device.index());
-  runner->modes_ = {c10::GradMode::is_enabled(), c10::InferenceMode::is_enabled(),
-                    at::autocast::is_autocast_enabled(at::kCUDA), at::autocast::get_autocast_dtype(at::kCUDA)};
+  runner->modes_ = CallModes::of_this_thread(c10::DeviceType::CUDA);
 
   // Static inputs: a copy of every tensor of the call (one per distinct tensor, so an input
   // passed twice stays one tensor inside the graph), made on the graphs' stream after the
@@ -182,22 +178,8 @@ void CudaGraphRunner::release() {
 
 void CudaGraphRunner::recapture() {
   TORCH_CHECK(!graph_, "cuda_graph: recapture() needs a released graph");
-  // Under the modes the entry was built with (its key records them), whatever call triggered
-  // the rebuild: inference mode first, since it sets grad mode too; autocast restored on exit.
-  c10::InferenceMode inference(modes_.inference);
-  c10::AutoGradMode grad(modes_.grad);
-  const bool autocast_before = at::autocast::is_autocast_enabled(at::kCUDA);
-  const at::ScalarType dtype_before = at::autocast::get_autocast_dtype(at::kCUDA);
-  at::autocast::set_autocast_enabled(at::kCUDA, modes_.autocast);
-  at::autocast::set_autocast_dtype(at::kCUDA, modes_.autocast_dtype);
-  struct RestoreAutocast {
-    bool enabled;
-    at::ScalarType dtype;
-    ~RestoreAutocast() {
-      at::autocast::set_autocast_enabled(at::kCUDA, enabled);
-      at::autocast::set_autocast_dtype(at::kCUDA, dtype);
-    }
-  } restore{autocast_before, dtype_before};
+  // Under the modes the entry was built with (call_modes.h), whatever call triggered the rebuild.
+  CallModesScope modes(modes_);
   capture_graph(strong(owner_));
 }
 

@@ -37,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "cache/call_modes.h"
 #include "cache/entry_runner.h"
 #include "cache/weight_snapshot.h"
 #include "core/pool_generations.h"
@@ -126,12 +127,7 @@ class CudaGraphRunner final : public EntryRunner {
   bool uses_workspace_ = false;               // whether the captured kernels took the arena's buffer
   // The modes of the call that built the entry, which its key records: a recapture (a pool
   // rebuild another call triggered) runs under these, not under that other call's.
-  struct CaptureModes {
-    bool grad = true;
-    bool inference = false;
-    bool autocast = false;
-    at::ScalarType autocast_dtype = at::kHalf;
-  } modes_;
+  CallModes modes_;
 };
 
 void bind_cuda_graphs(py::module_& m);
