@@ -202,6 +202,27 @@ void bind_cache(py::module_& m) {
 
   m.attr("RUN_ENTRY") = run_entry_marker();
 
+  // The modes a CUDA graph is recaptured under (call_modes.h), readable and usable on any device.
+  py::class_<CallModes>(m, "CallModes")
+      .def_static(
+          "of_this_thread", [](const std::string& device_type) { return CallModes::of_this_thread(c10::Device(device_type).type()); },
+          py::arg("device_type"))
+      .def_readonly("grad", &CallModes::grad)
+      .def_readonly("inference", &CallModes::inference)
+      .def_readonly("autocast", &CallModes::autocast)
+      .def_property_readonly("autocast_dtype",
+                             [](const CallModes& m) {
+                               return py::reinterpret_borrow<py::object>(
+                                   reinterpret_cast<PyObject*>(torch::getTHPDtype(m.autocast_dtype)));
+                             })
+      .def(
+          "run",
+          [](const CallModes& modes, const py::function& function) {
+            CallModesScope scope(modes);
+            return function();
+          },
+          py::arg("function"), "Calls `function()` under these modes; the thread's own come back after.");
+
   m.def(
       "crop_outputs",
       [](py::object outputs, std::vector<std::vector<int64_t>> shapes) -> py::object {

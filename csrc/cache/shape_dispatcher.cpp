@@ -227,6 +227,11 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
     } else {
       out = call_python(runner.ptr(), call_args.ptr(), call_kwargs);
     }
+  } else if (too_large_.count(key.key) != 0) {
+    // Its entry cannot fit the budget whatever is evicted: building it again would cost a
+    // build per call and keep nothing.
+    ++counters_.uncached_calls;
+    out = call_python(function_.ptr(), call_args.ptr(), call_kwargs);
   } else if (!cache_->begin_build(key.device, key.key)) {
     // Another call is building this bucket (another thread, or this call's own caller).
     ++counters_.busy_misses;
@@ -325,6 +330,7 @@ py::object ShapeDispatcher::build(CallKey& key, PyObject* args, PyObject* kwargs
     ++counters_.fallbacks;
     std::ostringstream message;
     message << "shapecache: the entry for " << describe_key(key.key) << " was not kept: ";
+    const bool never_fits = bytes > lru.budget_bytes() - lru.shared_bytes();
     if (bytes > lru.budget_bytes() - lru.shared_bytes() - lru.pinned_bytes()) {
       message << "it holds " << bytes << " bytes, more than the budget of " << lru.budget_bytes()
               << " bytes leaves after " << lru.pinned_bytes() << " bytes of running entries and " << lru.shared_bytes()
@@ -333,7 +339,14 @@ py::object ShapeDispatcher::build(CallKey& key, PyObject* args, PyObject* kwargs
       message << "all " << lru.pinned_count() << " entries on " << key.device
               << " are running, and max_entries=" << lru.max_entries() << " leaves no room beside them";
     }
-    message << ". This call's result is returned; the bucket is built again on its next call";
+    if (never_fits) {
+      if (too_large_.size() >= kMaxCropPlans) too_large_.clear();
+      too_large_.insert(key.key);
+      message << ". This call's result is returned; the bucket's calls run uncached from now on (a larger budget, or "
+                 "sc.clear, lets it be built again)";
+    } else {
+      message << ". This call's result is returned; the bucket is built again on its next call";
+    }
     // A warning turned into an error (-W error) must not turn this computed result into an
     // exception: it is reported as unraisable instead.
     if (!warned_rejected_) {
@@ -404,6 +417,7 @@ py::dict ShapeDispatcher::stats() const {
 void ShapeDispatcher::clear() {
   cache_->clear(id_);
   crop_plans_.clear();
+  too_large_.clear();
 }
 
 void ShapeDispatcher::warn_once(bool& warned, const std::string& message) {

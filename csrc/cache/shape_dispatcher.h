@@ -22,6 +22,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "core/bucket_policy.h"
@@ -115,6 +116,10 @@ class ShapeDispatcher {
   // next build. The last one, not the largest: sizes served together are usually alike, and
   // an overestimate evicts entries the user keeps calling.
   std::unordered_map<c10::Device, int64_t> last_build_bytes_;
+  // Buckets whose entry held more than the budget leaves beside the shared bytes: their calls
+  // run uncached, not built again per call. Emptied by clear() (and, like the crop plans, at
+  // kMaxCropPlans keys).
+  std::unordered_set<ShapeKey, ShapeKeyHash> too_large_;
 };
 
 }  // namespace shapecache

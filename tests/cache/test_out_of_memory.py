@@ -166,3 +166,19 @@ def test_other_errors_are_not_retried():
     with pytest.raises(ValueError, match="a bug in the model"):
         f(torch.ones(1))
     assert f.stats()["oom_retries"] == 0 and f.stats()["fallbacks"] == 0
+
+
+def test_a_bucket_whose_entry_exceeds_the_whole_budget_runs_uncached_instead_of_building_per_call():
+    builder = FlakyBuilder(double, failures=0, nbytes=101)  # the budget is 100
+    f = cached(double, builder)
+    with pytest.warns(RuntimeWarning, match=r"holds 101 bytes, .* the bucket's calls run uncached from now on"):
+        assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+    for _ in range(3):
+        assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+    st = f.stats()
+    assert builder.calls == 1 and st["uncached_calls"] == 3 and st["fallbacks"] == 1 and st["entries"] == []
+    builder.nbytes = 10
+    f(torch.ones(4))  # other buckets are built as before
+    f.clear()  # and clear() lets the large one be tried again
+    f(torch.ones(3))
+    assert builder.calls == 3 and len(f.stats()["entries"]) == 1
