@@ -148,3 +148,26 @@ def test_the_cpu_memory_limit_makes_torchs_allocator_fail_cleanly():
     if not result["limit"]["set"]:
         pytest.skip(f"no data-segment limit can be set here: {result['limit']['why']}")
     assert result["outcome"] == "RuntimeError True"
+
+
+def test_a_failed_allocation_wrapped_by_the_compiler_is_still_out_of_memory():
+    from torch._dynamo.exc import InternalTorchDynamoError
+
+    from shapecache.scenarios._size_loop import out_of_memory
+
+    try:
+        try:
+            raise MemoryError("std::bad_alloc")
+        except MemoryError as cause:
+            raise InternalTorchDynamoError("MemoryError: std::bad_alloc") from cause
+    except InternalTorchDynamoError as error:
+        assert out_of_memory(error)  # as the naive strategy met it under the demo's memory limit
+    assert out_of_memory(InternalTorchDynamoError("MemoryError: std::bad_alloc"))  # the text alone
+    assert not out_of_memory(RuntimeError("shape mismatch"))
+    try:
+        try:
+            raise ValueError("a bug")
+        except ValueError as cause:
+            raise InternalTorchDynamoError("ValueError: a bug") from cause
+    except InternalTorchDynamoError as error:
+        assert not out_of_memory(error)

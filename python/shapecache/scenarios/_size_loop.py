@@ -134,10 +134,19 @@ def size_loop(model_or_pipe, sizes: Sequence, order: str = "given", strategy: st
 
 def out_of_memory(error: BaseException) -> bool:
     """Whether `error` is a failed allocation: CUDA's OutOfMemoryError, Python's MemoryError, or
-    torch's CPU allocator failing (a RuntimeError from ``alloc_cpu.cpp``, "can't allocate memory")."""
-    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+    torch's CPU allocator failing (a RuntimeError from ``alloc_cpu.cpp``, "can't allocate memory"),
+    itself or as the cause of the error that wraps it (Dynamo raises a MemoryError from C++'s
+    std::bad_alloc as ``InternalTorchDynamoError: MemoryError: std::bad_alloc``)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+            return True
+        if isinstance(error, RuntimeError) and ("can't allocate memory" in str(error) or
+                                                "MemoryError: std::bad_alloc" in str(error)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _allocation_failure(error: BaseException) -> str:
