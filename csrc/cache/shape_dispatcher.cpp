@@ -62,11 +62,13 @@ const py::object& out_of_memory_type() {
 // allocator failing, which raises a plain RuntimeError ("[enforce fail at alloc_cpu.cpp]
 // DefaultCPUAllocator: can't allocate memory", also inside the errors torch.compile wraps it
 // in). Read only when a call raised.
+bool runtime_error_says(py::error_already_set& error, const char* text) {
+  return error.matches(PyExc_RuntimeError) && std::string(py::str(error.value())).find(text) != std::string::npos;
+}
+
 bool is_out_of_memory(py::error_already_set& error) {
-  if (error.matches(out_of_memory_type()) || error.matches(PyExc_MemoryError)) return true;
-  if (!error.matches(PyExc_RuntimeError)) return false;
-  const std::string text = py::str(error.value());
-  return text.find("DefaultCPUAllocator: can't allocate memory") != std::string::npos;
+  return error.matches(out_of_memory_type()) || error.matches(PyExc_MemoryError) ||
+         runtime_error_says(error, "DefaultCPUAllocator: can't allocate memory");
 }
 
 // A failed allocation, or an error that may be one: oneDNN reports a failed allocation while
@@ -77,10 +79,7 @@ bool is_out_of_memory(py::error_already_set& error) {
 // once after making room, like an out-of-memory build; only a definite one is reported to the
 // user as out of memory.
 bool may_be_out_of_memory(py::error_already_set& error) {
-  if (is_out_of_memory(error)) return true;
-  if (!error.matches(PyExc_RuntimeError)) return false;
-  const std::string text = py::str(error.value());
-  return text.find("could not create a primitive") != std::string::npos;
+  return is_out_of_memory(error) || runtime_error_says(error, "could not create a primitive");
 }
 
 // `args` with the owner in front, when there is one.
@@ -273,7 +272,7 @@ std::shared_ptr<const ShapeDispatcher::CropPlan> ShapeDispatcher::crop_plan(cons
       plan->reason = std::string("TypeError: ") + error.what();
     }
   }
-  if (crop_plans_.size() >= kMaxCropPlans) crop_plans_.clear();
+  if (crop_plans_.size() >= kMaxKeysRemembered) crop_plans_.clear();
   return crop_plans_.emplace(std::move(plan_key), std::move(plan)).first->second;
 }
 
@@ -340,7 +339,7 @@ py::object ShapeDispatcher::build(CallKey& key, PyObject* args, PyObject* kwargs
               << " are running, and max_entries=" << lru.max_entries() << " leaves no room beside them";
     }
     if (never_fits) {
-      if (too_large_.size() >= kMaxCropPlans) too_large_.clear();
+      if (too_large_.size() >= kMaxKeysRemembered) too_large_.clear();
       too_large_.insert(key.key);
       message << ". This call's result is returned; the bucket's calls run uncached from now on (a larger budget, or "
                  "sc.clear, lets it be built again)";

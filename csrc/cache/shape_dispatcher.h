@@ -109,8 +109,8 @@ class ShapeDispatcher {
   bool warned_uncroppable_ = false;
   // Crop plans by padded key and the caller's sizes of its padded dimensions. A plan costs a
   // fake-tensor run of the function, once per distinct sizes; the map is emptied when it
-  // reaches kMaxCropPlans, so a stream of ever-new sizes cannot grow it without bound.
-  static constexpr size_t kMaxCropPlans = 4096;
+  // reaches kMaxKeysRemembered, so a stream of ever-new sizes cannot grow it without bound.
+  static constexpr size_t kMaxKeysRemembered = 4096;
   std::unordered_map<ShapeKey, std::shared_ptr<const CropPlan>, ShapeKeyHash> crop_plans_;
   // Bytes of this function's last build per device: the estimate room is made for before the
   // next build. The last one, not the largest: sizes served together are usually alike, and
@@ -118,7 +118,7 @@ class ShapeDispatcher {
   std::unordered_map<c10::Device, int64_t> last_build_bytes_;
   // Buckets whose entry held more than the budget leaves beside the shared bytes: their calls
   // run uncached, not built again per call. Emptied by clear() (and, like the crop plans, at
-  // kMaxCropPlans keys).
+  // kMaxKeysRemembered keys).
   std::unordered_set<ShapeKey, ShapeKeyHash> too_large_;
 };
 
