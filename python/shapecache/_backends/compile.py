@@ -29,7 +29,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from shapecache._backends import BuiltEntry, exported
-from shapecache._backends.host_memory import heap_bytes, return_free_memory
+from shapecache._backends.host_memory import resident_bytes, return_free_memory
 from shapecache._backends.weights import snapshot
 
 
@@ -39,6 +39,8 @@ def build_compiled(function, context, args, kwargs, device) -> BuiltEntry:
     options = context.compile_options
     owner = args[0] if context.has_owner and isinstance(args[0], torch.nn.Module) else None
     if exported.handles(options):
+        if device.type == "cpu":
+            exported.warm_up(options)  # the compiler's start-up is not this entry's (host_memory.py)
         try:
             with _held_bytes(device) as held:
                 runner = exported.compile_call(function, args, kwargs, context.parameter_names, context.has_owner,
@@ -84,17 +86,23 @@ class _HeldBytes:
 
 @contextlib.contextmanager
 def _held_bytes(device):
-    """Measures what the block leaves allocated on `device`: on the CPU, inductor's compiled
-    module with what it keeps (frozen constants among them). The heap figure is the process's:
-    the garbage collector runs first, so that garbage it would free during the build is not
-    taken from this entry's figure (a collection costs milliseconds; a build, seconds)."""
+    """Measures what the block leaves allocated on `device`: on the CPU, what it leaves resident
+    (host_memory.py), inductor's compiled module with what it keeps (frozen constants among them).
+    On both sides the garbage collector runs and the heap's free pages are given back, so that
+    neither garbage nor freed pages of the build or of earlier evictions are counted (a
+    collection and a trim cost milliseconds; a build, seconds)."""
     held = _HeldBytes(device)
-    if device.type == "cpu":
-        gc.collect()
-        return_free_memory()  # what entries evicted since the last build freed
+    _settle(device)
     held.before = allocated_bytes(device)
     yield held
+    _settle(device)
     held.after = allocated_bytes(device)
+
+
+def _settle(device) -> None:
+    if device.type == "cpu":
+        gc.collect()
+        return_free_memory()
 
 
 _warned = weakref.WeakSet()
@@ -151,11 +159,11 @@ def fresh_code_copy(function: types.FunctionType) -> types.FunctionType:
 
 def allocated_bytes(device: torch.device) -> int:
     """Bytes allocated on `device` now: the CUDA caching allocator's figure, or on the CPU the
-    C library's heap in use (see host_memory.py); 0 where neither can be read."""
+    process's resident anonymous memory (see host_memory.py); 0 where neither can be read."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
     if device.type == "cpu":
-        return heap_bytes() or 0
+        return resident_bytes() or 0
     return 0
 
 
