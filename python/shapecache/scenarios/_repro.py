@@ -15,6 +15,10 @@ strategy's memory does not count against the next, under the same memory limit:
   allocate memory" (RLIMIT_AS counts every mapping and cut 76 MiB short of its figure in a
   test; RLIMIT_RSS is ignored by Linux). Where no limit can be set, the verdict compares the
   memory's growth with the same figure: "over the budget at HxW".
+  The data segment counts address space that is reserved and never written, which the cache's
+  budget does not (it counts resident memory, host_memory.py). They agree for the demo's model,
+  whose layers are convolutions; a frozen model with Linear layers reserves several times more
+  than it writes (MKL's packed weights) and meets this limit sooner than its budget says.
 """
 
 from __future__ import annotations
