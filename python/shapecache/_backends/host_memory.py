@@ -4,8 +4,8 @@ Resident anonymous memory (Linux's RssAnon) is what a container's memory limit a
 out-of-memory killer count: heap pages, tensors and Python objects that have been written to.
 Chosen over the C library's heap in use, which counts address space that was reserved but never
 touched: MKL packs each Linear weight of a frozen graph into a buffer 5 to 22 times the weight's
-size and writes about an eighth of it, so a UNet of 49 MiB of weights had a frozen entry of
-521 MiB of heap and 146 MiB resident. Chosen over torch's CPU allocator statistics, which are off
+size and writes about an eighth of it, so a UNet of 49 MiB of weights had frozen entries of
+about 520 MiB of heap and 81 to 96 MiB resident. Chosen over torch's CPU allocator statistics, which are off
 unless enabled and miss what inductor's compiled modules keep outside tensors. Files mapped
 into memory (loaded libraries, compiled kernels) are not anonymous and are not counted.
 
