@@ -25,7 +25,8 @@
 #include "ops/conv_tuner.h"
 #include "cache/shape_cache.h"
 #include "cache/entry_runner.h"
-#include "cache/weight_snapshot.h"
+#include "cache/compiled_graph_runner.h"
+#include "cache/state_guard.h"
 #include "ops/workspace_arena.h"
 #if SHAPECACHE_WITH_CUDA
 #include "cache/cuda/cuda_graph_runner.h"
@@ -278,12 +279,22 @@ void bind_cache(py::module_& m) {
       .def("valid", &EntryRunner::valid)
       .def("__call__", [](EntryRunner& runner, py::args args, py::kwargs kwargs) { return runner.run(args, kwargs); });
 
-  py::class_<WeightSnapshot, std::shared_ptr<WeightSnapshot>>(m, "WeightSnapshot")
-      .def(py::init<const py::object&, py::object>(), py::arg("owner"), py::arg("tensors_of"))
-      .def("valid", &WeightSnapshot::valid)
-      .def("__len__", &WeightSnapshot::size);
-  m.def("bump_module_generation", &bump_module_generation);
-  m.def("module_generation", &module_generation);
+  py::class_<CompiledGraphRunner, EntryRunner, std::shared_ptr<CompiledGraphRunner>>(m, "CompiledGraphRunner")
+      .def(py::init<py::object, std::vector<std::string>, py::object, std::shared_ptr<StateGuard>>(), py::arg("graph"),
+           py::arg("parameter_names"), py::arg("rebuild"), py::arg("guard"));
+  m.def("tensors_in_key_order", &tensors_in_key_order, py::arg("args"), py::arg("kwargs"), py::arg("parameter_names"),
+        "A call's tensors in the order its key holds them (without the owner a method is bound to).");
+
+  py::class_<StateGuard, std::shared_ptr<StateGuard>>(m, "StateGuard",
+                                                      "What an entry was built from (csrc/cache/state_guard.h).")
+      .def(py::init<>())
+      .def("add_dict", &StateGuard::add_dict, py::arg("dict"), py::arg("path"), py::arg("keys") = py::none())
+      .def("add_tensor", &StateGuard::add_tensor, py::arg("tensor"), py::arg("path"), py::arg("check_version") = true)
+      .def("add_cell", &StateGuard::add_cell, py::arg("cell"), py::arg("path"))
+      .def("check", &StateGuard::check)
+      .def_property_readonly("changed", &StateGuard::changed)
+      .def_property_readonly("dict_count", &StateGuard::dict_count)
+      .def_property_readonly("tensor_count", &StateGuard::tensor_count);
 
   py::class_<ShapeDispatcher>(m, "ShapeDispatcher", py::dynamic_attr())
       .def(py::init<py::object, py::object, std::shared_ptr<ShapeCache>, std::vector<ArgumentBuckets>,

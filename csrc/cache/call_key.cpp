@@ -32,6 +32,11 @@ MemoryLayout layout_of(const at::Tensor& t) {
 // A tensor whose sizes can be keyed: strided, not nested (a strided nested tensor has no
 // sizes to read: asking throws an internal error).
 void check_keyable(const at::Tensor& t) {
+  // A subclass (a user's, or the fake and functional tensors of a trace) runs its own Python
+  // code per operator: a graph built for plain tensors must not serve it.
+  if (t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}))) {
+    throw UnkeyableArgument("a tensor subclass, or a fake or functional tensor (only plain tensors are keyed)");
+  }
   if (t.is_nested()) throw UnkeyableArgument("a nested tensor (only plain strided tensors are keyed)");
   if (t.layout() != c10::kStrided) {
     std::ostringstream what;
@@ -53,6 +58,11 @@ void add_tensor(ShapeKey& key, const at::Tensor& t, uint8_t alias) {
   signature.requires_grad = t.requires_grad() ? 1 : 0;
   signature.alias = alias;
   key.add_tensor(signature, t.sizes().data());
+  // A graph compiled for one set of strides asserts them (inductor) or reads memory as laid
+  // out then (a CUDA graph): other strides are another entry.
+  if (signature.layout == static_cast<uint8_t>(MemoryLayout::kOtherStrides)) {
+    for (const int64_t stride : t.strides()) key.add_word(static_cast<uint64_t>(stride));
+  }
 }
 
 std::string_view utf8_of(PyObject* text) {
@@ -324,6 +334,41 @@ void for_each_tensor(PyObject* value, const std::function<void(const at::Tensor&
   }
 }
 
+namespace {
+
+// for_each_tensor's walk, collecting the tensors' Python objects (borrowed).
+void collect_tensors(PyObject* value, std::vector<PyObject*>& out) {
+  if (THPVariable_Check(value)) {
+    out.push_back(value);
+  } else if (PyTuple_Check(value)) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(value); ++i) collect_tensors(PyTuple_GET_ITEM(value, i), out);
+  } else if (PyList_Check(value)) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(value); ++i) collect_tensors(PyList_GET_ITEM(value, i), out);
+  } else if (PyDict_Check(value)) {
+    Py_ssize_t position = 0;
+    PyObject* key = nullptr;
+    PyObject* item = nullptr;
+    while (PyDict_Next(value, &position, &key, &item)) collect_tensors(item, out);
+  }
+}
+
+}  // namespace
+
+py::tuple tensors_in_key_order(const py::tuple& args, const py::dict& kwargs,
+                               const std::vector<std::string>& parameter_names) {
+  size_t unnamed = 0;
+  std::vector<PyObject*> tensors;
+  for (const NamedArgument& argument : canonical_arguments(args, kwargs, &parameter_names, &unnamed)) {
+    collect_tensors(argument.value, tensors);
+  }
+  py::tuple out(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    Py_INCREF(tensors[i]);
+    PyTuple_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), tensors[i]);
+  }
+  return out;
+}
+
 py::object map_tensors(const py::object& value, const std::function<at::Tensor(const at::Tensor&)>& map) {
   PyObject* obj = value.ptr();
   if (THPVariable_Check(obj)) return py::reinterpret_steal<py::object>(THPVariable_Wrap(map(THPVariable_Unpack(obj))));
@@ -400,7 +445,11 @@ class KeyReader {
             << c10::Device(static_cast<c10::DeviceType>(s.device_type), static_cast<c10::DeviceIndex>(s.device_index));
         if (s.layout == static_cast<uint8_t>(MemoryLayout::kChannelsLast)) out << " channels_last";
         if (s.layout == static_cast<uint8_t>(MemoryLayout::kChannelsLast3d)) out << " channels_last_3d";
-        if (s.layout == static_cast<uint8_t>(MemoryLayout::kOtherStrides)) out << " strided";
+        if (s.layout == static_cast<uint8_t>(MemoryLayout::kOtherStrides)) {
+          out << " strides (";
+          for (uint8_t d = 0; d < s.ndim; ++d) out << (d ? ", " : "") << static_cast<int64_t>(next());
+          out << ")";
+        }
         if (s.requires_grad) out << " requires_grad";
         if (s.alias) out << " same storage as tensor " << static_cast<int>(s.alias - 1);
         break;

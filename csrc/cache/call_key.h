@@ -80,6 +80,12 @@ struct NamedArgument {
 std::vector<NamedArgument> canonical_arguments(const py::tuple& args, const py::dict& kwargs,
                                                const std::vector<std::string>* parameter_names, size_t* unnamed);
 
+// The call's tensors in key order: canonical_arguments' order, and inside each argument
+// for_each_tensor's. Calls that share a key have the same number of tensors, in the same
+// roles, in this order, however they spell their arguments.
+py::tuple tensors_in_key_order(const py::tuple& args, const py::dict& kwargs,
+                               const std::vector<std::string>& parameter_names);
+
 // Visits every tensor in `value` (itself, or inside tuples, lists and dict values, in order).
 void for_each_tensor(PyObject* value, const std::function<void(const at::Tensor&)>& visit);
 

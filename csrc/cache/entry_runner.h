@@ -1,5 +1,5 @@
-// EntryRunner: an entry that serves calls from C++ alone (a CUDA graph replay), where other
-// entries call a Python callable.
+// EntryRunner: an entry that serves calls from C++ (a CUDA graph replay, a compiled graph
+// called with the call's tensors), where other entries call a Python callable with the call.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -13,11 +13,11 @@ class EntryRunner {
   virtual ~EntryRunner() = default;
 
   // Serves a call: `args` and `kwargs` are the call's own (padded when bucketed), without the
-  // owner a method is bound to. Runs with the GIL held and calls no Python code.
+  // owner a method is bound to. Runs with the GIL held.
   virtual py::object run(const py::tuple& args, const py::dict& kwargs) = 0;
 
-  // False once what the entry captured is stale (weights replaced, workspace moved): it must
-  // be rebuilt, never run.
+  // False once what the entry was built from is stale (state_guard.h; a workspace that moved):
+  // it must be rebuilt, never run.
   virtual bool valid() = 0;
 };
 

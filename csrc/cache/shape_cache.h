@@ -28,7 +28,7 @@
 #include "core/budgeted_lru.h"
 #include "core/shape_key.h"
 #include "cache/entry_runner.h"
-#include "cache/weight_snapshot.h"
+#include "cache/state_guard.h"
 
 namespace shapecache {
 
@@ -39,7 +39,8 @@ struct Entry {
   uint64_t id = 0;            // unique in the process: how Python names an entry it rebuilds
   py::object runner;          // called with the (padded) call's arguments
   std::shared_ptr<EntryRunner> native;  // set when the runner serves calls from C++ (a graph)
-  std::shared_ptr<WeightSnapshot> weights;  // set when the runner reads the weights it was built with
+  // What the runner was built from (state_guard.h); a native runner checks it itself.
+  std::shared_ptr<StateGuard> guard;
   uint64_t function_id = 0;   // the ShapeDispatcher that built it
   std::string bucket;         // the key, readable
   std::string backend;        // what built the runner: "eager", "compile", ...
@@ -47,8 +48,16 @@ struct Entry {
   int64_t hits = 0;           // calls served after the build
   double last_use = 0;        // unix time of the last call
 
-  // False once what the entry was built from was replaced: it must be rebuilt, never run.
-  bool valid() const { return (!native || native->valid()) && (!weights || weights->valid()); }
+  // False once what the entry was built from changed: it must be rebuilt, never run.
+  bool valid() const {
+    if (native) return native->valid();
+    return !guard || guard->check();
+  }
+  // After valid() returned false: what changed.
+  std::string changed() const {
+    if (guard && !guard->changed().empty()) return guard->changed();
+    return "what the graph was captured from moved (its workspace, or a released graph)";
+  }
 };
 
 using EntryLru = BudgetedLru<ShapeKey, Entry, ShapeKeyHash>;

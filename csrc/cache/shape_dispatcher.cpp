@@ -1,6 +1,7 @@
 #include "cache/shape_dispatcher.h"
 
 #include <pybind11/stl.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Device.h>
 
 #include <atomic>
@@ -96,20 +97,33 @@ py::tuple with_owner(const py::object& self, const py::tuple& args) {
   return out;
 }
 
-// Set while a crop plan's fake-tensor run is on this thread's stack: cached functions it
-// reaches (a cached submodule, recursion) run plain, so no entry is built from fake tensors.
-thread_local bool planning_crop = false;
+// Set while a builder or a crop plan's fake-tensor run is on this thread's stack: cached
+// functions they reach (a cached submodule, recursion) are transparent. They call the
+// original and build nothing, so no entry is built from the fake tensors of a trace, and a
+// captured or traced call is one graph, not graphs inside a graph.
+thread_local bool inside_build = false;
 
-class PlanningCrop {
+class InsideBuild {
  public:
-  PlanningCrop() : outer_(planning_crop) { planning_crop = true; }
-  ~PlanningCrop() { planning_crop = outer_; }
-  PlanningCrop(const PlanningCrop&) = delete;
-  PlanningCrop& operator=(const PlanningCrop&) = delete;
+  InsideBuild() : outer_(inside_build) { inside_build = true; }
+  ~InsideBuild() { inside_build = outer_; }
+  InsideBuild(const InsideBuild&) = delete;
+  InsideBuild& operator=(const InsideBuild&) = delete;
 
  private:
   bool outer_;
 };
+
+// Whether this call is part of a trace: inside a build, or under a dispatch mode (the fake
+// and functional modes of torch.export and AOT autograd, a proxy mode, a debug mode), where
+// tensors are not what an entry could run on.
+bool transparent_here() { return inside_build || c10::impl::TorchDispatchModeTLS::any_modes_set(); }
+
+std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
+
+std::string describe_error(py::error_already_set& error) {
+  return std::string(py::str(error.type().attr("__name__"))) + ": " + first_line(py::str(error.value()));
+}
 
 // CPython 3.11 counts C calls against the recursion limit together with Python frames, and
 // a call of a cached function is two of them before its frame (the instance's tp_call, then
@@ -172,7 +186,7 @@ py::object ShapeDispatcher::owner() const {
 
 py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs) {
   RecursionAllowance allowance;
-  if (planning_crop) return call_python(function_.ptr(), with_owner(owner(), args).ptr(), kwargs.ptr());
+  if (transparent_here()) return call_python(function_.ptr(), with_owner(owner(), args).ptr(), kwargs.ptr());
   ++counters_.calls;
   py::object self = owner();
   CallContext context;
@@ -206,29 +220,24 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
   py::object out;
   Entry* entry = lru.find(key.key);
   if (entry != nullptr && !entry->valid()) {
-    // What the entry captured was replaced: it must not run. Rebuild it (or, if a call up the
-    // stack is running it, run this call uncached).
+    // What the entry was built from changed (state_guard.h): it must not run. Rebuild it (or,
+    // if a call up the stack is running it, run this call uncached).
     ++counters_.invalidations;
-    if (lru.pin_count(key.key) > 0) return call_python(function_.ptr(), call_args.ptr(), call_kwargs);
+    const std::string changed = entry->changed();
+    if (lru.pin_count(key.key) > 0) {
+      out = call_python(function_.ptr(), call_args.ptr(), call_kwargs);
+      return key.padded ? crop(self, args, kwargs, *plan, out) : out;
+    }
     { auto stale = lru.erase(key.key); }
     entry = nullptr;
+    give_up_if_unstable(key, changed);
   }
   if (entry != nullptr) {
-    ++counters_.hits;
-    ++entry->hits;
-    entry->last_use = unix_seconds();
-    py::object runner = entry->runner;
-    std::shared_ptr<EntryRunner> native = entry->native;
-    PinGuard pinned(lru, key.key);
-    if (native) {
-      out = native->run(key.padded ? key.args : static_cast<const py::tuple&>(args),
-                        key.padded ? key.kwargs : static_cast<const py::dict&>(kwargs));
-    } else {
-      out = call_python(runner.ptr(), call_args.ptr(), call_kwargs);
-    }
-  } else if (too_large_.count(key.key) != 0) {
-    // Its entry cannot fit the budget whatever is evicted: building it again would cost a
-    // build per call and keep nothing.
+    out = run_entry(key, *entry, key.padded ? key.args : static_cast<const py::tuple&>(args),
+                    key.padded ? key.kwargs : static_cast<const py::dict&>(kwargs), call_args);
+  } else if (uncached_buckets_.count(key.key) != 0) {
+    // Its entry cannot fit the budget, could not be built, or what it reads changes on every
+    // call: building it again would cost a build per call and keep nothing.
     ++counters_.uncached_calls;
     out = call_python(function_.ptr(), call_args.ptr(), call_kwargs);
   } else if (!cache_->begin_build(key.device, key.key)) {
@@ -240,9 +249,73 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
     ++counters_.misses;
     out = build(key, call_args.ptr(), call_kwargs);
   }
-  if (!key.padded) return out;
-  if (std::optional<py::object> cropped = crop_outputs(out, *plan->shapes)) return std::move(*cropped);
+  return key.padded ? crop(self, args, kwargs, *plan, out) : out;
+}
+
+py::object ShapeDispatcher::crop(const py::object& self, const py::args& args, const py::kwargs& kwargs,
+                                 const CropPlan& plan, const py::object& out) {
+  if (std::optional<py::object> cropped = crop_outputs(out, *plan.shapes)) return std::move(*cropped);
   return run_unpadded(self, args, kwargs, "the padded call returned other outputs than the plain call's");
+}
+
+py::object ShapeDispatcher::run_entry(const CallKey& key, Entry& entry, const py::tuple& own_args,
+                                      const py::dict& own_kwargs, const py::tuple& call_args) {
+  PyObject* call_kwargs = own_kwargs.ptr();
+  ++counters_.hits;
+  ++entry.hits;
+  entry.last_use = unix_seconds();
+  if (!invalidations_in_a_row_.empty()) invalidations_in_a_row_.erase(key.key);
+  // Copied before the run: calls it makes may insert entries, which can move `entry`.
+  py::object runner = entry.runner;
+  std::shared_ptr<EntryRunner> native = entry.native;
+  const bool eager = entry.backend == "eager";
+  EntryLru& lru = cache_->lru(key.device);
+  std::optional<py::error_already_set> failure;
+  {
+    PinGuard pinned(lru, key.key);
+    try {
+      if (native) {
+        return native->run(own_args, own_kwargs);
+      }
+      return call_python(runner.ptr(), call_args.ptr(), call_kwargs);
+    } catch (py::error_already_set& error) {
+      // The call's own to report: an eager entry's error (it is the plain call), an
+      // interrupt, out of memory, or the recursion limit (which a second run would reach
+      // again at every level of a recursive function).
+      if (eager || !error.matches(PyExc_Exception) || error.matches(PyExc_RecursionError) ||
+          may_be_out_of_memory(error)) {
+        throw;
+      }
+      failure = std::move(error);
+    }
+  }
+  // The entry raised. The uncached call tells whose error it is: if it raises too, it is the
+  // call's own (its exception propagates, the entry stays); if not, the entry was wrong for
+  // this bucket, which runs uncached from now on (invariant 3: a failure falls back).
+  py::object out = call_python(function_.ptr(), call_args.ptr(), call_kwargs);
+  ++counters_.fallbacks;
+  if (lru.pin_count(key.key) == 0) auto failed = lru.erase(key.key);
+  run_uncached_from_now_on(key.key);
+  warn_once(warned_entry_failed_, "shapecache: the compiled entry for " + describe_key(key.key) + " raised (" +
+                                      describe_error(*failure) +
+                                      ") where the uncached call did not; that bucket runs uncached from now on "
+                                      "(sc.clear lets it be built again)");
+  return out;
+}
+
+void ShapeDispatcher::give_up_if_unstable(const CallKey& key, const std::string& changed) {
+  if (++invalidations_in_a_row_[key.key] < kInvalidationsBeforeUncached) return;
+  invalidations_in_a_row_.erase(key.key);
+  run_uncached_from_now_on(key.key);
+  warn_once(warned_unstable_, "shapecache: " + changed + " before each of the last " +
+                                  std::to_string(kInvalidationsBeforeUncached) + " calls of " + describe_key(key.key) +
+                                  ", so its entry was rebuilt each time; that bucket runs uncached from now on "
+                                  "(sc.clear lets it be built again)");
+}
+
+void ShapeDispatcher::run_uncached_from_now_on(const ShapeKey& key) {
+  if (uncached_buckets_.size() >= kMaxKeysRemembered) uncached_buckets_.clear();
+  uncached_buckets_.insert(key);
 }
 
 std::shared_ptr<const ShapeDispatcher::CropPlan> ShapeDispatcher::crop_plan(const CallKey& key, const py::tuple& args,
@@ -256,7 +329,7 @@ std::shared_ptr<const ShapeDispatcher::CropPlan> ShapeDispatcher::crop_plan(cons
     plan->reason = "no fake-tensor runner is set (ShapeDispatcher.set_fake_tensor_runner)";
   } else {
     try {
-      PlanningCrop planning;
+      InsideBuild planning;
       py::object outputs = fake_call(function_, args, kwargs);
       // Sizes in the order crop_outputs will meet the real outputs: the same walk.
       std::vector<std::vector<int64_t>> shapes;
@@ -267,7 +340,7 @@ std::shared_ptr<const ShapeDispatcher::CropPlan> ShapeDispatcher::crop_plan(cons
       plan->shapes = std::move(shapes);
     } catch (py::error_already_set& error) {
       if (!error.matches(PyExc_Exception)) throw;  // KeyboardInterrupt, SystemExit
-      plan->reason = std::string(py::str(error.type().attr("__name__"))) + ": " + std::string(py::str(error.value()));
+      plan->reason = describe_error(error);
     } catch (const py::type_error& error) {  // an output map_tensors cannot walk
       plan->reason = std::string("TypeError: ") + error.what();
     }
@@ -302,15 +375,24 @@ py::object ShapeDispatcher::build(CallKey& key, PyObject* args, PyObject* kwargs
   if (!maybe_built) return run_uncached_after_out_of_memory(key.device, args, kwargs);
   py::tuple built = std::move(*maybe_built);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (built.size() != 6) throw py::type_error("shapecache: a builder must return a BuiltEntry (6 fields)");
+  if (built[0].is_none()) {
+    // Nothing could be built for the bucket (the compiler failed where the plain call did not):
+    // the output is the plain call's, and the bucket runs uncached until clear().
+    ++counters_.fallbacks;
+    run_uncached_from_now_on(key.key);
+    warn_once(warned_build_failed_, "shapecache: no entry could be built for " + describe_key(key.key) + " (" +
+                                        first_line(py::str(built[5])) +
+                                        "); that bucket runs uncached from now on (sc.clear lets it be built again)");
+    return built[2];
+  }
   ++counters_.builds;
-  if (built.size() != 4 && built.size() != 5)
-    throw py::type_error("shapecache: a builder must return (runner, bytes, output, backend[, weights])");
 
   Entry entry;
   entry.id = ShapeCache::next_entry_id();
   entry.runner = built[0];
   if (py::isinstance<EntryRunner>(entry.runner)) entry.native = entry.runner.cast<std::shared_ptr<EntryRunner>>();
-  if (built.size() == 5 && !built[4].is_none()) entry.weights = built[4].cast<std::shared_ptr<WeightSnapshot>>();
+  if (!built[4].is_none()) entry.guard = built[4].cast<std::shared_ptr<StateGuard>>();
   entry.function_id = id_;
   entry.bucket = describe_key(key.key);
   entry.backend = built[3].cast<std::string>();
@@ -339,8 +421,7 @@ py::object ShapeDispatcher::build(CallKey& key, PyObject* args, PyObject* kwargs
               << " are running, and max_entries=" << lru.max_entries() << " leaves no room beside them";
     }
     if (never_fits) {
-      if (too_large_.size() >= kMaxKeysRemembered) too_large_.clear();
-      too_large_.insert(key.key);
+      run_uncached_from_now_on(key.key);
       message << ". This call's result is returned; the bucket's calls run uncached from now on (a larger budget, or "
                  "sc.clear, lets it be built again)";
     } else {
@@ -360,9 +441,12 @@ std::optional<py::tuple> ShapeDispatcher::run_builder(const c10::Device& device,
   py::object device_obj = py::reinterpret_steal<py::object>(THPDevice_New(device));
   for (int attempt = 0;; ++attempt) {
     try {
-      py::tuple built =
-          builder_(py::reinterpret_borrow<py::tuple>(args), py::reinterpret_borrow<py::dict>(kwargs), device_obj)
-              .cast<py::tuple>();
+      py::tuple built;
+      {
+        InsideBuild building;
+        built = builder_(py::reinterpret_borrow<py::tuple>(args), py::reinterpret_borrow<py::dict>(kwargs), device_obj)
+                    .cast<py::tuple>();
+      }
       // An entry whose runner is the call itself (eager) is run here, once the builder has
       // returned, so that a recursive cached function costs the interpreter's recursion limit
       // one Python frame per level, as any decorator does, and not the builder's frame too.
@@ -416,7 +500,8 @@ py::dict ShapeDispatcher::stats() const {
 void ShapeDispatcher::clear() {
   cache_->clear(id_);
   crop_plans_.clear();
-  too_large_.clear();
+  uncached_buckets_.clear();
+  invalidations_in_a_row_.clear();
 }
 
 void ShapeDispatcher::warn_once(bool& warned, const std::string& message) {

@@ -13,6 +13,13 @@
 // Out of memory while building (invariant 3): evict the device's unpinned entries, empty
 // the allocator's cache, retry once; then run the call uncached and count a fallback. Only an
 // out-of-memory error of the plain uncached call reaches the user, with the cache's state.
+// Any other failure falls back too: a build that fails where the plain call does not, or an
+// entry that raises where the uncached call does not, leaves its bucket uncached until
+// clear(), with one warning; the plain call's own exceptions reach the user as themselves.
+//
+// An entry is checked before each call against what it was built from (state_guard.h); a
+// stale one is rebuilt, and a bucket rebuilt kInvalidationsBeforeUncached times in a row is
+// given up. Inside a build or a trace, calls are transparent (they call the function).
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -38,8 +45,10 @@ struct FunctionCounters {
   int64_t hits = 0;            // served by an existing entry
   int64_t misses = 0;          // no entry: one was built
   int64_t builds = 0;          // entries built (== misses unless a build failed)
-  int64_t fallbacks = 0;       // ran uncached: the entry did not fit, or building ran out of memory twice
-  int64_t uncached_calls = 0;  // calls with an argument that cannot be keyed, or padded outputs that cannot be cropped
+  int64_t fallbacks = 0;       // ran uncached instead of keeping an entry: it did not fit, building ran out of
+                               // memory twice or failed, or the entry raised where the uncached call did not
+  int64_t uncached_calls = 0;  // ran uncached without trying: an argument that cannot be keyed, padded outputs
+                               // that cannot be cropped, or a bucket given up (uncached_buckets_)
   int64_t oom_retries = 0;     // builds retried after an out-of-memory error
   int64_t invalidations = 0;   // entries found stale (weights replaced) and rebuilt
   int64_t busy_misses = 0;     // misses of a bucket another call was building: ran uncached
@@ -78,6 +87,15 @@ class ShapeDispatcher {
 
  private:
   py::object build(CallKey& key, PyObject* args, PyObject* kwargs);
+  // A hit: runs the entry; if it raises where the uncached call does not, the bucket runs
+  // uncached from now on. `own_args`/`own_kwargs`: the call's (padded) arguments without the
+  // owner; `call_args`: with it.
+  py::object run_entry(const CallKey& key, Entry& entry, const py::tuple& own_args, const py::dict& own_kwargs,
+                       const py::tuple& call_args);
+  // After an entry was found stale: counts it, and after kInvalidationsBeforeUncached in a
+  // row without a hit between them, gives the bucket up (`changed` names what changed).
+  void give_up_if_unstable(const CallKey& key, const std::string& changed);
+  void run_uncached_from_now_on(const ShapeKey& key);
   std::optional<py::tuple> run_builder(const c10::Device& device, PyObject* args, PyObject* kwargs);
   py::object run_uncached_after_out_of_memory(const c10::Device& device, PyObject* args, PyObject* kwargs);
   py::object owner() const;
@@ -92,6 +110,8 @@ class ShapeDispatcher {
   std::shared_ptr<const CropPlan> crop_plan(const CallKey& key, const py::tuple& args, const py::dict& kwargs);
   py::object run_unpadded(const py::object& self, const py::tuple& args, const py::dict& kwargs,
                           const std::string& reason);
+  py::object crop(const py::object& self, const py::args& args, const py::kwargs& kwargs, const CropPlan& plan,
+                  const py::object& out);
   static py::object& fake_tensor_runner();
 
   py::object function_;
@@ -107,6 +127,9 @@ class ShapeDispatcher {
   bool warned_rejected_ = false;
   bool warned_out_of_memory_ = false;
   bool warned_uncroppable_ = false;
+  bool warned_entry_failed_ = false;
+  bool warned_build_failed_ = false;
+  bool warned_unstable_ = false;
   // Crop plans by padded key and the caller's sizes of its padded dimensions. A plan costs a
   // fake-tensor run of the function, once per distinct sizes; the map is emptied when it
   // reaches kMaxKeysRemembered, so a stream of ever-new sizes cannot grow it without bound.
@@ -116,10 +139,15 @@ class ShapeDispatcher {
   // next build. The last one, not the largest: sizes served together are usually alike, and
   // an overestimate evicts entries the user keeps calling.
   std::unordered_map<c10::Device, int64_t> last_build_bytes_;
-  // Buckets whose entry held more than the budget leaves beside the shared bytes: their calls
-  // run uncached, not built again per call. Emptied by clear() (and, like the crop plans, at
-  // kMaxKeysRemembered keys).
-  std::unordered_set<ShapeKey, ShapeKeyHash> too_large_;
+  // Buckets that run uncached, not built again per call: their entry held more than the budget
+  // leaves beside the shared bytes, could not be built, raised where the uncached call did
+  // not, or what it reads changed before every call. Emptied by clear() (and, like the crop
+  // plans, at kMaxKeysRemembered keys).
+  std::unordered_set<ShapeKey, ShapeKeyHash> uncached_buckets_;
+  // Invalidations of a bucket since its last hit. A bucket found stale this many times in a
+  // row is given up: something it reads changes on every call (a step counter in a hook).
+  static constexpr int kInvalidationsBeforeUncached = 3;
+  std::unordered_map<ShapeKey, int, ShapeKeyHash> invalidations_in_a_row_;
 };
 
 }  // namespace shapecache

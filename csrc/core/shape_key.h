@@ -4,7 +4,8 @@
 // and compared and hashed over its bytes (the ParamsHash idea, with a variable length
 // because a call has any number of tensors and values). Every item starts with a tag word,
 // so no two different argument lists can produce the same word sequence:
-//   tensor:  kTensor, TensorSignature (one word), then ndim words of bucketed sizes
+//   tensor:  kTensor, TensorSignature (one word), then ndim words of bucketed sizes, then
+//            ndim words of strides when the layout is kOtherStrides
 //   int:     kInt, value            float: kFloat, bit pattern     bool: kBool, value
 //   None:    kNone                   string: kString, length, bytes packed 8 per word
 //   tuple/list/dict: kTuple/kList/kDict, item count, then the items (dict: name, value)

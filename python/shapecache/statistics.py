@@ -46,10 +46,14 @@ class CacheStats(TypedDict):
     hits: int  # served by an existing entry
     misses: int  # no entry: one was built
     builds: int  # entries built (== misses unless a build failed)
-    fallbacks: int  # ran uncached: the entry did not fit, or building ran out of memory twice
-    uncached_calls: int  # calls with an argument that cannot be keyed
+    # ran uncached instead of keeping an entry: it did not fit, building ran out of memory
+    # twice or failed, or the entry raised where the uncached call did not
+    fallbacks: int
+    # ran uncached without trying: an argument that cannot be keyed, padded outputs that cannot
+    # be cropped, or a bucket given up (too large, failed, or rebuilt on every call)
+    uncached_calls: int
     oom_retries: int  # builds retried after an out-of-memory error
-    invalidations: int  # entries found stale (weights replaced) and rebuilt
+    invalidations: int  # entries found stale (what they were built from changed) and rebuilt
     busy_misses: int  # misses of a bucket another call (a thread, a recursion) was building: ran uncached
     evictions: int
     rejections: int

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import shapecache as sc
+from shapecache._backends import BuiltEntry
 from shapecache._extension import _C
 
 SERVICE_SIZES = [(1024, 1024), (1024, 1152), (1152, 1024), (1360, 1536), (1536, 1360), (1536, 1536)]
@@ -36,7 +37,7 @@ def test_shared_bytes_are_set_independently_and_count_against_the_budget():
     assert (figures["pool_bytes"], figures["workspace_bytes"], figures["bytes"]) == (300, 200, 500)
 
     def builder(args, kwargs, device):
-        return (lambda x: x), 400, args[0], "eager"
+        return BuiltEntry((lambda x: x), 400, args[0], "eager")
 
     f = _C.ShapeDispatcher(lambda x: x, builder, cache, [], ["x"], None, False)
     f(torch.ones(1))
@@ -50,7 +51,7 @@ def test_entries_are_named_by_id_and_resized_under_the_budget_rule():
     cpu = torch.device("cpu")
 
     def builder(args, kwargs, device):
-        return (lambda x: x), 300, args[0], "eager"
+        return BuiltEntry((lambda x: x), 300, args[0], "eager")
 
     f = _C.ShapeDispatcher(lambda x: x, builder, cache, [], ["x"], None, False)
     for n in (1, 2, 3):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import shapecache as sc
+from shapecache._backends import BuiltEntry
 from shapecache._extension import _C
 from shapecache.testing.models import SIZES, SmallConvNet
 
@@ -218,7 +219,7 @@ class BytesBuilder:
         self.function, self.nbytes = function, nbytes
 
     def __call__(self, args, kwargs, device):
-        return self.function, self.nbytes, self.function(*args, **kwargs), "eager"
+        return BuiltEntry(self.function, self.nbytes, self.function(*args, **kwargs), "eager")
 
 
 def make_cached(function, nbytes, budget):

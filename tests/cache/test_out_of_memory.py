@@ -9,6 +9,7 @@ torch.OutOfMemoryError a set number of times.
 import pytest
 import torch
 
+from shapecache._backends import BuiltEntry
 from shapecache._extension import _C
 
 
@@ -22,7 +23,7 @@ class FlakyBuilder:
         self.calls += 1
         if self.calls <= self.failures:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return self.function, self.nbytes, self.function(*args, **kwargs), "eager"
+        return BuiltEntry(self.function, self.nbytes, self.function(*args, **kwargs), "eager")
 
 
 def cached(function, builder, budget=100):
@@ -82,7 +83,7 @@ class PrimitiveFailure(FlakyBuilder):
         self.calls += 1
         if self.calls <= self.failures:
             raise RuntimeError("could not create a primitive")
-        return self.function, self.nbytes, self.function(*args, **kwargs), "eager"
+        return BuiltEntry(self.function, self.nbytes, self.function(*args, **kwargs), "eager")
 
 
 def test_a_onednn_primitive_that_could_not_be_created_is_retried_after_making_room():
@@ -111,7 +112,7 @@ def test_room_for_an_entry_like_the_last_is_made_before_the_next_build():
 
     def builder(args, kwargs, device):
         held_while_building.append(cache.stats()["devices"].get("cpu", {}).get("bytes", 0))
-        return double, 300, double(*args), "eager"
+        return BuiltEntry(double, 300, double(*args), "eager")
 
     f = _C.ShapeDispatcher(double, builder, cache, [], ["x"], None, False)
     for n in range(1, 6):

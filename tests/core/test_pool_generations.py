@@ -18,7 +18,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from shapecache._backends import graph_pool
+from shapecache._backends import BuiltEntry, graph_pool
 from shapecache._extension import _C
 
 
@@ -362,7 +362,7 @@ class GraphDevice:
         except torch.OutOfMemoryError:
             raise  # the cache's own retry
         except Injected:
-            return (lambda y: y * 2), 0, x * 2, "eager"
+            return BuiltEntry((lambda y: y * 2), 0, x * 2, "eager")
         self.charge(self.cache)
         entry_bytes = runner.static_input_bytes
         if graph_pool.pool_over_budget(CPU, self.cache, entry_bytes):
@@ -375,7 +375,7 @@ class GraphDevice:
                 self.release_memory(CPU, self.cache)
                 rebuilt = self.recapture(runner, CPU, self.cache)
             entry_bytes = rebuilt
-        return runner, entry_bytes, x * 2, "cuda_graph"
+        return BuiltEntry(runner, entry_bytes, x * 2, "cuda_graph")
 
 
 class PoolUnderBudget(RuleBasedStateMachine):

@@ -31,19 +31,20 @@ def test_import_loads_neither_torch_nor_the_extension():
     assert out.strip() == "[]"
 
 
-def test_caching_installs_no_process_wide_hooks_until_a_graph_needs_them():
+def test_caching_and_guarding_leave_no_process_wide_hooks():
     out = run_python("""
         import torch
         from torch.nn.modules import module
         import shapecache as sc
+        from shapecache._backends import guards
         net = sc.cached(torch.nn.Linear(2, 2), backend="eager")
         net(torch.ones(1, 2))
-        print(len(module._global_parameter_registration_hooks), len(module._global_module_registration_hooks))
-        from shapecache._backends.weights import snapshot
-        snapshot(net)
-        print(len(module._global_parameter_registration_hooks), len(module._global_module_registration_hooks))
+        guard = guards.record({"net": net})
+        print(guard.check(), guard.dict_count > 0, guard.tensor_count)
+        print(len(module._global_parameter_registration_hooks), len(module._global_module_registration_hooks),
+              len(module._global_forward_pre_hooks))
     """)
-    assert out.split() == ["0", "0", "1", "1"]
+    assert out.split() == ["True", "True", "2", "0", "0", "0"]
 
 
 def test_another_torch_than_the_one_built_against_is_refused_by_name():

@@ -88,12 +88,12 @@ int64_t DeviceGraphs::pool_bytes() const {
 std::shared_ptr<CudaGraphRunner> CudaGraphRunner::capture(const py::object& function, const py::object& owner,
                                                           const py::tuple& args, const py::dict& kwargs,
                                                           std::vector<std::string> parameter_names,
-                                                          std::shared_ptr<WeightSnapshot> weights) {
+                                                          std::shared_ptr<StateGuard> guard) {
   std::shared_ptr<CudaGraphRunner> runner(new CudaGraphRunner());
   runner->function_ = function;
   runner->owner_ = owner.is_none() ? py::object(py::none()) : py::object(py::weakref(owner));
   runner->parameter_names_ = std::move(parameter_names);
-  runner->weights_ = std::move(weights);
+  runner->guard_ = std::move(guard);
 
   const std::vector<at::Tensor> inputs = runner->inputs_in_key_order(args, kwargs);
   TORCH_CHECK(!inputs.empty(), "cuda_graph: a call without tensor arguments cannot be captured");
@@ -230,7 +230,7 @@ bool CudaGraphRunner::valid() {
       WorkspaceArena::of(c10::Device(c10::DeviceType::CUDA, device_->device)).generation() != workspace_generation_) {
     return false;
   }
-  return !weights_ || weights_->valid();
+  return !guard_ || guard_->check();
 }
 
 int64_t CudaGraphRunner::static_input_bytes() const {
@@ -250,7 +250,7 @@ void bind_cuda_graphs(py::module_& m) {
       .def("recapture", &CudaGraphRunner::recapture)
       .def_property_readonly("device", &CudaGraphRunner::device);
   m.def("capture_cuda_graph", &CudaGraphRunner::capture, py::arg("function"), py::arg("owner"), py::arg("args"),
-        py::arg("kwargs"), py::arg("parameter_names"), py::arg("weights"),
+        py::arg("kwargs"), py::arg("parameter_names"), py::arg("guard"),
         "Captures one call as a CUDA graph in its device's shared pool (warm the function up first).");
   m.def(
       "cuda_graph_pool_bytes", [](c10::Device device) { return DeviceGraphs::of(device.index()).pool_bytes(); },

@@ -39,7 +39,7 @@
 
 #include "cache/call_modes.h"
 #include "cache/entry_runner.h"
-#include "cache/weight_snapshot.h"
+#include "cache/state_guard.h"
 #include "core/pool_generations.h"
 
 namespace shapecache {
@@ -89,7 +89,7 @@ class CudaGraphRunner final : public EntryRunner {
   static std::shared_ptr<CudaGraphRunner> capture(const py::object& function, const py::object& owner,
                                                   const py::tuple& args, const py::dict& kwargs,
                                                   std::vector<std::string> parameter_names,
-                                                  std::shared_ptr<WeightSnapshot> weights);
+                                                  std::shared_ptr<StateGuard> guard);
 
   py::object run(const py::tuple& args, const py::dict& kwargs) override;
   bool valid() override;
@@ -122,7 +122,7 @@ class CudaGraphRunner final : public EntryRunner {
   std::vector<at::Tensor> static_inputs_;     // one per tensor of a call, in canonical order
   std::vector<at::Tensor> static_outputs_;    // every tensor of the outputs, in walk order
   py::object output_structure_;               // the outputs as captured (static tensors inside)
-  std::shared_ptr<WeightSnapshot> weights_;   // null for functions without an owner module
+  std::shared_ptr<StateGuard> guard_;  // what the graph was captured from (state_guard.h)
   uint64_t workspace_generation_ = 0;         // the arena's generation when captured
   bool uses_workspace_ = false;               // whether the captured kernels took the arena's buffer
   // The modes of the call that built the entry, which its key records: a recapture (a pool

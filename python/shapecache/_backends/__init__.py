@@ -2,7 +2,7 @@
 
 - ``"eager"``: the function itself; the entry holds no memory. Keys, buckets and padding
   still apply.
-- ``"compile"``: ``torch.compile(dynamic=False)`` per bucket (``compile.py``).
+- ``"compile"``: one inductor graph per bucket, traced by torch.export (``compile.py``).
 - ``"cuda_graph"``: the bucket captured as a CUDA graph (``cuda_graph.py``), replayed from C++.
 - ``"compile+cuda_graph"``: the bucket's ``torch.compile`` graph, captured as a CUDA graph.
 - ``"auto"``: for CUDA inputs, a CUDA graph when its replay is faster than the eager call
@@ -30,11 +30,12 @@ GRAPH_BACKENDS = ("cuda_graph", "compile+cuda_graph")
 class BuiltEntry(NamedTuple):
     """What a builder returns to the C++ cache (which reads it as a tuple)."""
 
-    runner: Callable  # serves the bucket's later calls (a _C.EntryRunner serves them from C++)
+    runner: Callable | None  # serves the bucket's later calls (a _C.EntryRunner serves them from C++); None: not built
     bytes: int  # device memory the entry holds beyond what the uncached call leaves behind
     output: Any  # the result of the call that built the entry, or _C.RUN_ENTRY: the cache runs `runner` for it
     backend: str  # what built the runner: "eager", "compile", "cuda_graph", "compile+cuda_graph"
-    weights: Any = None  # a _C.WeightSnapshot: the entry is stale once they are replaced
+    guard: Any = None  # a _C.StateGuard (guards.py): the entry is stale once what it was built from changed
+    failure: str | None = None  # with runner None: why nothing was built (the bucket then runs uncached)
 
 
 @dataclass(frozen=True)

@@ -28,41 +28,62 @@ from collections.abc import Callable
 import torch
 from torch.utils._pytree import tree_leaves
 
-from shapecache._backends import BuiltEntry, exported
+from shapecache._backends import BuiltEntry, exported, guards
+from shapecache._backends.exported import _first_line
 from shapecache._backends.host_memory import resident_bytes, return_free_memory
-from shapecache._backends.weights import snapshot
 
 
 def build_compiled(function, context, args, kwargs, device) -> BuiltEntry:
     """The bucket's entry: one exported graph compiled by inductor (exported.py), or where the
-    call cannot be exported whole or the options ask for another backend, Dynamo's build."""
+    call cannot be exported whole or the options ask for another backend, Dynamo's build.
+
+    Every failure falls back: where export fails, Dynamo builds; where the compiler fails, or
+    the call writes Python state it reads (which a graph would not replay), nothing is kept
+    and the bucket runs uncached (the dispatcher remembers it). The call's own exceptions
+    reach the caller from the plain call, before anything else is tried."""
     options = context.compile_options
-    owner = args[0] if context.has_owner and isinstance(args[0], torch.nn.Module) else None
     if exported.handles(options):
         if device.type == "cpu":
             exported.warm_up(options)  # the compiler's start-up is not this entry's (host_memory.py)
         try:
             with _held_bytes(device) as held:
-                runner = exported.compile_call(function, args, kwargs, context.parameter_names, context.has_owner,
-                                               options)
-                output = runner(*args, **kwargs)
+                compiled = exported.compile_call(function, args, kwargs, context.parameter_names, context.has_owner,
+                                                 options)
+                output = compiled.runner(*(args[1:] if context.has_owner else args), **kwargs)
         except exported.ExportFailed as failure:
+            function(*args, **kwargs)  # a call that fails by itself raises its own error here, and builds nothing
             _warn_once(function, f"torch.export could not capture it as one graph ({failure}); its buckets are "
                        "compiled by Dynamo, whose compiled code stays in memory after eviction")
+        except exported.WritesState as written:
+            return not_built(function, args, kwargs, f"the call writes {written}, which a compiled graph would not "
+                             "write again on later calls")
+        except Exception as error:  # noqa: BLE001  (inductor's failures share no base class)
+            return not_built(function, args, kwargs, f"building it failed: {type(error).__name__}: {_first_line(error)}")
         else:
-            # The graph reads the weights it was built with (frozen: copies of them): replacing
-            # one (a new parameter, .data =, .to()) makes the entry stale.
-            weights = snapshot(owner) if owner is not None else None
-            return BuiltEntry(runner, held.bytes(output), output, "compile", weights)
-    return _build_with_dynamo(function, options, args, kwargs, device)
+            if not compiled.guard.check():
+                # The graph updated what it reads (its first run was the call's one update, so its
+                # output is the answer): an entry would be stale after each call.
+                return BuiltEntry(runner=None, bytes=0, output=output, backend="uncached",
+                                  failure=f"the call updates what it reads: {compiled.guard.changed}")
+            return BuiltEntry(runner=compiled.runner, bytes=held.bytes(output), output=output, backend="compile",
+                              guard=compiled.guard)
+    return _build_with_dynamo(function, context, args, kwargs, device)
 
 
-def _build_with_dynamo(function, compile_options, args, kwargs, device) -> BuiltEntry:
+def not_built(function, args, kwargs, reason: str) -> BuiltEntry:
+    """No entry: the plain call's result, and why (the bucket then runs uncached)."""
+    return BuiltEntry(runner=None, bytes=0, output=function(*args, **kwargs), backend="uncached", failure=reason)
+
+
+def _build_with_dynamo(function, context, args, kwargs, device) -> BuiltEntry:
     copy = entry_point(function)
-    runner = torch.compile(copy, dynamic=False, **compile_options)
+    runner = torch.compile(copy, dynamic=False, **context.compile_options)
     compiled = _dynamo_compiled(copy)
-    with _held_bytes(device) as held:
-        output = runner(*args, **kwargs)
+    try:
+        with _held_bytes(device) as held:
+            output = runner(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001
+        return not_built(function, args, kwargs, f"torch.compile failed: {type(error).__name__}: {_first_line(error)}")
     if not compiled():
         warnings.warn(
             f"shapecache: torch.compile made no graph for a new bucket of {getattr(function, '__qualname__', function)}; "
@@ -71,7 +92,17 @@ def _build_with_dynamo(function, compile_options, args, kwargs, device) -> Built
             stacklevel=2,
         )
         return BuiltEntry(runner, held.bytes(output), output, "eager")
-    return BuiltEntry(runner, held.bytes(output), output, "compile")
+    # Dynamo guards what its graph read itself; shapecache's guard over the whole module trees
+    # makes its entries stale on the same changes as every other backend's.
+    guard = guards.record(call_roots(context, args), functions=[function])
+    return BuiltEntry(runner, held.bytes(output), output, "compile", guard)
+
+
+def call_roots(context, args) -> dict:
+    """The modules among a call's positional arguments, by parameter name ("self": the owner)."""
+    names = ["self", *context.parameter_names] if context.has_owner else list(context.parameter_names)
+    return {(names[i] if i < len(names) else f"argument {i}"): arg for i, arg in enumerate(args)
+            if isinstance(arg, torch.nn.Module)}
 
 
 class _HeldBytes:

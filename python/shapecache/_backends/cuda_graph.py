@@ -11,9 +11,8 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from shapecache import _timing
-from shapecache._backends import BuildContext, BuiltEntry, graph_pool
-from shapecache._backends.compile import entry_point
-from shapecache._backends.weights import snapshot
+from shapecache._backends import BuildContext, BuiltEntry, graph_pool, guards
+from shapecache._backends.compile import call_roots, entry_point
 from shapecache._extension import _C
 
 _warm_up_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -33,7 +32,9 @@ def build_graph(function, args, kwargs, device, context: BuildContext, *, compil
     owner, call_args = (args[0], args[1:]) if context.has_owner else (None, args)
     runnable = torch.compile(entry_point(function), dynamic=False, **context.compile_options) if compiled \
         else function
-    weights = snapshot(owner) if isinstance(owner, torch.nn.Module) else None
+    # A graph bakes in the Python state its capture read, as a compiled graph does: the same
+    # guard (guards.py) over the call's module trees and the function's globals and closures.
+    guard = guards.record(call_roots(context, args), functions=[function])
 
     # Warm-up on a side stream: cuDNN's benchmarking, lazy initialisation and compilation
     # happen here, never inside capture. Its output is the call's result (the eager numbers).
@@ -55,7 +56,7 @@ def build_graph(function, args, kwargs, device, context: BuildContext, *, compil
     try:
         runner, entry_bytes = graph_pool.measured_capture(
             lambda: _C.capture_cuda_graph(runnable, owner, tuple(call_args), dict(kwargs),
-                                          list(context.parameter_names), weights),
+                                          list(context.parameter_names), guard),
             device, cache)
     except torch.OutOfMemoryError:
         raise  # the cache's own retry: evict, empty the allocator's cache, build again
@@ -82,4 +83,4 @@ def build_graph(function, args, kwargs, device, context: BuildContext, *, compil
         replay_seconds = min(_timing.timings(lambda: runner(*call_args, **kwargs), device, repeats=3))
         if replay_seconds >= eager_seconds:
             return BuiltEntry(function, 0, output, "eager")
-    return BuiltEntry(runner, entry_bytes, output, name)
+    return BuiltEntry(runner, entry_bytes, output, name, guard)

@@ -15,6 +15,12 @@ and removed from that cache (and from ``sys.modules``) when the runner is freed.
 
 A call that torch.export cannot capture whole (data-dependent control flow, unsupported
 operators) is built by Dynamo instead (compile.py), which handles graph breaks.
+
+The trace never touches the live model. Non-strict export swaps fake tensors into the
+modules it traces, so it traces a detached copy of each module tree among the arguments:
+new module objects whose dicts are copies, sharing the live tensors and plain objects. Any
+thread may call the model, its submodules or the cache meanwhile. A cached submodule's copy
+runs its own forward, so the trace is one graph and builds nothing for the submodule.
 """
 
 from __future__ import annotations
@@ -22,13 +28,20 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import types
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch._guards import tracing
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from shapecache._backends import guards
+from shapecache._extension import _C
+from shapecache._holder import holder_on
 
 # Builds of this route change inductor's configuration for their duration (config.patch is
 # process-wide) and attribute the modules inductor loads meanwhile to one entry: one at a time.
@@ -50,17 +63,37 @@ class ExportFailed(Exception):
     """torch.export could not capture the call as one graph (the cause is chained)."""
 
 
+class WritesState(Exception):
+    """The traced call wrote Python state of the model (a step counter), which a graph would
+    not write again on later calls (export puts it back after tracing, so it is checked at the
+    end of the traced call itself)."""
+
+
+class CompiledCall(NamedTuple):
+    runner: Callable  # serves later calls of the bucket
+    # A _C.StateGuard: what the runner was built from (guards.py). Its tensors' versions are
+    # those before the runner's first call: if that call moves them, the graph updates tensors
+    # it reads in place (BatchNorm's running statistics in training).
+    guard: object
+
+
 def compile_call(function: Callable, args: tuple, kwargs: dict, parameter_names: tuple, has_owner: bool,
-                 compile_options: dict) -> Callable:
+                 compile_options: dict) -> CompiledCall:
     """A runner for later calls of `function` spelled like this one, and at these shapes.
 
     Raises ExportFailed when the call cannot be captured as one graph; inductor's own errors
     propagate.
     """
     leaves, spec = tree_flatten((args, kwargs))
-    tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    module = _Call(function, leaves, spec, tensor_positions)
-    tensors = tuple(leaves[i] for i in tensor_positions)
+    tensors = _C.tensors_in_key_order(tuple(args[1:] if has_owner else args), dict(kwargs), list(parameter_names))
+    tensor_positions = _positions_of(tensors, leaves)
+    copies = DetachedTrees()
+    traced = [copies.of(leaf) if isinstance(leaf, torch.nn.Module) else leaf for leaf in leaves]
+    module = _Call(function, traced, spec, tensor_positions)
+    names = ["self", *parameter_names] if has_owner else list(parameter_names)
+    roots = {_root_name(names, i, leaf): leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.nn.Module)}
+    copy_roots = {path: copies.of(leaf) for path, leaf in roots.items()}
+    module.trace.python_state = guards.record(copy_roots, functions=[function], python_only=True)
     options = dict(compile_options.get("options") or {})
     mode = compile_options.get("mode")
     if mode not in (None, "default"):
@@ -74,9 +107,17 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, parameter_names:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # export's notes on how it traced are not the user's concern
-                graph = torch.export.export(module, tensors, strict=False).module()
+                program = torch.export.export(module, tensors, strict=False)
+            graph = program.module()
         except Exception as error:  # noqa: BLE001  (export's failures share no base class)
             raise ExportFailed(f"{type(error).__name__}: {_first_line(error)}") from error
+        if module.trace.state_written:
+            raise WritesState(module.trace.state_written)
+        reached = {id(copies.live(module)) for module in copies.ran.values()}
+        read = [(f"graph input {name}", t) for name, t in (*program.state_dict.items(), *program.constants.items())
+                if isinstance(t, torch.Tensor)]
+        guard = guards.record(roots, functions=[function], reached=reached, tensors=read)
+        del program
         # AOT autograd's own cache is off for these builds: its key pickles the exported module,
         # whose closures do not pickle, so it never hits and logs a traceback on every build;
         # inductor's FX graph cache below it is what a second process reads.
@@ -85,9 +126,74 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, parameter_names:
             compiled = compile_fx(graph, list(tensors), ignore_shape_env=True)
         del graph
 
-    runner = _runner(compiled, function, args, kwargs, parameter_names, has_owner, tensor_positions)
+    layout = module.trace.output_layout
+    runner = _C.CompiledGraphRunner(compiled, list(parameter_names), None if layout.is_one_tensor() else layout.rebuild,
+                                    guard)
     weakref.finalize(runner, _forget_modules, loaded)
-    return runner
+    return CompiledCall(runner, guard)
+
+
+def _positions_of(tensors: tuple, leaves: list) -> list[int]:
+    """Where each of `tensors` (the call's, in key order) is among the call's flattened leaves."""
+    free = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    positions = []
+    for tensor in tensors:
+        position = next(i for i in free if leaves[i] is tensor)
+        free.remove(position)
+        positions.append(position)
+    if free:  # a tensor the key does not hold cannot be an input of the bucket's graph
+        raise ExportFailed(f"{len(free)} tensors of the call are inside objects the key does not read")
+    return positions
+
+
+def _root_name(names: list, position: int, leaf) -> str:
+    return names[position] if position < len(names) else type(leaf).__name__
+
+
+class DetachedTrees:
+    """Copies of module trees for tracing: new module objects whose dicts (attributes,
+    parameters, buffers, submodules, hooks) are copies, holding the same tensors and plain
+    objects. A module shared in a tree is copied once; a cached module's copy has its own
+    forward back. Each copy notes in `ran` when its forward runs (a hook in the copy's own
+    hook dict: nothing process-wide, nothing the live model holds)."""
+
+    def __init__(self):
+        self._copies: dict[int, torch.nn.Module] = {}  # id(live module) -> its copy
+        self._live: dict[int, torch.nn.Module] = {}  # id(copy) -> the live module
+        self.ran: dict[int, torch.nn.Module] = {}  # the copies whose forward ran: id -> copy
+
+    def live(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The live module of a copy; a module that is no copy (reached through a global) itself."""
+        return self._live.get(id(module), module)
+
+    def of(self, module: torch.nn.Module) -> torch.nn.Module:
+        copy = self._copies.get(id(module))
+        if copy is not None:
+            return copy
+        copy = object.__new__(type(module))
+        self._copies[id(module)] = copy
+        self._live[id(copy)] = module
+        state = {name: (type(value)(value) if type(value) in (dict, OrderedDict) else value)
+                 for name, value in module.__dict__.items()}
+        holder = holder_on(module)
+        if holder is not None:
+            state.pop("_shapecache", None)
+            if getattr(holder, "wrapper", None) is state.get("forward"):
+                previous = getattr(holder, "previous_forward", None)
+                if previous is None:
+                    del state["forward"]
+                else:
+                    state["forward"] = previous
+        if isinstance(state.get("forward"), _C.ShapeDispatcher):  # decorated in its class body, bound here
+            del state["forward"]
+        state["_modules"] = type(state["_modules"])(
+            (name, None if child is None else self.of(child)) for name, child in state["_modules"].items())
+        object.__setattr__(copy, "__dict__", state)
+        copy.register_forward_pre_hook(self._note)
+        return copy
+
+    def _note(self, module, _args):
+        self.ran[id(module)] = module
 
 
 _warmed_up: set[str] = set()  # compile options the compiler has started up with in this process
@@ -106,8 +212,8 @@ def warm_up(compile_options: dict) -> None:
         module = _WarmUp().eval()
         sample = torch.randn(1, 4, 8, 8)
         try:
-            runner = compile_call(_WarmUp.forward, (module, sample), {}, ("sample",), True, compile_options)
-            runner(module, sample)
+            compiled = compile_call(_WarmUp.forward, (module, sample), {}, ("sample",), True, compile_options)
+            compiled.runner(sample)
         except Exception:  # noqa: BLE001,S110  (the entry's own build reports what fails)
             pass
 
@@ -159,53 +265,49 @@ class _Call(torch.nn.Module):
         self.tensor_positions = tensor_positions
         owned = [leaf for leaf in leaves if isinstance(leaf, torch.nn.Module)]
         self.owned = torch.nn.ModuleList(owned)
+        # What the trace learns, on an object of its own: export puts a traced module's
+        # attributes back as they were before tracing.
+        self.trace = types.SimpleNamespace(
+            python_state=None,  # a guard over the Python state the call could read, set before tracing
+            state_written=None,  # what the traced call wrote of it
+            output_layout=None,  # the output's structure and constants
+        )
 
     def forward(self, *tensors):
         leaves = list(self.leaves)
         for position, tensor in zip(self.tensor_positions, tensors, strict=True):
             leaves[position] = tensor
         args, kwargs = tree_unflatten(leaves, self.spec)
-        return self.function(*args, **kwargs)
+        # The graph returns the output's tensors; its other leaves (a string, a float) are the
+        # bucket's constants, kept here and put back around the graph's tensors by the runner.
+        output = OutputLayout(self.function(*args, **kwargs))
+        self.trace.output_layout = output
+        if not self.trace.python_state.check():
+            self.trace.state_written = self.trace.python_state.changed
+        tensors, output.tensors = tuple(output.tensors), None  # the trace's tensors are not kept
+        return tensors
 
 
-def _runner(compiled, function, args, kwargs, parameter_names, has_owner, tensor_positions) -> Callable:
-    """``run(*args, **kwargs)``: the compiled graph of the call's tensors.
+class OutputLayout:
+    """An output split into its tensors and the rest (its structure, its other leaves)."""
 
-    Calls that share the entry have the same key, so the same arguments with the same values
-    and shapes, but they may spell them differently (a parameter passed by position here, by
-    keyword there); such a call is first spelled as the build's was."""
-    count = len(args)
-    keywords = tuple(kwargs)
-    keyword_set = frozenset(keywords)
-    offset = 1 if has_owner else 0
-    names = parameter_names
+    def __init__(self, output):
+        leaves, self.spec = tree_flatten(output)
+        self.tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        self.constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        symbolic = [leaf for leaf in self.constants if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool))]
+        if symbolic:  # a number read from a tensor's data: no constant of the bucket
+            raise ValueError(f"the output holds a number computed from tensor data ({symbolic[0]})")
+        self._tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
-    def respell(call_args, call_kwargs):
-        if len(call_args) - offset > len(names):  # a *args tail is only ever spelled by position
-            return None
-        named = dict(zip(names, call_args[offset:], strict=False))  # fewer arguments than names
-        if named.keys() & call_kwargs.keys():
-            return None
-        named.update(call_kwargs)
-        positional = list(call_args[:offset])
-        for name in names[:count - offset]:
-            if name not in named:
-                return None
-            positional.append(named.pop(name))
-        if set(named) != keyword_set:
-            return None
-        return tuple(positional), {k: named[k] for k in keywords}
+    def is_one_tensor(self) -> bool:
+        return self.spec.is_leaf() and len(self._tensor_positions) == 1
 
-    def run(*call_args, **call_kwargs):
-        if len(call_args) != count or call_kwargs.keys() != keyword_set:
-            respelled = respell(call_args, call_kwargs)
-            if respelled is None:  # cannot happen for calls with this entry's key; never answer wrongly
-                return function(*call_args, **call_kwargs)
-            call_args, call_kwargs = respelled
-        leaves, _ = tree_flatten((call_args, {k: call_kwargs[k] for k in keywords}))
-        return compiled(*[leaves[i] for i in tensor_positions])
-
-    return run
+    def rebuild(self, tensors):
+        leaves = list(self.constants)
+        for position, tensor in zip(self._tensor_positions, tensors, strict=True):
+            leaves[position] = tensor
+        return tree_unflatten(leaves, self.spec)
 
 
 @contextlib.contextmanager

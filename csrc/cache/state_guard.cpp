@@ -1,0 +1,171 @@
+#include "cache/state_guard.h"
+
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <unordered_map>
+
+namespace shapecache {
+namespace {
+
+#if PY_VERSION_HEX < 0x030C0000
+
+void watch(PyObject*) {}
+uint64_t version_of(PyObject* dict) { return reinterpret_cast<PyDictObject*>(dict)->ma_version_tag; }
+
+#else
+
+// Versions of the watched dicts, bumped by the watcher on every change. Never destroyed: the
+// watcher may fire while the interpreter shuts down.
+std::unordered_map<PyObject*, uint64_t>& versions() {
+  static auto* map = new std::unordered_map<PyObject*, uint64_t>();
+  return *map;
+}
+uint64_t next_version = 1;
+int watcher_id = -1;
+
+int on_dict_event(PyDict_WatchEvent event, PyObject* dict, PyObject*, PyObject*) noexcept {
+  if (event == PyDict_EVENT_DEALLOCATED) {
+    versions().erase(dict);
+  } else {  // CLONED too: an empty dict filled from another is a change
+    versions()[dict] = next_version++;
+  }
+  return 0;
+}
+
+void watch(PyObject* dict) {
+  if (watcher_id < 0) {
+    watcher_id = PyDict_AddWatcher(on_dict_event);
+    if (watcher_id < 0) throw py::error_already_set();
+  }
+  if (PyDict_Watch(watcher_id, dict) < 0) throw py::error_already_set();
+  if (versions().try_emplace(dict, next_version).second) ++next_version;
+}
+
+uint64_t version_of(PyObject* dict) {
+  auto found = versions().find(dict);
+  return found == versions().end() ? 0 : found->second;
+}
+
+#endif
+
+// Numbers, strings and tuples of those compare by value: a new 2.0 written over 2.0 is no
+// change. Anything else by identity (a processor, a tensor, a function).
+bool same_value(PyObject* a, PyObject* b, int depth = 0) {
+  if (a == b) return true;
+  if (a == nullptr || b == nullptr || Py_TYPE(a) != Py_TYPE(b) || depth > 4) return false;
+  if (PyFloat_CheckExact(a) || PyLong_CheckExact(a) || PyUnicode_CheckExact(a) || PyBytes_CheckExact(a)) {
+    const int equal = PyObject_RichCompareBool(a, b, Py_EQ);
+    if (equal < 0) PyErr_Clear();
+    return equal == 1;
+  }
+  if (PyTuple_CheckExact(a)) {
+    const Py_ssize_t n = PyTuple_GET_SIZE(a);
+    if (n != PyTuple_GET_SIZE(b)) return false;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (!same_value(PyTuple_GET_ITEM(a, i), PyTuple_GET_ITEM(b, i), depth + 1)) return false;
+    }
+    return true;
+  }
+  return false;
+}
+
+std::string key_text(const py::object& key) {
+  if (PyUnicode_Check(key.ptr())) return std::string(py::str(key));
+  return std::string(py::repr(key));
+}
+
+}  // namespace
+
+void StateGuard::add_dict(const py::dict& dict, std::string path, const py::object& keys) {
+  watch(dict.ptr());
+  GuardedDict guarded{dict, version_of(dict.ptr()), keys.is_none(), {}, std::move(path)};
+  if (guarded.all_keys) {
+    for (auto [key, value] : dict) {
+      guarded.items.push_back({py::reinterpret_borrow<py::object>(key), py::reinterpret_borrow<py::object>(value)});
+    }
+  } else {
+    for (py::handle key : keys) {
+      PyObject* value = PyDict_GetItemWithError(dict.ptr(), key.ptr());
+      if (value == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      guarded.items.push_back({py::reinterpret_borrow<py::object>(key), py::reinterpret_borrow<py::object>(value)});
+    }
+  }
+  dicts_.push_back(std::move(guarded));
+}
+
+void StateGuard::add_tensor(const py::object& tensor, std::string path, bool check_version) {
+  if (!THPVariable_Check(tensor.ptr())) throw py::type_error("StateGuard.add_tensor: " + path + " is not a tensor");
+  const at::Tensor& t = THPVariable_Unpack(tensor.ptr());
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  const bool has_storage = impl->has_storage();
+  GuardedTensor guarded{tensor,
+                        impl,
+                        has_storage ? impl->unsafe_storage().unsafeGetStorageImpl() : nullptr,
+                        has_storage ? impl->unsafe_storage().data() : nullptr,
+                        has_storage ? impl->storage_offset() : 0,
+                        check_version && !t.is_inference() ? static_cast<int64_t>(t._version()) : -1,
+                        std::move(path)};
+  tensors_.push_back(std::move(guarded));
+}
+
+void StateGuard::add_cell(const py::object& cell, std::string path) {
+  if (!PyCell_Check(cell.ptr())) throw py::type_error("StateGuard.add_cell: " + path + " is not a closure cell");
+  cells_.push_back({cell, py::reinterpret_borrow<py::object>(PyCell_GET(cell.ptr())), std::move(path)});
+}
+
+bool StateGuard::fail(std::string what) {
+  stale_ = true;
+  changed_ = std::move(what);
+  return false;
+}
+
+bool StateGuard::tensor_unchanged(const GuardedTensor& guarded) {
+  const at::Tensor& t = THPVariable_Unpack(guarded.tensor.ptr());
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (impl != guarded.impl) return fail(guarded.path + " was swapped for another tensor");
+  if (impl->has_storage()) {
+    const c10::Storage& storage = impl->unsafe_storage();
+    if (storage.unsafeGetStorageImpl() != guarded.storage || storage.data() != guarded.data ||
+        impl->storage_offset() != guarded.offset) {
+      return fail(guarded.path + " was given other memory (.data =, .to(), .set_())");
+    }
+  }
+  if (guarded.version >= 0 && static_cast<int64_t>(t._version()) != guarded.version) {
+    return fail(guarded.path + " was updated in place");
+  }
+  return true;
+}
+
+bool StateGuard::same_items(GuardedDict& guarded) {
+  PyObject* dict = guarded.dict.ptr();
+  if (guarded.all_keys && PyDict_GET_SIZE(dict) != static_cast<Py_ssize_t>(guarded.items.size())) {
+    return fail(guarded.path + " gained or lost an entry");
+  }
+  for (const Item& item : guarded.items) {
+    PyObject* now = PyDict_GetItemWithError(dict, item.key.ptr());
+    if (now == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    if (!same_value(now, item.value.ptr())) return fail(guarded.path + "." + key_text(item.key) + " changed");
+  }
+  return true;
+}
+
+bool StateGuard::check() {
+  if (stale_) return false;
+  for (GuardedDict& guarded : dicts_) {
+    const uint64_t version = version_of(guarded.dict.ptr());
+    if (version == guarded.version) continue;
+    if (!same_items(guarded)) return false;
+    guarded.version = version;  // the same values were written again
+  }
+  for (const GuardedTensor& guarded : tensors_) {
+    if (!tensor_unchanged(guarded)) return false;
+  }
+  for (const GuardedCell& guarded : cells_) {
+    if (!same_value(PyCell_GET(guarded.cell.ptr()), guarded.content.ptr())) {
+      return fail(guarded.path + " (a closure variable) changed");
+    }
+  }
+  return true;
+}
+
+}  // namespace shapecache

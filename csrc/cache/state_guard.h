@@ -1,0 +1,98 @@
+// StateGuard: what a compiled entry was built from, checked in C++ before each of its calls.
+//
+// A compiled entry bakes in more than its key: the tensors its graph reads (with freezing,
+// copies of them) and the Python state the traced code read: module attributes (FreeU's
+// factors), each submodule's training flag, attention processors and their scales, hooks.
+// The Python side (shapecache/_backends/guards.py) says what to record when the entry is
+// built; this class records it and checks it:
+//   - dicts (a module's __dict__, its _parameters, _buffers, _modules and hook dicts, the
+//     __dict__ of plain objects hanging from it, a function's globals): their items (all,
+//     or the names the code reads) and their version;
+//   - tensors: the Python object's TensorImpl, its storage, offset and version counter, so
+//     that `.data =`, `.to()`, swap_tensors and in-place updates are all seen;
+//   - closure cells: what they hold.
+//
+// check() costs one version read per dict and a few pointer reads per tensor while nothing
+// moved. A dict whose version moved has its items compared again, by identity, and by value
+// for numbers, strings and tuples of those: writing the same value again costs one
+// comparison and no rebuild (the dict's recorded version then moves on).
+//
+// Dict versions: CPython 3.11 bumps a version tag in a dict on every change (ma_version_tag).
+// From 3.12 that tag is deprecated; as torch's own guards do (torch/csrc/dynamo/guards.cpp),
+// each guarded dict is watched by a dict watcher that gives it a new version on each change.
+//
+// Threading: every method runs with the GIL held (the GIL is the cache's lock, shape_cache.h).
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <c10/core/StorageImpl.h>
+#include <c10/core/TensorImpl.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace shapecache {
+
+namespace py = pybind11;
+
+class StateGuard {
+ public:
+  // Guards `dict`'s items: every item when `keys` is None (an added or removed key counts as
+  // a change), else the items of those keys (a key absent now must stay absent).
+  void add_dict(const py::dict& dict, std::string path, const py::object& keys);
+  // Guards a tensor the entry reads. `check_version`: in-place updates count as changes (off
+  // for buffers the graph itself writes, and for inference tensors, which keep no version).
+  void add_tensor(const py::object& tensor, std::string path, bool check_version);
+  // Guards what a closure cell holds.
+  void add_cell(const py::object& cell, std::string path);
+
+  // True while everything is as recorded. Once false, always false.
+  bool check();
+  // After check() returned false: what changed, named by its path.
+  const std::string& changed() const { return changed_; }
+
+  size_t dict_count() const { return dicts_.size(); }
+  size_t tensor_count() const { return tensors_.size(); }
+
+ private:
+  struct Item {
+    py::object key;
+    py::object value;  // null when the key was absent
+  };
+  struct GuardedDict {
+    py::object dict;
+    uint64_t version;
+    bool all_keys;
+    std::vector<Item> items;
+    std::string path;
+  };
+  struct GuardedTensor {
+    py::object tensor;
+    const c10::TensorImpl* impl;
+    const c10::StorageImpl* storage;
+    const void* data;
+    int64_t offset;
+    int64_t version;  // -1: not checked
+    std::string path;
+  };
+  struct GuardedCell {
+    py::object cell;
+    py::object content;  // null when the cell was empty
+    std::string path;
+  };
+
+  // Compares a dict's items with the record; names the first that differs.
+  bool same_items(GuardedDict& guarded);
+  bool tensor_unchanged(const GuardedTensor& guarded);
+  bool fail(std::string what);
+
+  std::vector<GuardedDict> dicts_;
+  std::vector<GuardedTensor> tensors_;
+  std::vector<GuardedCell> cells_;
+  bool stale_ = false;
+  std::string changed_;
+};
+
+}  // namespace shapecache

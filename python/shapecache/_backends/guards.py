@@ -1,0 +1,200 @@
+"""What a compiled entry depends on, recorded into a ``_C.StateGuard`` when it is built and
+checked in C++ before each of its calls (``csrc/cache/state_guard.h``).
+
+A compiled entry answers for the state it was built from. It depends on:
+
+- the modules the call reached (their forward ran while the entry was traced), with their
+  ancestors up to the root (so a submodule replaced by another is seen), and the modules
+  that own a tensor the graph reads. For each: its ``__dict__`` (attributes such as FreeU's
+  factors, ``training``, the attention processor), every dict it holds (``_parameters``,
+  ``_buffers``, ``_modules``, the hook dicts), and the ``__dict__`` of the plain objects
+  hanging from it (a processor's scale, a hook's settings), a few levels deep;
+- every tensor among those: its object, memory and version counter, so that replacing a
+  parameter, ``.data =``, ``.to()`` and in-place updates are seen;
+- for a function: the globals its code names and its closure cells (the modules and tensors
+  found there are walked as above);
+- torch's global forward hooks.
+
+Lists are compared by identity only: an item changed inside a list the entry reads
+(``processor.scale[0] = 0.5``) is not seen; assigning a new list is.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.nn.modules import module as _module_globals
+
+from shapecache._extension import _C
+
+# How deep plain objects hanging from a module are walked (a processor, a hook and its state).
+_OBJECT_DEPTH = 3
+
+# Held by identity, not walked: code (a hook function), Python modules, submodules (each is
+# guarded on its own), tensors, and the cache itself (its counters change as it works).
+_NOT_WALKED = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial,
+               types.ModuleType, torch.nn.Module, torch.Tensor, _C.ShapeDispatcher)
+
+
+class Guarded:
+    """Collects what an entry depends on, once per object."""
+
+    def __init__(self, python_only: bool = False):
+        self.guard = _C.StateGuard()
+        self._seen: set[int] = set()
+        # Python state alone: no tensors, and not the dicts that hold parameters and buffers
+        # (a trace swaps fake tensors into those).
+        self._python_only = python_only
+
+    def module(self, module: torch.nn.Module, path: str) -> None:
+        """The module's own state: its attribute dict, the dicts it holds, their tensors and
+        the plain objects hanging from it (not its submodules: each is guarded on its own)."""
+        if not self._first(module):
+            return
+        state = module.__dict__
+        self.guard.add_dict(state, path)
+        for name, value in state.items():
+            if not (self._python_only and name in ("_parameters", "_buffers")):
+                self._value(value, f"{path}.{name}", _OBJECT_DEPTH)
+
+    def tensor(self, tensor: torch.Tensor, path: str) -> None:
+        if not self._python_only and self._first(tensor):
+            self.guard.add_tensor(tensor, path)
+
+    def function(self, function, path: str, roots: dict) -> None:
+        """The globals `function`'s code names and its closure cells; modules found there are
+        added to `roots` (name -> module) for the caller to walk."""
+        function = inspect.unwrap(function) if callable(function) else function
+        if inspect.ismethod(function):
+            if isinstance(function.__self__, torch.nn.Module):
+                roots.setdefault(f"{path}.__self__", function.__self__)
+            function = function.__func__
+        if not inspect.isfunction(function):
+            return
+        code = function.__code__
+        names = [name for name in code.co_names if name in function.__globals__]
+        if names:
+            self.guard.add_dict(function.__globals__, f"{function.__module__} (globals)", names)
+        for name in names:
+            self._found(function.__globals__[name], f"{function.__module__}.{name}", roots)
+        for name, cell in zip(code.co_freevars, function.__closure__ or (), strict=True):
+            self.guard.add_cell(cell, f"{function.__qualname__}.<{name}>")
+            try:
+                self._found(cell.cell_contents, f"{function.__qualname__}.<{name}>", roots)
+            except ValueError:  # an empty cell
+                pass
+
+    def global_hooks(self) -> None:
+        for name in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_with_kwargs",
+                     "_global_forward_hooks_always_called"):
+            hooks = getattr(_module_globals, name, None)
+            if isinstance(hooks, dict):
+                self.guard.add_dict(hooks, f"torch.nn.modules.module.{name}")
+
+    def _found(self, value, path: str, roots: dict) -> None:
+        if isinstance(value, torch.nn.Module):
+            roots.setdefault(path, value)
+        elif isinstance(value, torch.Tensor):
+            self.tensor(value, path)
+
+    def _value(self, value, path: str, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            self.tensor(value, path)
+        elif isinstance(value, dict):
+            if self._first(value):
+                self.guard.add_dict(value, path)
+                for key, item in value.items():
+                    self._value(item, f"{path}[{key!r}]", depth)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value[:64]):
+                self._value(item, f"{path}[{i}]", depth)
+        elif depth > 0 and not isinstance(value, _NOT_WALKED) and isinstance(getattr(value, "__dict__", None), dict):
+            if self._first(value):
+                self.guard.add_dict(value.__dict__, path)
+                for name, item in value.__dict__.items():
+                    self._value(item, f"{path}.{name}", depth - 1)
+
+    def _first(self, obj) -> bool:
+        if id(obj) in self._seen:
+            return False
+        self._seen.add(id(obj))
+        return True
+
+
+def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensors: Iterable = (),
+           python_only: bool = False) -> _C.StateGuard:
+    """A guard over the module trees of `roots` (path -> module) and of the modules the globals
+    and closures of `functions` hold.
+
+    `reached`: the ids of the modules of `roots`' trees whose forward ran while the entry was
+    traced; only they, their ancestors and the roots are guarded (None: every module of the
+    trees). `tensors`:
+    (path, tensor) pairs the graph reads besides those (constants it lifted); their owning
+    modules are guarded too. `python_only`: no tensors, and not the parameter and buffer dicts."""
+    guarded = Guarded(python_only)
+    guarded.global_hooks()
+    # Modules reached through globals and closures were traced live, without a record of
+    # which of them ran: their whole trees are guarded.
+    found: dict = {}
+    for i, function in enumerate(functions):
+        guarded.function(function, f"function {i}", found)
+    tensors = list(tensors)
+    owned_by = _owners(roots.values()) if reached is not None else {}
+    needed = set(reached or ())
+    for _, tensor in tensors:
+        needed.update(owned_by.get(id(tensor), ()))
+    for root_path, root in roots.items():
+        for path, module in _needed_modules(root, root_path, None if reached is None else needed):
+            guarded.module(module, path)
+    for root_path, root in found.items():
+        for path, module in _needed_modules(root, root_path, None):
+            guarded.module(module, path)
+    for path, tensor in tensors:
+        guarded.tensor(tensor, path)
+    return guarded.guard
+
+
+def _owners(roots) -> dict[int, list[int]]:
+    """id(tensor) -> ids of the modules that hold it as a parameter or buffer."""
+    out: dict[int, list[int]] = {}
+    for root in roots:
+        for module in root.modules():
+            for tensor in (*module._parameters.values(), *module._buffers.values()):
+                if tensor is not None:
+                    out.setdefault(id(tensor), []).append(id(module))
+    return out
+
+
+def _needed_modules(root: torch.nn.Module, root_path: str, needed: set | None):
+    """(path, module) of the modules of `root`'s tree to guard: all when `needed` is None,
+    else the root and every module in `needed` with its ancestors."""
+    if needed is None:
+        for name, module in root.named_modules(remove_duplicate=True):
+            yield (f"{root_path}.{name}" if name else root_path), module
+        return
+    kept: set[int] = set()
+    visited: set[int] = set()
+
+    def walk(module, path, ancestors):
+        if id(module) in visited:
+            return
+        visited.add(id(module))
+        if id(module) in needed:
+            for ancestor_path, ancestor in ancestors:
+                if id(ancestor) not in kept:
+                    kept.add(id(ancestor))
+                    yield ancestor_path, ancestor
+            if id(module) not in kept:
+                kept.add(id(module))
+                yield path, module
+        for name, child in module._modules.items():
+            if child is not None:
+                yield from walk(child, f"{path}.{name}", [*ancestors, (path, module)])
+
+    kept.add(id(root))
+    yield root_path, root
+    yield from walk(root, root_path, [])

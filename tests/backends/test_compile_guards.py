@@ -1,0 +1,371 @@
+"""A compiled entry never answers for state it was not built from (csrc/cache/state_guard.h,
+_backends/guards.py), builds never touch the live model, and every failure falls back.
+
+The oracle throughout: after any sequence of calls and model changes, the cached answer
+equals the uncached one. Each case is also run through torch.compile where it says what
+torch.compile does."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils._pytree import tree_flatten
+
+import shapecache as sc
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+# The README's rounding for compiled entries: inductor may reorder float sums.
+CLOSE = {"rtol": 1e-4, "atol": 1e-5}
+
+
+class Processor:
+    """A plain object a module calls, as diffusers' attention processors are."""
+
+    def __init__(self, scale: float = 1.0):
+        self.scale = scale
+
+    def __call__(self, x):
+        return x * self.scale
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6)
+        self.processor = Processor()
+        self.factor = 1.0
+
+    def forward(self, x):
+        y = self.processor(self.linear(x)) * self.factor
+        return y + 1 if self.training else y
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = Block()
+        self.second = Block()
+        self.offset = torch.zeros(6)  # a plain tensor attribute: no parameter, no buffer
+
+    def forward(self, x):
+        return self.second(self.first(x)) + self.offset
+
+
+def twins():
+    """A model to cache and an equal one to call plainly."""
+    torch.manual_seed(0)
+    net = Net().eval()
+    return net, copy.deepcopy(net)
+
+
+def compiled(net, **options):
+    return sc.cached(net, backend="compile", budget="1GiB", **options)
+
+
+def check(cached, plain, x):
+    with torch.no_grad():
+        torch.testing.assert_close(cached(x), plain(x), **CLOSE)
+
+
+# Mutations applied alike to the cached model and its twin: each returns nothing.
+def set_factor(net, value):
+    net.first.factor = value
+
+
+def set_same_factor(net, _):
+    net.first.factor = float(net.first.factor)  # a new float object, the same value
+
+
+def train_submodule(net, _):
+    net.second.train()
+
+
+def eval_all(net, _):
+    net.eval()
+
+
+def swap_processor(net, value):
+    net.second.processor = Processor(value)
+
+
+def set_processor_scale(net, value):
+    net.first.processor.scale = value
+
+
+def replace_parameter(net, value):
+    net.first.linear.weight = torch.nn.Parameter(torch.full((6, 6), value / 10))
+
+
+def replace_data(net, value):
+    net.second.linear.bias.data = torch.full((6,), value)
+
+
+def update_in_place(net, value):
+    with torch.no_grad():
+        net.first.linear.weight.mul_(value)
+
+
+def update_plain_tensor(net, value):
+    net.offset.add_(value)
+
+
+def replace_plain_tensor(net, value):
+    net.offset = torch.full((6,), value)
+
+
+def replace_submodule(net, _):
+    torch.manual_seed(1)
+    net.second.linear = torch.nn.Linear(6, 6)
+
+
+MUTATIONS = [set_factor, set_same_factor, train_submodule, eval_all, swap_processor, set_processor_scale,
+             replace_parameter, replace_data, update_in_place, update_plain_tensor, replace_plain_tensor,
+             replace_submodule]
+
+
+@pytest.mark.parametrize("mutate", MUTATIONS, ids=lambda m: m.__name__)
+def test_each_change_between_calls_is_seen_by_the_compiled_entry(mutate):
+    net, plain = twins()
+    cached = compiled(net)
+    x = torch.randn(3, 6)
+    check(cached, plain, x)
+    check(cached, plain, x)  # a hit
+    for model in (net, plain):
+        mutate(model, 1.5)
+    check(cached, plain, x)
+    stats = sc.stats(cached)
+    if mutate in (set_same_factor, eval_all):  # the same values written again: no rebuild
+        assert stats["invalidations"] == 0 and stats["builds"] == 1
+    else:
+        assert stats["invalidations"] == 1
+
+
+def test_torch_compile_sees_the_same_changes():
+    """What shapecache matches: torch.compile's answer after each change equals the plain call."""
+    for mutate in (set_factor, swap_processor, replace_parameter, update_plain_tensor):
+        torch._dynamo.reset()
+        net, plain = twins()
+        dynamo = torch.compile(net, dynamic=False)
+        x = torch.randn(3, 6)
+        check(dynamo, plain, x)
+        for model in (net, plain):
+            mutate(model, 1.5)
+        check(dynamo, plain, x)
+
+
+actions = st.one_of(
+    st.tuples(st.just("call"), st.sampled_from([2, 3])),
+    st.tuples(st.sampled_from(MUTATIONS), st.sampled_from([0.5, 1.5, 2.0])),
+)
+
+
+def run_differentially(backend, steps):
+    net, plain = twins()
+    cached = sc.cached(net, backend=backend, budget="1GiB")
+    xs = {n: torch.randn(n, 6) for n in (2, 3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for action, value in [("call", 2), *steps, ("call", 3)]:
+            if action == "call":
+                check(cached, plain, xs[value])
+            else:
+                action(net, value)
+                action(plain, value)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(actions, max_size=8))
+def test_any_sequence_of_changes_and_calls_answers_as_the_uncached_model_eager(steps):
+    run_differentially("eager", steps)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(actions, min_size=2, max_size=6))
+def test_any_sequence_of_changes_and_calls_answers_as_the_uncached_model_compiled(steps):
+    run_differentially("compile", steps)
+
+
+def test_a_function_calling_a_global_model_sees_its_weights_replaced():
+    net, plain = twins()
+    global GLOBAL_MODEL
+    GLOBAL_MODEL = net
+
+    @sc.cached(backend="compile", budget="1GiB")
+    def run(x):
+        return GLOBAL_MODEL(x)
+
+    x = torch.randn(2, 6)
+    check(run, plain, x)
+    for model in (net, plain):
+        replace_data(model, 3.0)
+    check(run, plain, x)
+    for model in (net, plain):
+        replace_parameter(model, 2.0)
+    check(run, plain, x)
+    assert sc.stats(run)["invalidations"] == 2
+
+
+GLOBAL_MODEL = None
+
+
+class Counting(torch.nn.Module):
+    """Reads and writes a step counter on every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = 0
+
+    def forward(self, x):
+        self.steps += 1
+        return x * self.steps
+
+
+def test_state_the_call_writes_runs_uncached_with_one_warning_naming_it():
+    cached, plain = sc.cached(Counting(), backend="compile"), Counting()
+    x = torch.ones(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            torch.testing.assert_close(cached(x), plain(x))
+    messages = [str(w.message) for w in caught if "shapecache" in str(w.message)]
+    assert len(messages) == 1 and "steps" in messages[0], messages
+    assert sc.stats(cached)["builds"] == 0 and sc.stats(cached)["uncached_calls"] == 3
+
+
+def test_state_changed_before_every_call_stops_rebuilding_after_three():
+    net, plain = twins()
+    cached = compiled(net)
+    x = torch.randn(2, 6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(6):
+            for model in (net, plain):
+                model.first.factor = float(step)
+            check(cached, plain, x)
+    stats = sc.stats(cached)
+    assert stats["builds"] == 3 and stats["uncached_calls"] == 3  # built, rebuilt twice, then given up
+    messages = [str(w.message) for w in caught if "uncached from now on" in str(w.message)]
+    assert len(messages) == 1 and "first.factor changed" in messages[0], messages
+    sc.clear(cached)
+    check(cached, plain, x)
+    assert sc.stats(cached)["builds"] == 4
+
+
+def test_buffers_the_call_updates_are_updated_once_per_call():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).train()
+    plain = copy.deepcopy(net)
+    cached = sc.cached(net, backend="compile")
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        torch.testing.assert_close(cached(x), plain(x), **CLOSE)
+    torch.testing.assert_close(net[1].running_mean, plain[1].running_mean, **CLOSE)
+    assert net[1].num_batches_tracked.item() == 3
+
+
+@pytest.mark.parametrize("function,x", [
+    (lambda x: x[x > 0] * 2, torch.randn(16)),  # a data-dependent output size
+    (lambda x: (x * 2, "a", 1.5), torch.randn(4)),  # constants in the output
+    (lambda x: {"y": x + 1, "m": "text"}, torch.randn(4)),
+], ids=["data-dependent", "tuple-with-constants", "dict-with-constants"])
+def test_calls_torch_compile_serves_are_served_every_time(function, x):
+    cached = sc.cached(function, backend="compile")
+    for _ in range(3):
+        assert_same(cached(x), function(x))
+    assert sc.stats(cached)["misses"] == 1  # built, or given up, once; never retried per call
+    assert_same(torch.compile(function, dynamic=False)(x), function(x))  # torch.compile serves it too
+
+
+def assert_same(out, expected):
+    out_leaves, out_spec = tree_flatten(out)
+    expected_leaves, expected_spec = tree_flatten(expected)
+    assert out_spec == expected_spec
+    for a, b in zip(out_leaves, expected_leaves, strict=True):
+        if isinstance(b, torch.Tensor):
+            torch.testing.assert_close(a, b)
+        else:
+            assert a == b
+
+
+def test_inputs_of_other_strides_get_entries_of_their_own():
+    cached = sc.cached(lambda a: a * 2 + 1, backend="compile")
+    base = torch.randn(8, 8)
+    first, second = base[:, :4], base.t()[:4, :]  # same sizes, both non-contiguous, other strides
+    for view in (first, second, first, second):
+        torch.testing.assert_close(cached(view), view * 2 + 1)
+    assert sc.stats(cached)["builds"] == 2 and sc.stats(cached)["fallbacks"] == 0
+
+
+def test_a_call_that_fails_by_itself_raises_its_own_error_and_builds_nothing():
+    class Picky(torch.nn.Module):
+        def forward(self, x):
+            if x.shape[0] == 3:
+                raise KeyError("three is not allowed")
+            return x + 1
+
+    cached = sc.cached(Picky(), backend="compile")
+    with pytest.raises(KeyError, match="three is not allowed"):
+        cached(torch.ones(3))
+    assert sc.stats(cached)["builds"] == 0 and sc.stats(cached)["fallbacks"] == 0
+    torch.testing.assert_close(cached(torch.ones(2)), torch.ones(2) + 1)
+    assert sc.stats(cached)["builds"] == 1
+
+
+def test_an_inner_cached_module_is_transparent_while_the_outer_builds():
+    torch.manual_seed(0)
+    inner = sc.cached(torch.nn.Linear(4, 4), backend="compile")
+    cached = sc.cached(torch.nn.Sequential(inner, torch.nn.ReLU()), backend="compile")
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(cached(x), torch.relu(torch.nn.functional.linear(x, inner.weight, inner.bias)))
+    assert sc.stats(inner)["calls"] == 0  # the outer graph holds the inner's work; nothing built from fake tensors
+    assert sc.stats(cached)["builds"] == 1 and sc.stats(cached)["fallbacks"] == 0
+    torch.testing.assert_close(inner(x), torch.nn.functional.linear(x, inner.weight, inner.bias))  # called itself: it builds
+    assert sc.stats(inner)["builds"] == 1
+
+
+def test_threads_call_sizes_submodules_stats_and_clear_while_builds_run():
+    net, plain = twins()
+    cached = compiled(net)
+    xs = [torch.randn(n, 6) for n in (1, 2, 3, 4)]
+    with torch.no_grad():
+        expected = [plain(x) for x in xs]
+        expected_first = [plain.first(x) for x in xs]
+    errors = []
+
+    def caller(offset):
+        try:
+            for step in range(12):
+                i = (step + offset) % len(xs)
+                with torch.no_grad():
+                    torch.testing.assert_close(cached(xs[i]), expected[i], **CLOSE)
+                    torch.testing.assert_close(net.first(xs[i]), expected_first[i], **CLOSE)  # a plain submodule call
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+
+    def bystander():
+        try:
+            for step in range(30):
+                sc.stats(cached)
+                if step % 10 == 9:
+                    sc.clear(cached)
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(3)] + [threading.Thread(target=bystander)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors
+    stats = sc.stats(cached)
+    assert stats["builds"] >= 1 and stats["hits"] >= 1, stats
