@@ -1,10 +1,15 @@
 """Per-call overhead of a cache hit, against a direct call and against torch.compile.
 
-    python benchmarks/overhead.py [--calls 2000] [--device cpu] [--json out.json]
+    python benchmarks/overhead.py [--calls 2000] [--device cpu] [--json out.json] [--skip-unet]
 
-A tiny model (so that the call's own work is small and the overhead shows) is called at one
-shape many times; each row is the median of per-call wall times after warm-up. "overhead"
-is the row's median minus the direct eager call's.
+Two models, each called at one shape many times; each row is the median of per-call wall
+times after warm-up, and "overhead" is the row's median minus the direct call of the same
+model:
+  - tiny: two 16x16 Linears (the call's own work is small, so the overhead shows);
+  - unet holder: a module holding an SD1.5-config UNet2DConditionModel (686 tensors, 709
+    modules, random weights) whose forward is trivial, so only the per-call machinery is
+    timed: the key, the lookup, the guards a hit checks (state_guard.h), and the runner.
+    torch.compile's row is its guard check on the same module (needs diffusers).
 """
 
 from __future__ import annotations
@@ -30,6 +35,25 @@ class Tiny(torch.nn.Module):
         return self.b(torch.relu(self.a(x))) * scale
 
 
+class UNetHolder(torch.nn.Module):
+    """A full-size model beside a trivial forward: what a hit costs besides the model's work."""
+
+    def __init__(self):
+        super().__init__()
+        from diffusers import UNet2DConditionModel
+
+        self.unet = UNet2DConditionModel(  # Stable Diffusion 1.5's configuration
+            sample_size=64, in_channels=4, out_channels=4, layers_per_block=2,
+            block_out_channels=(320, 640, 1280, 1280), cross_attention_dim=768, attention_head_dim=8,
+            down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        )
+        self.scale = 2.0
+
+    def forward(self, x):
+        return x * self.scale
+
+
 def median_us(call, x, calls: int, device: torch.device) -> tuple[float, float]:
     for _ in range(max(50, calls // 10)):
         call(x)
@@ -50,6 +74,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--skip-inductor", action="store_true", help="leave out the torch.compile rows")
+    parser.add_argument("--skip-unet", action="store_true", help="leave out the UNet holder's rows")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -73,18 +98,52 @@ def main(argv=None) -> int:
         padded = sc.cached(fresh(), backend="eager", buckets={"x": {0: sc.power_of_two()}})
         x3 = x[:3].contiguous()
         rows.append(("shapecache eager, batch padded 3->4 (hit)", median_us(padded, x3, args.calls, device)))
+        tables = [("tiny", rows)]
+        if not args.skip_unet:
+            tables.append(("unet holder", unet_rows(device, args)))
 
-    base = rows[0][1][0]
     print(f"torch {torch.__version__}, device {device}, {args.calls} calls per row, python {sys.version.split()[0]}")
-    header = f"{'path':<44} {'median us':>10} {'p90 us':>9} {'overhead us':>12} {'ratio':>7}"
+    header = f"{'model':<12} {'path':<44} {'median us':>10} {'p90 us':>9} {'overhead us':>12} {'ratio':>7}"
     print(header)
     print("-" * len(header))
-    for name, (median, p90) in rows:
-        print(f"{name:<44} {median:>10.2f} {p90:>9.2f} {median - base:>12.2f} {median / base:>7.2f}")
+    for model, table in tables:
+        base = table[0][1][0]
+        for name, (median, p90) in table:
+            print(f"{model:<12} {name:<44} {median:>10.2f} {p90:>9.2f} {median - base:>12.2f} {median / base:>7.2f}")
+    for note in notes:
+        print(note)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{"path": n, "median_us": m, "p90_us": p, "overhead_us": m - base} for n, (m, p) in rows], f, indent=2)
+            json.dump([{"model": model, "path": n, "median_us": m, "p90_us": p, "overhead_us": m - table[0][1][0]}
+                       for model, table in tables for n, (m, p) in table], f, indent=2)
     return 0
+
+
+notes: list[str] = []
+
+
+def unet_rows(device, args) -> list:
+    holder = UNetHolder().to(device).eval()
+    tensors = sum(1 for _ in holder.unet.parameters()) + sum(1 for _ in holder.unet.buffers())
+    print(f"unet holder: {tensors} tensors, {sum(1 for _ in holder.unet.modules())} modules", file=sys.stderr)
+    x = torch.randn(4, 16, device=device)
+    rows = [("direct eager call", median_us(holder, x, args.calls, device))]
+    rows.append(("shapecache eager (hit)", median_us(sc.cached(holder, backend="eager"), x, args.calls, device)))
+    sc.uncached(holder)
+    if not args.skip_inductor:
+        cached = sc.cached(holder, backend="compile")
+        rows.append(("shapecache compile (hit)", median_us(cached, x, args.calls, device)))
+        sc.uncached(holder)
+        rows.append(("torch.compile (guards hit)", median_us(torch.compile(holder, dynamic=False), x, args.calls, device)))
+    # What a hit adds when the call ran every module of the UNet: the guard over its whole tree.
+    from shapecache._backends import guards
+
+    guard = guards.record({"unet": holder.unet})
+    check = guard.check
+    median, _ = median_us(lambda _: check(), x, args.calls, device)
+    notes.append(f"a guard over the whole UNet ({guard.dict_count} dicts, {guard.tensor_count} tensors), as a hit of a "
+                 f"call that ran every module checks it: {median:.2f} us per check")
+    return rows
 
 
 if __name__ == "__main__":

@@ -291,6 +291,7 @@ void bind_cache(py::module_& m) {
       .def("add_dict", &StateGuard::add_dict, py::arg("dict"), py::arg("path"), py::arg("keys") = py::none())
       .def("add_tensor", &StateGuard::add_tensor, py::arg("tensor"), py::arg("path"), py::arg("check_version") = true)
       .def("add_cell", &StateGuard::add_cell, py::arg("cell"), py::arg("path"))
+      .def("add_list", &StateGuard::add_list, py::arg("list"), py::arg("path"))
       .def("check", &StateGuard::check)
       .def_property_readonly("changed", &StateGuard::changed)
       .def_property_readonly("dict_count", &StateGuard::dict_count)

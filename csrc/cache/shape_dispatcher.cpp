@@ -304,7 +304,10 @@ py::object ShapeDispatcher::run_entry(const CallKey& key, Entry& entry, const py
 }
 
 void ShapeDispatcher::give_up_if_unstable(const CallKey& key, const std::string& changed) {
-  if (++invalidations_in_a_row_[key.key] < kInvalidationsBeforeUncached) return;
+  auto& [count, last] = invalidations_in_a_row_[key.key];
+  count = changed == last ? count + 1 : 1;
+  last = changed;
+  if (count < kInvalidationsBeforeUncached) return;
   invalidations_in_a_row_.erase(key.key);
   run_uncached_from_now_on(key.key);
   warn_once(warned_unstable_, "shapecache: " + changed + " before each of the last " +

@@ -29,6 +29,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <unordered_set>
 #include <vector>
 
@@ -93,7 +94,8 @@ class ShapeDispatcher {
   py::object run_entry(const CallKey& key, Entry& entry, const py::tuple& own_args, const py::dict& own_kwargs,
                        const py::tuple& call_args);
   // After an entry was found stale: counts it, and after kInvalidationsBeforeUncached in a
-  // row without a hit between them, gives the bucket up (`changed` names what changed).
+  // row by the same change without a hit between them, gives the bucket up (`changed` names
+  // what changed).
   void give_up_if_unstable(const CallKey& key, const std::string& changed);
   void run_uncached_from_now_on(const ShapeKey& key);
   std::optional<py::tuple> run_builder(const c10::Device& device, PyObject* args, PyObject* kwargs);
@@ -144,10 +146,12 @@ class ShapeDispatcher {
   // not, or what it reads changed before every call. Emptied by clear() (and, like the crop
   // plans, at kMaxKeysRemembered keys).
   std::unordered_set<ShapeKey, ShapeKeyHash> uncached_buckets_;
-  // Invalidations of a bucket since its last hit. A bucket found stale this many times in a
-  // row is given up: something it reads changes on every call (a step counter in a hook).
+  // Invalidations of a bucket since its last hit, by the same change each time, and what that
+  // change was. A bucket found stale this many times in a row by one change is given up:
+  // something it reads changes on every call (a step counter in a hook). Different changes in
+  // a row (a user trying settings) are not counted together.
   static constexpr int kInvalidationsBeforeUncached = 3;
-  std::unordered_map<ShapeKey, int, ShapeKeyHash> invalidations_in_a_row_;
+  std::unordered_map<ShapeKey, std::pair<int, std::string>, ShapeKeyHash> invalidations_in_a_row_;
 };
 
 }  // namespace shapecache

@@ -113,6 +113,12 @@ void StateGuard::add_cell(const py::object& cell, std::string path) {
   cells_.push_back({cell, py::reinterpret_borrow<py::object>(PyCell_GET(cell.ptr())), std::move(path)});
 }
 
+void StateGuard::add_list(const py::list& list, std::string path) {
+  GuardedList guarded{list, {}, std::move(path)};
+  for (py::handle item : list) guarded.items.push_back(py::reinterpret_borrow<py::object>(item));
+  lists_.push_back(std::move(guarded));
+}
+
 bool StateGuard::fail(std::string what) {
   stale_ = true;
   changed_ = std::move(what);
@@ -159,6 +165,14 @@ bool StateGuard::check() {
   }
   for (const GuardedTensor& guarded : tensors_) {
     if (!tensor_unchanged(guarded)) return false;
+  }
+  for (const GuardedList& guarded : lists_) {
+    PyObject* list = guarded.list.ptr();
+    bool same = PyList_GET_SIZE(list) == static_cast<Py_ssize_t>(guarded.items.size());
+    for (size_t i = 0; same && i < guarded.items.size(); ++i) {
+      same = same_value(PyList_GET_ITEM(list, static_cast<Py_ssize_t>(i)), guarded.items[i].ptr());
+    }
+    if (!same) return fail(guarded.path + " (a list) changed");
   }
   for (const GuardedCell& guarded : cells_) {
     if (!same_value(PyCell_GET(guarded.cell.ptr()), guarded.content.ptr())) {

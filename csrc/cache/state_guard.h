@@ -10,7 +10,9 @@
 //     or the names the code reads) and their version;
 //   - tensors: the Python object's TensorImpl, its storage, offset and version counter, so
 //     that `.data =`, `.to()`, swap_tensors and in-place updates are all seen;
-//   - closure cells: what they hold.
+//   - closure cells: what they hold;
+//   - lists (peft's merged adapters, a processor's scales): their items, compared on every
+//     check, since a list keeps no version.
 //
 // check() costs one version read per dict and a few pointer reads per tensor while nothing
 // moved. A dict whose version moved has its items compared again, by identity, and by value
@@ -47,6 +49,8 @@ class StateGuard {
   void add_tensor(const py::object& tensor, std::string path, bool check_version);
   // Guards what a closure cell holds.
   void add_cell(const py::object& cell, std::string path);
+  // Guards a list's items (compared on every check: a list keeps no version).
+  void add_list(const py::list& list, std::string path);
 
   // True while everything is as recorded. Once false, always false.
   bool check();
@@ -77,6 +81,11 @@ class StateGuard {
     int64_t version;  // -1: not checked
     std::string path;
   };
+  struct GuardedList {
+    py::object list;
+    std::vector<py::object> items;
+    std::string path;
+  };
   struct GuardedCell {
     py::object cell;
     py::object content;  // null when the cell was empty
@@ -91,6 +100,7 @@ class StateGuard {
   std::vector<GuardedDict> dicts_;
   std::vector<GuardedTensor> tensors_;
   std::vector<GuardedCell> cells_;
+  std::vector<GuardedList> lists_;
   bool stale_ = false;
   std::string changed_;
 };

@@ -53,9 +53,10 @@ class Net(torch.nn.Module):
         self.first = Block()
         self.second = Block()
         self.offset = torch.zeros(6)  # a plain tensor attribute: no parameter, no buffer
+        self.register_buffer("shift", torch.zeros(6))
 
     def forward(self, x):
-        return self.second(self.first(x)) + self.offset
+        return self.second(self.first(x)) + self.offset - self.shift
 
 
 def twins():
@@ -116,6 +117,10 @@ def update_plain_tensor(net, value):
     net.offset.add_(value)
 
 
+def update_buffer(net, value):
+    net.shift.fill_(value)
+
+
 def replace_plain_tensor(net, value):
     net.offset = torch.full((6,), value)
 
@@ -126,8 +131,8 @@ def replace_submodule(net, _):
 
 
 MUTATIONS = [set_factor, set_same_factor, train_submodule, eval_all, swap_processor, set_processor_scale,
-             replace_parameter, replace_data, update_in_place, update_plain_tensor, replace_plain_tensor,
-             replace_submodule]
+             replace_parameter, replace_data, update_in_place, update_plain_tensor, update_buffer,
+             replace_plain_tensor, replace_submodule]
 
 
 @pytest.mark.parametrize("mutate", MUTATIONS, ids=lambda m: m.__name__)
@@ -145,6 +150,19 @@ def test_each_change_between_calls_is_seen_by_the_compiled_entry(mutate):
         assert stats["invalidations"] == 0 and stats["builds"] == 1
     else:
         assert stats["invalidations"] == 1
+
+
+def test_an_entry_without_freezing_reads_weights_live_so_writes_through_data_are_seen():
+    # In-place writes through .data bump no version counter; a graph that reads its weights
+    # where they are (no freezing) sees them without a rebuild.
+    net, plain = twins()
+    cached = compiled(net)
+    x = torch.randn(3, 6)
+    check(cached, plain, x)
+    for model in (net, plain):
+        model.first.linear.weight.data.mul_(3)
+    check(cached, plain, x)
+    assert sc.stats(cached)["invalidations"] == 0
 
 
 def test_torch_compile_sees_the_same_changes():

@@ -114,8 +114,7 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, parameter_names:
         if module.trace.state_written:
             raise WritesState(module.trace.state_written)
         reached = {id(copies.live(module)) for module in copies.ran.values()}
-        read = [(f"graph input {name}", t) for name, t in (*program.state_dict.items(), *program.constants.items())
-                if isinstance(t, torch.Tensor)]
+        read = _tensors_read(program)
         guard = guards.record(roots, functions=[function], reached=reached, tensors=read)
         del program
         # AOT autograd's own cache is off for these builds: its key pickles the exported module,
@@ -131,6 +130,18 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, parameter_names:
                                     guard)
     weakref.finalize(runner, _forget_modules, loaded)
     return CompiledCall(runner, guard)
+
+
+def _tensors_read(program) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the parameters, buffers and lifted constants the graph uses (export
+    lifts every parameter of the traced modules, used or not)."""
+    used = {node.name for node in program.graph.nodes if node.op == "placeholder" and node.users}
+    signature = program.graph_signature
+    state = {**program.state_dict, **program.constants}
+    names = (*signature.inputs_to_parameters.items(), *signature.inputs_to_buffers.items(),
+             *signature.inputs_to_lifted_tensor_constants.items())
+    return [(name, state[name]) for placeholder, name in names
+            if placeholder in used and isinstance(state.get(name), torch.Tensor)]
 
 
 def _positions_of(tensors: tuple, leaves: list) -> list[int]:

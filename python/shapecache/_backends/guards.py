@@ -3,9 +3,10 @@ checked in C++ before each of its calls (``csrc/cache/state_guard.h``).
 
 A compiled entry answers for the state it was built from. It depends on:
 
-- the modules the call reached (their forward ran while the entry was traced), with their
-  ancestors up to the root (so a submodule replaced by another is seen), and the modules
-  that own a tensor the graph reads. For each: its ``__dict__`` (attributes such as FreeU's
+- the modules the call reached (their forward ran while the entry was traced), their direct
+  children (a forward may read a child's attribute without calling it), their ancestors up
+  to the root (so a submodule replaced by another is seen), and the modules that own a
+  tensor the graph reads. For each: its ``__dict__`` (attributes such as FreeU's
   factors, ``training``, the attention processor), every dict it holds (``_parameters``,
   ``_buffers``, ``_modules``, the hook dicts), and the ``__dict__`` of the plain objects
   hanging from it (a processor's scale, a hook's settings), a few levels deep;
@@ -15,8 +16,8 @@ A compiled entry answers for the state it was built from. It depends on:
   found there are walked as above);
 - torch's global forward hooks.
 
-Lists are compared by identity only: an item changed inside a list the entry reads
-(``processor.scale[0] = 0.5``) is not seen; assigning a new list is.
+Lists (peft's ``merged_adapters``, a processor's scales) are compared item by item on every
+check, up to 256 items; a longer list only by identity.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from shapecache._extension import _C
 
 # How deep plain objects hanging from a module are walked (a processor, a hook and its state).
 _OBJECT_DEPTH = 3
+# Lists up to this long are guarded item by item (a list keeps no version, so its items are
+# compared on every check); a longer one by identity only.
+_LIST_ITEMS = 256
 
 # Held by identity, not walked: code (a hook function), Python modules, submodules (each is
 # guarded on its own), tensors, and the cache itself (its counters change as it works).
@@ -110,7 +114,9 @@ class Guarded:
                 for key, item in value.items():
                     self._value(item, f"{path}[{key!r}]", depth)
         elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value[:64]):
+            if type(value) is list and len(value) <= _LIST_ITEMS and self._first(value):
+                self.guard.add_list(value, path)
+            for i, item in enumerate(value[:_LIST_ITEMS]):
                 self._value(item, f"{path}[{i}]", depth)
         elif depth > 0 and not isinstance(value, _NOT_WALKED) and isinstance(getattr(value, "__dict__", None), dict):
             if self._first(value):
@@ -145,6 +151,8 @@ def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensor
     tensors = list(tensors)
     owned_by = _owners(roots.values()) if reached is not None else {}
     needed = set(reached or ())
+    for module in _reached_modules(roots.values(), needed):  # a forward may read a child's attribute
+        needed.update(id(child) for child in module._modules.values() if child is not None)
     for _, tensor in tensors:
         needed.update(owned_by.get(id(tensor), ()))
     for root_path, root in roots.items():
@@ -156,6 +164,10 @@ def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensor
     for path, tensor in tensors:
         guarded.tensor(tensor, path)
     return guarded.guard
+
+
+def _reached_modules(roots, reached: set) -> list:
+    return [module for root in roots for module in root.modules() if id(module) in reached]
 
 
 def _owners(roots) -> dict[int, list[int]]:

@@ -1,0 +1,205 @@
+"""The guard a compiled entry is checked against (csrc/cache/state_guard.h): each kind of change
+is seen and named, writing the same value again is not a change, and a stale guard stays stale."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shapecache._backends import guards
+from shapecache._extension import _C
+
+
+class Settings:
+    def __init__(self):
+        self.scale = 1.0
+        self.mode = "a"
+
+
+def dict_guard(d: dict, keys=None) -> _C.StateGuard:
+    guard = _C.StateGuard()
+    guard.add_dict(d, "d", keys)
+    return guard
+
+
+@pytest.mark.parametrize("change,named", [
+    (lambda d: d.__setitem__("x", 2), "d.x changed"),
+    (lambda d: d.__setitem__("new", 1), "d gained or lost an entry"),
+    (lambda d: d.pop("y"), "d gained or lost an entry"),
+    (lambda d: d.__setitem__("t", (1.0, "b")), "d.t changed"),
+])
+def test_a_changed_dict_is_seen_and_named(change, named):
+    d = {"x": 1, "y": "text", "t": (1.0, "a")}
+    guard = dict_guard(d)
+    assert guard.check()
+    change(d)
+    assert not guard.check()
+    assert guard.changed == named
+    assert not guard.check()  # stale stays stale
+
+
+def test_writing_equal_values_again_is_no_change():
+    d = {"x": 1.5, "s": "text", "t": (2.0, "a"), "n": None}
+    guard = dict_guard(d)
+    d["x"] = float("1.5")  # another object, the same value
+    d["s"] = "".join(["te", "xt"])
+    d["t"] = (float("2.0"), "a")
+    d["n"] = None
+    assert guard.check()
+    d["x"] = 1.25
+    assert not guard.check()
+
+
+def test_an_object_compares_by_identity():
+    d = {"processor": Settings()}
+    guard = dict_guard(d)
+    d["processor"] = Settings()  # equal contents, another object
+    assert not guard.check() and guard.changed == "d.processor changed"
+
+
+def test_only_the_keys_given_are_guarded_and_an_absent_key_must_stay_absent():
+    d = {"model": 1, "counter": 0}
+    guard = dict_guard(d, ["model", "missing"])
+    d["counter"] += 1
+    assert guard.check()
+    d["missing"] = 1
+    assert not guard.check() and guard.changed == "d.missing changed"
+
+
+@pytest.mark.parametrize("change,named", [
+    (lambda t: t.add_(1), "was updated in place"),
+    (lambda t: setattr(t, "data", torch.zeros(3)), "was given other memory"),
+    (lambda t: t.set_(torch.zeros(3)), "was given other memory"),
+    (lambda t: torch.utils.swap_tensors(t, torch.nn.Parameter(torch.ones(3))), "was swapped for another tensor"),
+])
+def test_a_changed_tensor_is_seen_and_named(change, named):
+    weight = torch.nn.Parameter(torch.ones(3))
+    guard = _C.StateGuard()
+    guard.add_tensor(weight, "w")
+    assert guard.check()
+    with torch.no_grad():
+        change(weight)
+    assert not guard.check()
+    assert guard.changed.startswith("w ") and named in guard.changed
+
+
+def test_a_tensor_without_version_checks_ignores_in_place_updates_only():
+    t = torch.ones(3)
+    guard = _C.StateGuard()
+    guard.add_tensor(t, "t", check_version=False)
+    t.add_(1)
+    assert guard.check()
+    t.data = torch.zeros(3)
+    assert not guard.check()
+
+
+def test_an_inference_tensor_is_guarded_without_its_version():
+    with torch.inference_mode():
+        t = torch.ones(3)
+    guard = _C.StateGuard()
+    guard.add_tensor(t, "t")
+    assert guard.check()
+
+
+def test_a_list_is_guarded_item_by_item():
+    holder = {"merged": ["a"], "scales": [1.0, 2.0]}
+    guard = guards.Guarded()
+    guard._value(holder, "layer", 1)
+    holder["scales"][1] = float("2.0")  # the same value
+    assert guard.guard.check()
+    holder["merged"].pop()  # what peft's unmerge does
+    assert not guard.guard.check() and guard.guard.changed == "layer['merged'] (a list) changed"
+
+
+def test_a_closure_cell_is_guarded_by_what_it_holds():
+    scale = 2.0
+
+    def f(x):
+        return x * scale
+
+    guard = _C.StateGuard()
+    guard.add_cell(f.__closure__[0], "f.<scale>")
+    scale = 2.0  # noqa: F841  (the same value again)
+    assert guard.check()
+    scale = 3.0  # noqa: F841
+    assert not guard.check() and guard.changed == "f.<scale> (a closure variable) changed"
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+        self.settings = Settings()
+
+    def forward(self, x):
+        return self.linear(x) * self.settings.scale
+
+
+class Holder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = Block()
+        self.unused = Block()
+
+    def forward(self, x):
+        return self.used(x)
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: setattr(m.used.settings, "scale", 2.0),  # a plain object hanging from a module
+    lambda m: m.used.train(),
+    lambda m: m.used.register_forward_hook(lambda *a: None),
+    lambda m: setattr(m.used, "linear", torch.nn.Linear(2, 2)),
+    lambda m: setattr(m.used.linear, "weight", torch.nn.Parameter(torch.ones(2, 2))),
+    lambda m: setattr(m.used.linear.bias, "data", torch.zeros(2)),
+    lambda m: HOOKS.append(torch.nn.modules.module.register_module_forward_hook(lambda *a: None)),
+])
+def test_a_module_tree_guard_sees_attributes_flags_hooks_submodules_and_weights(change):
+    holder = Holder().eval()
+    guard = guards.record({"holder": holder})
+    assert guard.check()
+    change(holder)
+    try:
+        assert not guard.check(), "the change was not seen"
+    finally:
+        while HOOKS:
+            HOOKS.pop().remove()
+
+
+HOOKS = []
+
+
+def test_only_the_modules_that_ran_are_guarded_with_their_ancestors():
+    holder = Holder().eval()
+    reached = {id(holder.used), id(holder.used.linear)}
+    guard = guards.record({"holder": holder}, reached=reached)
+    holder.unused.settings.scale = 5.0  # not read by the call
+    holder.unused.train()
+    assert guard.check()
+    holder.used.settings.scale = 5.0
+    assert not guard.check() and guard.changed == "holder.used.settings.scale changed"
+
+
+def test_a_child_of_a_module_that_ran_is_guarded_though_it_did_not_run():
+    holder = Holder().eval()
+    guard = guards.record({"holder": holder}, reached={id(holder)})  # its forward reads holder.used
+    holder.used.settings.scale = 4.0
+    assert not guard.check() and guard.changed == "holder.used.settings.scale changed"
+
+
+def test_a_function_is_guarded_by_the_globals_it_names_and_the_trees_they_hold():
+    global MODEL
+    MODEL = Block()
+
+    def f(x):
+        return MODEL(x)
+
+    guard = guards.record({}, functions=[f])
+    MODEL.settings.scale = 3.0
+    assert not guard.check()
+    guard = guards.record({}, functions=[f])
+    MODEL = Block()
+    assert not guard.check() and "MODEL changed" in guard.changed
+
+
+MODEL = None
