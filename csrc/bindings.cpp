@@ -297,7 +297,21 @@ void bind_cache(py::module_& m) {
       .def_property_readonly("dict_count", &StateGuard::dict_count)
       .def_property_readonly("tensor_count", &StateGuard::tensor_count);
 
-  py::class_<ShapeDispatcher>(m, "ShapeDispatcher", py::dynamic_attr())
+  py::class_<ShapeDispatcher>(
+      m, "ShapeDispatcher", py::dynamic_attr(), py::custom_type_setup([](PyHeapTypeObject* heap_type) {
+        // The collector sees through the dispatcher to its entries (ShapeDispatcher::traverse).
+        auto* type = &heap_type->ht_type;
+        type->tp_flags |= Py_TPFLAGS_HAVE_GC;
+        type->tp_traverse = [](PyObject* self, visitproc visit, void* arg) {
+          if (int result = py::detail::pybind11_traverse(self, visit, arg)) return result;
+          if (!py::detail::is_holder_constructed(self)) return 0;
+          return py::cast<const ShapeDispatcher&>(py::handle(self)).traverse(visit, arg);
+        };
+        type->tp_clear = [](PyObject* self) {
+          if (py::detail::is_holder_constructed(self)) py::cast<ShapeDispatcher&>(py::handle(self)).clear_references();
+          return py::detail::pybind11_clear(self);
+        };
+      }))
       .def(py::init<py::object, py::object, std::shared_ptr<ShapeCache>, std::vector<ArgumentBuckets>,
                     std::vector<std::string>, py::object, bool>(),
            py::arg("function"), py::arg("builder"), py::arg("cache"), py::arg("buckets"), py::arg("parameter_names"),

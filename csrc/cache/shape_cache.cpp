@@ -92,6 +92,18 @@ std::optional<ShapeKey> ShapeCache::key_of(const c10::Device& device, uint64_t i
   return found;
 }
 
+int ShapeCache::traverse(uint64_t function_id, visitproc visit, void* arg) const {
+  int result = 0;
+  for (const auto& [device, cache] : devices_) {
+    cache.lru->for_each([&](const ShapeKey&, const Entry& entry, int64_t, int) {
+      if (result != 0 || entry.function_id != function_id) return;
+      if (entry.runner) result = visit(entry.runner.ptr(), arg);
+      if (result == 0 && entry.guard) result = entry.guard->traverse(visit, arg);
+    });
+  }
+  return result;
+}
+
 py::list ShapeCache::entries(const c10::Device& device) {
   std::vector<std::tuple<uint64_t, py::object, bool>> found;  // copied out first: see the file's comment
   lru(device).for_each([&](const ShapeKey&, const Entry& entry, int64_t, int pins) {

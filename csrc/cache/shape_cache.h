@@ -48,12 +48,7 @@ struct Entry {
   int64_t hits = 0;           // calls served after the build
   double last_use = 0;        // unix time of the last call
 
-  // False once what the entry was built from changed: it must be rebuilt, never run.
-  bool valid() const {
-    if (native) return native->valid();
-    return !guard || guard->check();
-  }
-  // After valid() returned false: what changed.
+  // After a check found the entry stale (ShapeDispatcher::still_valid): what changed.
   std::string changed() const {
     if (guard && !guard->changed().empty()) return guard->changed();
     return "what the graph was captured from moved (its workspace, or a released graph)";
@@ -126,6 +121,10 @@ class ShapeCache {
     return devices_.at(device).building.insert(key).second;
   }
   void end_build(const c10::Device& device, const ShapeKey& key) { devices_.at(device).building.erase(key); }
+
+  // Visits the Python objects the entries of one function hold (their runners and guards),
+  // once per reference, for the garbage collector. Calls no Python code.
+  int traverse(uint64_t function_id, visitproc visit, void* arg) const;
 
   // Totals, per-device figures and entries; entries of one function only when given.
   py::dict stats(std::optional<uint64_t> function_id = std::nullopt) const;

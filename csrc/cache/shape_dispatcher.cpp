@@ -219,18 +219,21 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
   EntryLru& lru = cache_->lru(key.device);
   py::object out;
   Entry* entry = lru.find(key.key);
-  if (entry != nullptr && !entry->valid()) {
+  if (entry != nullptr && !still_valid(*entry)) {
     // What the entry was built from changed (state_guard.h): it must not run. Rebuild it (or,
     // if a call up the stack is running it, run this call uncached).
     ++counters_.invalidations;
-    const std::string changed = entry->changed();
+    entry = lru.find(key.key);  // the check may have let another thread erase it
+    const std::string changed = entry != nullptr ? entry->changed() : "the entry was dropped meanwhile";
     if (lru.pin_count(key.key) > 0) {
       out = call_python(function_.ptr(), call_args.ptr(), call_kwargs);
       return key.padded ? crop(self, args, kwargs, *plan, out) : out;
     }
-    { auto stale = lru.erase(key.key); }
+    if (entry != nullptr) auto stale = lru.erase(key.key);
     entry = nullptr;
     give_up_if_unstable(key, changed);
+  } else if (entry != nullptr) {
+    entry = lru.find(key.key);  // the check may have let another thread erase it
   }
   if (entry != nullptr) {
     out = run_entry(key, *entry, key.padded ? key.args : static_cast<const py::tuple&>(args),
@@ -301,6 +304,15 @@ py::object ShapeDispatcher::run_entry(const CallKey& key, Entry& entry, const py
                                       ") where the uncached call did not; that bucket runs uncached from now on "
                                       "(sc.clear lets it be built again)");
   return out;
+}
+
+bool ShapeDispatcher::still_valid(const Entry& entry) {
+  // The check may run Python code (a dict key's __eq__), which may let another thread clear
+  // the cache: what it reads is kept alive here, not through the entry.
+  std::shared_ptr<EntryRunner> native = entry.native;
+  std::shared_ptr<StateGuard> guard = entry.guard;
+  if (native) return native->valid();
+  return !guard || guard->check();
 }
 
 void ShapeDispatcher::give_up_if_unstable(const CallKey& key, const std::string& changed) {
@@ -498,6 +510,19 @@ py::dict ShapeDispatcher::stats() const {
   out["invalidations"] = counters_.invalidations;
   out["busy_misses"] = counters_.busy_misses;
   return out;
+}
+
+int ShapeDispatcher::traverse(visitproc visit, void* arg) const {
+  Py_VISIT(function_.ptr());
+  Py_VISIT(builder_.ptr());
+  Py_VISIT(owner_.ptr());
+  return cache_ ? cache_->traverse(id_, visit, arg) : 0;
+}
+
+void ShapeDispatcher::clear_references() {
+  // Pinned entries stay (a call is running them, so this dispatcher is not garbage then).
+  if (cache_) auto dropped = cache_->clear(id_);
+  crop_plans_.clear();
 }
 
 void ShapeDispatcher::clear() {

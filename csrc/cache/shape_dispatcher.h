@@ -77,6 +77,13 @@ class ShapeDispatcher {
   py::dict stats() const;
   void clear();
 
+  // For the garbage collector (the Python type's tp_traverse and tp_clear): a compiled
+  // entry's guard holds the cached module's dict, which holds this dispatcher, which holds
+  // the entry through the cache, out of the collector's sight. Visiting what this
+  // dispatcher and its entries hold makes the cycle visible; clearing drops the entries.
+  int traverse(visitproc visit, void* arg) const;
+  void clear_references();
+
   const py::object& function() const { return function_; }
   const std::shared_ptr<ShapeCache>& cache() const { return cache_; }
   uint64_t id() const { return id_; }
@@ -97,6 +104,7 @@ class ShapeDispatcher {
   // row by the same change without a hit between them, gives the bucket up (`changed` names
   // what changed).
   void give_up_if_unstable(const CallKey& key, const std::string& changed);
+  static bool still_valid(const Entry& entry);
   void run_uncached_from_now_on(const ShapeKey& key);
   std::optional<py::tuple> run_builder(const c10::Device& device, PyObject* args, PyObject* kwargs);
   py::object run_uncached_after_out_of_memory(const c10::Device& device, PyObject* args, PyObject* kwargs);

@@ -119,6 +119,26 @@ void StateGuard::add_list(const py::list& list, std::string path) {
   lists_.push_back(std::move(guarded));
 }
 
+int StateGuard::traverse(visitproc visit, void* arg) const {
+  for (const GuardedDict& guarded : dicts_) {
+    Py_VISIT(guarded.dict.ptr());
+    for (const Item& item : guarded.items) {
+      Py_VISIT(item.key.ptr());
+      Py_VISIT(item.value.ptr());  // Py_VISIT skips null (an absent key)
+    }
+  }
+  for (const GuardedTensor& guarded : tensors_) Py_VISIT(guarded.tensor.ptr());
+  for (const GuardedList& guarded : lists_) {
+    Py_VISIT(guarded.list.ptr());
+    for (const py::object& item : guarded.items) Py_VISIT(item.ptr());
+  }
+  for (const GuardedCell& guarded : cells_) {
+    Py_VISIT(guarded.cell.ptr());
+    Py_VISIT(guarded.content.ptr());
+  }
+  return 0;
+}
+
 bool StateGuard::fail(std::string what) {
   stale_ = true;
   changed_ = std::move(what);

@@ -57,6 +57,11 @@ class StateGuard {
   // After check() returned false: what changed, named by its path.
   const std::string& changed() const { return changed_; }
 
+  // Visits every Python object the guard holds a reference to, once per reference (for the
+  // garbage collector: a guard holding a cached module's dict closes a cycle through the
+  // cache, which only the dispatcher's tp_traverse makes visible).
+  int traverse(visitproc visit, void* arg) const;
+
   size_t dict_count() const { return dicts_.size(); }
   size_t tensor_count() const { return tensors_.size(); }
 

@@ -348,6 +348,50 @@ def test_an_inner_cached_module_is_transparent_while_the_outer_builds():
     assert sc.stats(inner)["builds"] == 1
 
 
+def test_a_dropped_cached_module_is_collected_though_its_guard_holds_its_state():
+    # The guard holds the module's dict, which holds the cached forward, which holds the guard
+    # through the C++ cache: the dispatcher shows the collector that cycle (tp_traverse).
+    import gc
+    import weakref
+
+    net, _ = twins()
+    cached = compiled(net)
+    with torch.no_grad():
+        cached(torch.randn(2, 6))
+        cached(torch.randn(2, 6))
+    assert sc.stats(cached)["hits"] == 1
+    alive = weakref.ref(net)
+    del net, cached
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_trace_leaves_no_fake_tensor_in_objects_it_shares_with_the_live_model():
+    class LazyProcessor:
+        def __init__(self):
+            self.cache = None
+
+        def __call__(self, x):
+            if self.cache is None:
+                self.cache = torch.ones(x.shape[-1]) * 2  # filled once, by the first call
+            return x * self.cache
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.processor = LazyProcessor()
+
+        def forward(self, x):
+            return self.processor(x)
+
+    net = Net()
+    cached = sc.cached(net, backend="compile")
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        torch.testing.assert_close(cached(x), x * 2)
+    assert not isinstance(net.processor.cache, torch._subclasses.fake_tensor.FakeTensor)
+
+
 def test_threads_call_sizes_submodules_stats_and_clear_while_builds_run():
     net, plain = twins()
     cached = compiled(net)

@@ -93,7 +93,12 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, parameter_names:
     names = ["self", *parameter_names] if has_owner else list(parameter_names)
     roots = {_root_name(names, i, leaf): leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.nn.Module)}
     copy_roots = {path: copies.of(leaf) for path, leaf in roots.items()}
-    module.trace.python_state = guards.record(copy_roots, functions=[function], python_only=True)
+    shared: list[dict] = []
+    module.trace.python_state = guards.record(copy_roots, functions=[function], python_only=True, collect=shared)
+    saved = [(d, dict(d)) for d in shared]
+    # The live state the trace starts from. The entry's guard is recorded from the live model
+    # after the trace; if another thread changed it meanwhile, the entry starts stale.
+    before = guards.record(roots, functions=[function])
     options = dict(compile_options.get("options") or {})
     mode = compile_options.get("mode")
     if mode not in (None, "default"):
@@ -111,11 +116,15 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, parameter_names:
             graph = program.module()
         except Exception as error:  # noqa: BLE001  (export's failures share no base class)
             raise ExportFailed(f"{type(error).__name__}: {_first_line(error)}") from error
+        finally:
+            _take_back_fake_tensors(saved)
         if module.trace.state_written:
             raise WritesState(module.trace.state_written)
         reached = {id(copies.live(module)) for module in copies.ran.values()}
         read = _tensors_read(program)
         guard = guards.record(roots, functions=[function], reached=reached, tensors=read)
+        if not before.check():
+            guard = before
         del program
         # AOT autograd's own cache is off for these builds: its key pickles the exported module,
         # whose closures do not pickle, so it never hits and logs a traceback on every build;
@@ -130,6 +139,31 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, parameter_names:
                                     guard)
     weakref.finalize(runner, _forget_modules, loaded)
     return CompiledCall(runner, guard)
+
+
+def _take_back_fake_tensors(saved: list) -> None:
+    """Puts back what the trace left holding fake tensors in the dicts it shares with the live
+    model (a processor's lazy cache, a global model's attribute). Only those: any other write
+    may be another thread's, and is the call's to keep (the trace's own writes are reported by
+    the guard over the Python state, and the bucket then runs uncached)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def fake(value) -> bool:
+        if isinstance(value, (list, tuple)):
+            return any(isinstance(item, FakeTensor) for item in value)
+        if isinstance(value, dict):
+            return any(isinstance(item, FakeTensor) for item in value.values())
+        return isinstance(value, FakeTensor)
+
+    missing = object()
+    for d, before in saved:
+        for key, value in list(d.items()):
+            if fake(value):
+                old = before.get(key, missing)
+                if old is missing:
+                    del d[key]
+                else:
+                    d[key] = old
 
 
 def _tensors_read(program) -> list[tuple[str, torch.Tensor]]:
@@ -197,6 +231,9 @@ class DetachedTrees:
                     state["forward"] = previous
         if isinstance(state.get("forward"), _C.ShapeDispatcher):  # decorated in its class body, bound here
             del state["forward"]
+        declared = getattr(type(module), "forward", None)
+        if isinstance(declared, _C.ShapeDispatcher):  # the copy runs the decorated function itself
+            state["forward"] = types.MethodType(declared.function, copy)
         state["_modules"] = type(state["_modules"])(
             (name, None if child is None else self.of(child)) for name, child in state["_modules"].items())
         object.__setattr__(copy, "__dict__", state)
@@ -299,6 +336,9 @@ class _Call(torch.nn.Module):
         return tensors
 
 
+_CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
 class OutputLayout:
     """An output split into its tensors and the rest (its structure, its other leaves)."""
 
@@ -306,9 +346,9 @@ class OutputLayout:
         leaves, self.spec = tree_flatten(output)
         self.tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         self.constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        symbolic = [leaf for leaf in self.constants if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool))]
-        if symbolic:  # a number read from a tensor's data: no constant of the bucket
-            raise ValueError(f"the output holds a number computed from tensor data ({symbolic[0]})")
+        unknown = [leaf for leaf in self.constants if not isinstance(leaf, _CONSTANT_TYPES)]
+        if unknown:  # a number read from tensor data, or an object pytree cannot open (it may hold tensors)
+            raise ValueError(f"the output holds {type(unknown[0]).__name__}, which is not a constant of the bucket")
         self._tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
     def is_one_tensor(self) -> bool:

@@ -47,8 +47,9 @@ _NOT_WALKED = (type, types.FunctionType, types.MethodType, types.BuiltinFunction
 class Guarded:
     """Collects what an entry depends on, once per object."""
 
-    def __init__(self, python_only: bool = False):
+    def __init__(self, python_only: bool = False, collect: list | None = None):
         self.guard = _C.StateGuard()
+        self._collect = collect  # receives every dict guarded, when given
         self._seen: set[int] = set()
         # Python state alone: no tensors, and not the dicts that hold parameters and buffers
         # (a trace swaps fake tensors into those).
@@ -60,7 +61,7 @@ class Guarded:
         if not self._first(module):
             return
         state = module.__dict__
-        self.guard.add_dict(state, path)
+        self._add_dict(state, path)
         for name, value in state.items():
             if not (self._python_only and name in ("_parameters", "_buffers")):
                 self._value(value, f"{path}.{name}", _OBJECT_DEPTH)
@@ -110,7 +111,7 @@ class Guarded:
             self.tensor(value, path)
         elif isinstance(value, dict):
             if self._first(value):
-                self.guard.add_dict(value, path)
+                self._add_dict(value, path)
                 for key, item in value.items():
                     self._value(item, f"{path}[{key!r}]", depth)
         elif isinstance(value, (list, tuple)):
@@ -120,9 +121,14 @@ class Guarded:
                 self._value(item, f"{path}[{i}]", depth)
         elif depth > 0 and not isinstance(value, _NOT_WALKED) and isinstance(getattr(value, "__dict__", None), dict):
             if self._first(value):
-                self.guard.add_dict(value.__dict__, path)
+                self._add_dict(value.__dict__, path)
                 for name, item in value.__dict__.items():
                     self._value(item, f"{path}.{name}", depth - 1)
+
+    def _add_dict(self, d: dict, path: str) -> None:
+        self.guard.add_dict(d, path)
+        if self._collect is not None:
+            self._collect.append(d)
 
     def _first(self, obj) -> bool:
         if id(obj) in self._seen:
@@ -132,7 +138,7 @@ class Guarded:
 
 
 def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensors: Iterable = (),
-           python_only: bool = False) -> _C.StateGuard:
+           python_only: bool = False, collect: list | None = None) -> _C.StateGuard:
     """A guard over the module trees of `roots` (path -> module) and of the modules the globals
     and closures of `functions` hold.
 
@@ -140,8 +146,9 @@ def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensor
     traced; only they, their ancestors and the roots are guarded (None: every module of the
     trees). `tensors`:
     (path, tensor) pairs the graph reads besides those (constants it lifted); their owning
-    modules are guarded too. `python_only`: no tensors, and not the parameter and buffer dicts."""
-    guarded = Guarded(python_only)
+    modules are guarded too. `python_only`: no tensors, and not the parameter and buffer dicts.
+    `collect`: receives the dicts of modules and objects guarded."""
+    guarded = Guarded(python_only, collect)
     guarded.global_hooks()
     # Modules reached through globals and closures were traced live, without a record of
     # which of them ran: their whole trees are guarded.
