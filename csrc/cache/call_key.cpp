@@ -319,24 +319,10 @@ std::vector<NamedArgument> canonical_arguments(const py::tuple& args, const py::
   return out;
 }
 
-void for_each_tensor(PyObject* value, const std::function<void(const at::Tensor&)>& visit) {
-  if (THPVariable_Check(value)) {
-    visit(THPVariable_Unpack(value));
-  } else if (PyTuple_Check(value)) {
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(value); ++i) for_each_tensor(PyTuple_GET_ITEM(value, i), visit);
-  } else if (PyList_Check(value)) {
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(value); ++i) for_each_tensor(PyList_GET_ITEM(value, i), visit);
-  } else if (PyDict_Check(value)) {
-    Py_ssize_t position = 0;
-    PyObject* key = nullptr;
-    PyObject* item = nullptr;
-    while (PyDict_Next(value, &position, &key, &item)) for_each_tensor(item, visit);
-  }
-}
-
 namespace {
 
-// for_each_tensor's walk, collecting the tensors' Python objects (borrowed).
+// The walk of for_each_tensor and tensors_in_key_order: the tensors' Python objects
+// (borrowed), in order.
 void collect_tensors(PyObject* value, std::vector<PyObject*>& out) {
   if (THPVariable_Check(value)) {
     out.push_back(value);
@@ -353,6 +339,12 @@ void collect_tensors(PyObject* value, std::vector<PyObject*>& out) {
 }
 
 }  // namespace
+
+void for_each_tensor(PyObject* value, const std::function<void(const at::Tensor&)>& visit) {
+  std::vector<PyObject*> tensors;
+  collect_tensors(value, tensors);
+  for (PyObject* tensor : tensors) visit(THPVariable_Unpack(tensor));
+}
 
 py::tuple tensors_in_key_order(const py::tuple& args, const py::dict& kwargs,
                                const std::vector<std::string>& parameter_names) {

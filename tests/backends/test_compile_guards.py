@@ -204,7 +204,7 @@ def test_any_sequence_of_changes_and_calls_answers_as_the_uncached_model_eager(s
     run_differentially("eager", steps)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(actions, min_size=2, max_size=6))
 def test_any_sequence_of_changes_and_calls_answers_as_the_uncached_model_compiled(steps):
     run_differentially("compile", steps)
