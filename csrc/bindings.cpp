@@ -292,6 +292,8 @@ void bind_cache(py::module_& m) {
       .def("add_tensor", &StateGuard::add_tensor, py::arg("tensor"), py::arg("path"), py::arg("check_version") = true)
       .def("add_cell", &StateGuard::add_cell, py::arg("cell"), py::arg("path"))
       .def("add_list", &StateGuard::add_list, py::arg("list"), py::arg("path"))
+      .def("add_type", &StateGuard::add_type, py::arg("object"), py::arg("path"))
+      .def("add_class", &StateGuard::add_class, py::arg("cls"), py::arg("path"))
       .def("check", &StateGuard::check)
       .def_property_readonly("changed", &StateGuard::changed)
       .def_property_readonly("dict_count", &StateGuard::dict_count)

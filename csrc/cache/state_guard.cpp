@@ -136,7 +136,22 @@ int StateGuard::traverse(visitproc visit, void* arg) const {
     Py_VISIT(guarded.cell.ptr());
     Py_VISIT(guarded.content.ptr());
   }
+  for (const GuardedType& guarded : types_) {
+    Py_VISIT(guarded.object.ptr());
+    Py_VISIT(guarded.type.ptr());
+  }
   return 0;
+}
+
+void StateGuard::add_type(const py::object& obj, std::string path) {
+  types_.push_back({obj, py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr()))),
+                    std::move(path)});
+}
+
+void StateGuard::add_class(const py::type& cls, std::string path) {
+  PyObject* dict = reinterpret_cast<PyTypeObject*>(cls.ptr())->tp_dict;
+  if (dict == nullptr || !PyDict_Check(dict)) throw py::type_error("StateGuard.add_class: " + path + " has no dict");
+  add_dict(py::reinterpret_borrow<py::dict>(dict), std::move(path), py::none());
 }
 
 bool StateGuard::fail(std::string what) {
@@ -185,6 +200,11 @@ bool StateGuard::check() {
   }
   for (const GuardedTensor& guarded : tensors_) {
     if (!tensor_unchanged(guarded)) return false;
+  }
+  for (const GuardedType& guarded : types_) {
+    if (reinterpret_cast<PyObject*>(Py_TYPE(guarded.object.ptr())) != guarded.type.ptr()) {
+      return fail(guarded.path + " changed class");
+    }
   }
   for (const GuardedList& guarded : lists_) {
     PyObject* list = guarded.list.ptr();

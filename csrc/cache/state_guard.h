@@ -11,6 +11,8 @@
 //   - tensors: the Python object's TensorImpl, its storage, offset and version counter, so
 //     that `.data =`, `.to()`, swap_tensors and in-place updates are all seen;
 //   - closure cells: what they hold;
+//   - objects' classes: `obj.__class__ = Other` (token-merging libraries swap a block's class)
+//     and, through add_class, a class's own dict (a method patched on the class);
 //   - lists (peft's merged adapters, a processor's scales): their items, compared on every
 //     check, since a list keeps no version.
 //
@@ -51,6 +53,10 @@ class StateGuard {
   void add_cell(const py::object& cell, std::string path);
   // Guards a list's items (compared on every check: a list keeps no version).
   void add_list(const py::list& list, std::string path);
+  // Guards which class `obj` is an instance of.
+  void add_type(const py::object& obj, std::string path);
+  // Guards a class's own attributes (its dict), as add_dict guards an object's.
+  void add_class(const py::type& cls, std::string path);
 
   // True while everything is as recorded. Once false, always false.
   bool check();
@@ -91,6 +97,11 @@ class StateGuard {
     std::vector<py::object> items;
     std::string path;
   };
+  struct GuardedType {
+    py::object object;
+    py::object type;
+    std::string path;
+  };
   struct GuardedCell {
     py::object cell;
     py::object content;  // null when the cell was empty
@@ -106,6 +117,7 @@ class StateGuard {
   std::vector<GuardedTensor> tensors_;
   std::vector<GuardedCell> cells_;
   std::vector<GuardedList> lists_;
+  std::vector<GuardedType> types_;
   bool stale_ = false;
   std::string changed_;
 };

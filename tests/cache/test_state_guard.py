@@ -169,6 +169,25 @@ def test_a_module_tree_guard_sees_attributes_flags_hooks_submodules_and_weights(
 HOOKS = []
 
 
+def test_a_swapped_class_or_a_method_patched_on_a_class_is_a_change():
+    class Merged(Block):  # what token-merging libraries do to a block
+        pass
+
+    holder = Holder().eval()
+    guard = guards.record({"holder": holder})
+    holder.used.__class__ = Merged
+    assert not guard.check() and guard.changed == "holder.used changed class"
+
+    class Patched(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    patched = Patched()
+    guard = guards.record({"m": patched})
+    Patched.forward = lambda self, x: x * 2
+    assert not guard.check() and "Patched" in guard.changed
+
+
 def test_only_the_modules_that_ran_are_guarded_with_their_ancestors():
     holder = Holder().eval()
     reached = {id(holder.used), id(holder.used.linear)}

@@ -14,6 +14,8 @@ A compiled entry answers for the state it was built from. It depends on:
   parameter, ``.data =``, ``.to()`` and in-place updates are seen;
 - for a function: the globals its code names and its closure cells (the modules and tensors
   found there are walked as above);
+- the class of each module and plain object guarded, and the attributes of its classes (up
+  to ``nn.Module``): a swapped ``__class__`` or a method patched on a class is a change;
 - torch's global forward hooks.
 
 Lists (peft's ``merged_adapters``, a processor's scales) are compared item by item on every
@@ -60,6 +62,7 @@ class Guarded:
         the plain objects hanging from it (not its submodules: each is guarded on its own)."""
         if not self._first(module):
             return
+        self._classes(module, path)
         state = module.__dict__
         self._add_dict(state, path)
         for name, value in state.items():
@@ -121,9 +124,20 @@ class Guarded:
                 self._value(item, f"{path}[{i}]", depth)
         elif depth > 0 and not isinstance(value, _NOT_WALKED) and isinstance(getattr(value, "__dict__", None), dict):
             if self._first(value):
+                self._classes(value, path)
                 self._add_dict(value.__dict__, path)
                 for name, item in value.__dict__.items():
                     self._value(item, f"{path}.{name}", depth - 1)
+
+    def _classes(self, obj, path: str) -> None:
+        """Which class `obj` is, and the attributes of its classes up to torch's and Python's
+        own (a method patched on a class is a change of every instance)."""
+        self.guard.add_type(obj, path)
+        for cls in type(obj).__mro__:
+            if cls in (torch.nn.Module, object):
+                break
+            if self._first(cls):
+                self.guard.add_class(cls, f"class {cls.__module__}.{cls.__qualname__}")
 
     def _add_dict(self, d: dict, path: str) -> None:
         self.guard.add_dict(d, path)
