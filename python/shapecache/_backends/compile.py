@@ -94,15 +94,9 @@ def _build_with_dynamo(function, context, args, kwargs, device) -> BuiltEntry:
         return BuiltEntry(runner, held.bytes(output), output, "eager")
     # Dynamo guards what its graph read itself; shapecache's guard over the whole module trees
     # makes its entries stale on the same changes as every other backend's.
-    guard = guards.record(call_roots(context, args), functions=[function])
+    guard = guards.record(guards.call_roots(args, kwargs, context.has_owner, context.parameter_names),
+                          functions=[function])
     return BuiltEntry(runner, held.bytes(output), output, "compile", guard)
-
-
-def call_roots(context, args) -> dict:
-    """The modules among a call's positional arguments, by parameter name ("self": the owner)."""
-    names = ["self", *context.parameter_names] if context.has_owner else list(context.parameter_names)
-    return {(names[i] if i < len(names) else f"argument {i}"): arg for i, arg in enumerate(args)
-            if isinstance(arg, torch.nn.Module)}
 
 
 class _HeldBytes:

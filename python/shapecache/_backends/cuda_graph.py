@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_leaves
 
 from shapecache import _timing
 from shapecache._backends import BuildContext, BuiltEntry, graph_pool, guards
-from shapecache._backends.compile import call_roots, entry_point
+from shapecache._backends.compile import entry_point
 from shapecache._extension import _C
 
 _warm_up_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -34,7 +34,8 @@ def build_graph(function, args, kwargs, device, context: BuildContext, *, compil
         else function
     # A graph bakes in the Python state its capture read, as a compiled graph does: the same
     # guard (guards.py) over the call's module trees and the function's globals and closures.
-    guard = guards.record(call_roots(context, args), functions=[function])
+    guard = guards.record(guards.call_roots(args, kwargs, context.has_owner, context.parameter_names),
+                          functions=[function])
 
     # Warm-up on a side stream: cuDNN's benchmarking, lazy initialisation and compilation
     # happen here, never inside capture. Its output is the call's result (the eager numbers).

@@ -90,8 +90,7 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, parameter_names:
     copies = DetachedTrees()
     traced = [copies.of(leaf) if isinstance(leaf, torch.nn.Module) else leaf for leaf in leaves]
     module = _Call(function, traced, spec, tensor_positions)
-    names = ["self", *parameter_names] if has_owner else list(parameter_names)
-    roots = {_root_name(names, i, leaf): leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.nn.Module)}
+    roots = guards.call_roots(args, kwargs, has_owner, parameter_names)
     copy_roots = {path: copies.of(leaf) for path, leaf in roots.items()}
     shared: list[dict] = []
     module.trace.python_state = guards.record(copy_roots, functions=[function], python_only=True, collect=shared)
@@ -189,10 +188,6 @@ def _positions_of(tensors: tuple, leaves: list) -> list[int]:
     if free:  # a tensor the key does not hold cannot be an input of the bucket's graph
         raise ExportFailed(f"{len(free)} tensors of the call are inside objects the key does not read")
     return positions
-
-
-def _root_name(names: list, position: int, leaf) -> str:
-    return names[position] if position < len(names) else type(leaf).__name__
 
 
 class DetachedTrees:

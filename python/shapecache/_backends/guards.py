@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch.nn.modules import module as _module_globals
+from torch.utils._pytree import tree_flatten
 
 from shapecache._extension import _C
 
@@ -149,6 +150,18 @@ class Guarded:
             return False
         self._seen.add(id(obj))
         return True
+
+
+def call_roots(args: tuple, kwargs: dict, has_owner: bool, parameter_names) -> dict:
+    """The modules among a call's arguments, at any depth: path -> module. A module passed as
+    an argument is named by its parameter or keyword ("self": the owner), one inside a
+    container by its type and position among the call's leaves."""
+    names = ["self", *parameter_names] if has_owner else list(parameter_names)
+    named = {id(arg): (names[i] if i < len(names) else f"argument {i}") for i, arg in enumerate(args)}
+    named.update({id(value): keyword for keyword, value in kwargs.items()})
+    leaves, _ = tree_flatten((args, kwargs))
+    return {named.get(id(leaf), f"{type(leaf).__name__} {i}"): leaf for i, leaf in enumerate(leaves)
+            if isinstance(leaf, torch.nn.Module)}
 
 
 def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensors: Iterable = (),
