@@ -201,8 +201,6 @@ void bind_cache(py::module_& m) {
       py::arg("function_id") = 0, py::arg("training") = -1, py::arg("parameter_names") = std::vector<std::string>{},
       "The key of calling a function with `args` and `kwargs` (for tests and debugging).");
 
-  m.attr("RUN_ENTRY") = run_entry_marker();
-
   // The modes a CUDA graph is recaptured under (call_modes.h), readable and usable on any device.
   py::class_<CallModes>(m, "CallModes")
       .def_static(
@@ -235,13 +233,16 @@ void bind_cache(py::module_& m) {
 
   py::class_<ShapeCache, std::shared_ptr<ShapeCache>>(m, "ShapeCache")
       .def(py::init([](py::object budget_for_device, std::optional<int64_t> max_entries,
-                       py::object release_device_memory) {
-             return std::make_shared<ShapeCache>(std::move(budget_for_device),
-                                                 max_entries ? *max_entries : EntryLru::kUnlimited,
-                                                 std::move(release_device_memory));
+                       py::object release_device_memory, py::object run_on_fake_tensors,
+                       py::object wake_build_worker) {
+             return std::make_shared<ShapeCache>(
+                 std::move(budget_for_device), max_entries ? *max_entries : EntryLru::kUnlimited,
+                 CacheCallbacks{std::move(release_device_memory), std::move(run_on_fake_tensors),
+                                std::move(wake_build_worker)});
            }),
            py::arg("budget_for_device"), py::arg("max_entries") = py::none(),
-           py::arg("release_device_memory") = py::none())
+           py::arg("release_device_memory") = py::none(), py::arg("run_on_fake_tensors") = py::none(),
+           py::arg("wake_build_worker") = py::none())
       .def("stats", [](const ShapeCache& cache) { return cache.stats(); })
       .def("clear", [](ShapeCache& cache) { cache.clear(); })
       .def(
@@ -273,7 +274,61 @@ void bind_cache(py::module_& m) {
       .def(
           "could_fit", [](ShapeCache& cache, c10::Device device, int64_t bytes) { return cache.lru(device).could_fit(bytes); },
           py::arg("device"), py::arg("bytes"), "Whether an entry of `bytes` fits the device's budget, after evictions.")
-      .def("count_pool_rebuild", &ShapeCache::count_pool_rebuild, py::arg("device"));
+      .def("count_pool_rebuild", &ShapeCache::count_pool_rebuild, py::arg("device"))
+      .def(
+          "handle",
+          [](const std::shared_ptr<ShapeCache>& cache, c10::Device device) {
+            return BuildHandle(cache, device, /*run_call=*/false);
+          },
+          py::arg("device"), "A BuildHandle on `device`, as a builder gets one (for tests of what builders do).");
+
+  py::class_<BuiltEntry>(m, "BuiltEntry", "What a builder returns for a new bucket (csrc/cache/built_entry.h).")
+      .def(py::init([](py::object runner, int64_t bytes, py::object output, std::string backend,
+                       std::shared_ptr<StateGuard> guard, std::optional<std::string> failure, bool ran_call) {
+             if (runner.is_none() && !failure) throw py::value_error("BuiltEntry: runner=None needs a failure");
+             return BuiltEntry{std::move(runner), bytes,        std::move(output), ran_call, std::move(backend),
+                               std::move(guard),  failure.value_or("")};
+           }),
+           py::arg("runner"), py::arg("bytes"), py::arg("output"), py::arg("backend"), py::arg("guard") = nullptr,
+           py::arg("failure") = py::none(), py::kw_only(), py::arg("ran_call") = true)
+      .def_readonly("runner", &BuiltEntry::runner)
+      .def_readonly("bytes", &BuiltEntry::bytes)
+      .def_readonly("output", &BuiltEntry::output)
+      .def_readonly("ran_call", &BuiltEntry::ran_call)
+      .def_readonly("backend", &BuiltEntry::backend)
+      .def_readonly("guard", &BuiltEntry::guard)
+      .def_readonly("failure", &BuiltEntry::failure);
+
+  py::class_<BuildHandle>(m, "BuildHandle", "All a builder may do to its cache (csrc/cache/build_handle.h).")
+      .def_property_readonly("device",
+                             [](const BuildHandle& h) {
+                               return py::reinterpret_steal<py::object>(THPDevice_New(h.device()));
+                             })
+      .def_property_readonly("run_call", &BuildHandle::run_call)
+      .def("set_shared_bytes", &BuildHandle::set_shared_bytes, py::arg("pool") = py::none(),
+           py::arg("workspace") = py::none())
+      .def("could_fit", &BuildHandle::could_fit, py::arg("bytes"))
+      .def("entries", &BuildHandle::entries)
+      .def("erase_entry", &BuildHandle::erase_entry, py::arg("id"))
+      .def("contains_entry", &BuildHandle::contains_entry, py::arg("id"))
+      .def("set_entry_bytes", &BuildHandle::set_entry_bytes, py::arg("id"), py::arg("bytes"))
+      .def("evict_unpinned", &BuildHandle::evict_unpinned)
+      .def("count_pool_rebuild", &BuildHandle::count_pool_rebuild)
+      .def("describe", &BuildHandle::describe);
+
+  m.def("run_next_build", [](c10::Device device) { return BuildQueue::instance().run_next(device); },
+        py::arg("device"), "Runs the oldest background build queued for `device`; False when none waits.");
+  m.def("pending_builds", [] { return BuildQueue::instance().pending(); },
+        "Background builds waiting or running, on every device.");
+  m.def("cancel_all_builds", [] { return BuildQueue::instance().cancel_all().size(); },
+        "Drops every waiting background build (at interpreter exit); the running ones end as they do.");
+  m.def("forget_running_builds", [] { BuildQueue::instance().forget_running(); },
+        "In a forked child: its parent's running builds do not run here.");
+  {
+    py::list names;
+    FunctionCounters{}.for_each([&](const char* name, int64_t) { names.append(name); });
+    m.attr("FUNCTION_COUNTERS") = py::tuple(names);
+  }
 
   py::class_<EntryRunner, std::shared_ptr<EntryRunner>>(m, "EntryRunner")
       .def("valid", &EntryRunner::valid)
@@ -315,13 +370,15 @@ void bind_cache(py::module_& m) {
         };
       }))
       .def(py::init<py::object, py::object, std::shared_ptr<ShapeCache>, std::vector<ArgumentBuckets>,
-                    std::vector<std::string>, py::object, bool>(),
+                    std::vector<std::string>, py::object, bool, py::object>(),
            py::arg("function"), py::arg("builder"), py::arg("cache"), py::arg("buckets"), py::arg("parameter_names"),
-           py::arg("owner"), py::arg("key_training"))
-      .def_static("set_fake_tensor_runner", &ShapeDispatcher::set_fake_tensor_runner, py::arg("runner"))
+           py::arg("owner"), py::arg("key_training"), py::arg("background") = py::none())
       .def("__call__", &ShapeDispatcher::call)
+      .def("queue_build", &ShapeDispatcher::queue_build,
+           "Queues the background build of the bucket of a call with these arguments, without running it.")
       .def("stats", &ShapeDispatcher::stats)
       .def("clear", &ShapeDispatcher::clear)
+      .def_property_readonly("pending_builds", &ShapeDispatcher::pending_builds)
       .def_property_readonly("function", &ShapeDispatcher::function)
       .def_property_readonly("cache", &ShapeDispatcher::cache);
 }

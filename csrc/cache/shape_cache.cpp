@@ -1,5 +1,7 @@
 #include "cache/shape_cache.h"
 
+#include "cache/build_handle.h"
+
 #include <torch/csrc/Device.h>
 
 #include <atomic>
@@ -8,22 +10,24 @@
 
 namespace shapecache {
 
-ShapeCache::ShapeCache(py::object budget_for_device, int64_t max_entries, py::object release_device_memory)
-    : budget_for_device_(std::move(budget_for_device)),
-      release_device_memory_(std::move(release_device_memory)),
-      max_entries_(max_entries) {
+ShapeCache::ShapeCache(py::object budget_for_device, int64_t max_entries, CacheCallbacks callbacks)
+    : budget_for_device_(std::move(budget_for_device)), callbacks_(std::move(callbacks)), max_entries_(max_entries) {
   if (max_entries < 0) {
     throw py::value_error("max_entries must be a non-negative int or None, got " + std::to_string(max_entries));
   }
 }
 
-void ShapeCache::release_device_memory(const c10::Device& device, const py::object& self) {
+void ShapeCache::release_device_memory(const c10::Device& device) {
   {
     auto evicted = evict_unpinned(device);
   }  // the evicted entries are destroyed before the allocator's cache is emptied
-  if (release_device_memory_.is_none()) return;
-  py::object device_obj = py::reinterpret_steal<py::object>(THPDevice_New(device));
-  release_device_memory_(device_obj, self);
+  if (callbacks_.release_device_memory.is_none()) return;
+  callbacks_.release_device_memory(BuildHandle(shared_from_this(), device, /*run_call=*/false));
+}
+
+void ShapeCache::wake_build_worker(const c10::Device& device) {
+  if (callbacks_.wake_build_worker.is_none()) return;
+  callbacks_.wake_build_worker(py::reinterpret_steal<py::object>(THPDevice_New(device)));
 }
 
 EntryLru& ShapeCache::lru(const c10::Device& device) {

@@ -63,13 +63,23 @@ struct SharedBytes {
   int64_t workspace = 0;  // the workspace arena of tuned convolutions
 };
 
-class ShapeCache {
+// What the cache calls into Python for, given when it is made; each may be None.
+struct CacheCallbacks {
+  // release_device_memory(handle: BuildHandle): frees what the allocator caches on
+  // handle.device and charges the shared bytes it leaves (handle.set_shared_bytes).
+  py::object release_device_memory = py::none();
+  // run_on_fake_tensors(function, args, kwargs) -> outputs: the call on fake tensors of the
+  // arguments' sizes, for the crop plans of padded calls (None: padded calls run unpadded).
+  py::object run_on_fake_tensors = py::none();
+  // wake_build_worker(device: torch.device): a build was queued for the device's worker.
+  py::object wake_build_worker = py::none();
+};
+
+class ShapeCache : public std::enable_shared_from_this<ShapeCache> {
  public:
   // `budget_for_device(device: torch.device) -> int` resolves the byte budget of a device
   // the first time the cache sees it (fractions of a device's memory need the device).
-  // `release_device_memory(device: torch.device, cache: ShapeCache)` (or None) frees what
-  // the allocator caches on a device and charges the shared bytes it leaves to `cache`.
-  ShapeCache(py::object budget_for_device, int64_t max_entries, py::object release_device_memory);
+  ShapeCache(py::object budget_for_device, int64_t max_entries, CacheCallbacks callbacks);
 
   // The device's LRU, created on first use. May call into Python (first use only).
   EntryLru& lru(const c10::Device& device);
@@ -81,9 +91,11 @@ class ShapeCache {
   std::vector<EntryLru::Evicted> evict_unpinned(const c10::Device& device);
 
   // After an out-of-memory error: evicts the device's unpinned entries, destroys them, then
-  // calls the release callback given at construction with `self`, this cache as Python sees it
-  // (passed in, not held: a cache holding its own Python object would never be freed).
-  void release_device_memory(const c10::Device& device, const py::object& self);
+  // calls the release callback with a handle on the device.
+  void release_device_memory(const c10::Device& device);
+
+  const py::object& run_on_fake_tensors() const { return callbacks_.run_on_fake_tensors; }
+  void wake_build_worker(const c10::Device& device);
 
   // "holds 1.2 GiB in 3 entries (1 pinned) + 512 MiB pool + 64 MiB workspace; budget 8 GiB"
   std::string describe(const c10::Device& device);
@@ -142,7 +154,7 @@ class ShapeCache {
   std::optional<ShapeKey> key_of(const c10::Device& device, uint64_t id);
 
   py::object budget_for_device_;
-  py::object release_device_memory_;
+  CacheCallbacks callbacks_;
   int64_t max_entries_;
   std::unordered_map<c10::Device, DeviceCache> devices_;
   std::vector<c10::Device> device_order_;  // first use first, for stable stats

@@ -103,6 +103,10 @@ py::tuple with_owner(const py::object& self, const py::tuple& args) {
 // captured or traced call is one graph, not graphs inside a graph.
 thread_local bool inside_build = false;
 
+// Set while this thread runs a background build: no caller is there to see a warning raised
+// as an error.
+thread_local bool in_background_build = false;
+
 class InsideBuild {
  public:
   InsideBuild() : outer_(inside_build) { inside_build = true; }
@@ -145,17 +149,13 @@ class RecursionAllowance {
 
 }  // namespace
 
-const py::object& run_entry_marker() {
-  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> storage;
-  return storage.call_once_and_store_result([] { return py::module_::import("builtins").attr("object")(); })
-      .get_stored();
-}
 
 ShapeDispatcher::ShapeDispatcher(py::object function, py::object builder, std::shared_ptr<ShapeCache> cache,
                                std::vector<ArgumentBuckets> buckets, std::vector<std::string> parameter_names,
-                               py::object owner, bool key_training)
+                               py::object owner, bool key_training, py::object background)
     : function_(std::move(function)),
       builder_(std::move(builder)),
+      background_(std::move(background)),
       cache_(std::move(cache)),
       buckets_(std::move(buckets)),
       parameter_names_(std::move(parameter_names)),
@@ -243,6 +243,30 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
     // call: building it again would cost a build per call and keep nothing.
     ++counters_.uncached_calls;
     out = call_python(function_.ptr(), call_args.ptr(), call_kwargs);
+  } else if (builds_in_background(key.device)) {
+    // The build is queued for the device's worker (unless it is queued or running already);
+    // this call, and the bucket's calls until the entry is in, run uncached. The worker is
+    // woken when this call has returned, so that the build does not compete with the call
+    // that asked for it.
+    if (queue(key, call_args, call_kwargs)) {
+      ++counters_.misses;
+      struct WakeAfter {
+        ShapeCache& cache;
+        const c10::Device& device;
+        ~WakeAfter() {
+          py::error_scope keep;  // the call's own exception, if any, stays the one raised
+          try {
+            cache.wake_build_worker(device);
+          } catch (py::error_already_set& error) {
+            error.discard_as_unraisable("shapecache: waking the build worker");
+          }
+        }
+      } wake{*cache_, key.device};
+      out = call_python(function_.ptr(), call_args.ptr(), call_kwargs);
+    } else {
+      ++counters_.busy_misses;
+      out = call_python(function_.ptr(), call_args.ptr(), call_kwargs);
+    }
   } else if (!cache_->begin_build(key.device, key.key)) {
     // Another call is building this bucket (another thread, or this call's own caller).
     ++counters_.busy_misses;
@@ -250,7 +274,7 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
   } else {
     BuildGuard building(*cache_, key.device, key.key);
     ++counters_.misses;
-    out = build(key, call_args.ptr(), call_kwargs);
+    out = build(key.key, key.device, call_args.ptr(), call_kwargs, /*run_call=*/true, generation_);
   }
   return key.padded ? crop(self, args, kwargs, *plan, out) : out;
 }
@@ -339,9 +363,9 @@ std::shared_ptr<const ShapeDispatcher::CropPlan> ShapeDispatcher::crop_plan(cons
   for (const CropDim& c : key.crop) plan_key.add_int(c.original);
   if (auto found = crop_plans_.find(plan_key); found != crop_plans_.end()) return found->second;
   auto plan = std::make_shared<CropPlan>();
-  const py::object& fake_call = fake_tensor_runner();
+  const py::object& fake_call = cache_->run_on_fake_tensors();
   if (fake_call.is_none()) {
-    plan->reason = "no fake-tensor runner is set (ShapeDispatcher.set_fake_tensor_runner)";
+    plan->reason = "the cache was made without run_on_fake_tensors";
   } else {
     try {
       InsideBuild planning;
@@ -364,13 +388,6 @@ std::shared_ptr<const ShapeDispatcher::CropPlan> ShapeDispatcher::crop_plan(cons
   return crop_plans_.emplace(std::move(plan_key), std::move(plan)).first->second;
 }
 
-py::object& ShapeDispatcher::fake_tensor_runner() {
-  static auto* runner = new py::object(py::none());  // never destroyed: it may outlive the interpreter
-  return *runner;
-}
-
-void ShapeDispatcher::set_fake_tensor_runner(py::object runner) { fake_tensor_runner() = std::move(runner); }
-
 py::object ShapeDispatcher::run_unpadded(const py::object& self, const py::tuple& args, const py::dict& kwargs,
                                          const std::string& reason) {
   ++counters_.uncached_calls;
@@ -380,95 +397,178 @@ py::object ShapeDispatcher::run_unpadded(const py::object& self, const py::tuple
   return call_python(function_.ptr(), with_owner(self, args).ptr(), kwargs.ptr());
 }
 
-py::object ShapeDispatcher::build(CallKey& key, PyObject* args, PyObject* kwargs) {
+bool ShapeDispatcher::builds_in_background(const c10::Device& device) {
+  if (background_.is_none()) return false;
+  if (auto found = background_by_device_.find(device); found != background_by_device_.end()) return found->second;
+  py::object device_obj = py::reinterpret_steal<py::object>(THPDevice_New(device));
+  const bool background = background_(device_obj).cast<bool>();
+  background_by_device_[device] = background;
+  return background;
+}
+
+bool ShapeDispatcher::queue(const CallKey& key, const py::tuple& call_args, PyObject* call_kwargs) {
+  if (!cache_->begin_build(key.device, key.key)) return false;
+  BuildJob job;
+  job.dispatcher = py::cast(this, py::return_value_policy::reference);
+  job.function_id = id_;
+  job.key = key.key;
+  job.device = key.device;
+  job.args = call_args;
+  job.kwargs = py::dict(py::reinterpret_borrow<py::dict>(call_kwargs));
+  job.generation = generation_;
+  job.modes = CallModes::of_this_thread(key.device.type());
+  BuildQueue::instance().push(std::move(job));
+  return true;  // the caller wakes the worker
+}
+
+bool ShapeDispatcher::queue_build(const py::args& args, const py::kwargs& kwargs) {
+  if (transparent_here()) return false;
+  py::object self = owner();
+  CallContext context;
+  context.function_id = id_;
+  context.parameter_names = &parameter_names_;
+  if (key_training_ && !self.is_none()) {
+    const int training = PyObject_IsTrue(self.attr("training").ptr());
+    if (training < 0) throw py::error_already_set();
+    context.training = training;
+  }
+  CallKey key = make_call_key(context, args, kwargs, buckets_);  // UnkeyableArgument reaches the caller
+  if (cache_->lru(key.device).contains(key.key) || uncached_buckets_.count(key.key) != 0) return false;
+  py::tuple call_args = with_owner(self, key.padded ? key.args : static_cast<const py::tuple&>(args));
+  if (!queue(key, call_args, key.padded ? key.kwargs.ptr() : kwargs.ptr())) return false;
+  ++counters_.misses;
+  cache_->wake_build_worker(key.device);
+  return true;
+}
+
+void ShapeDispatcher::run_background_build(BuildJob& job) {
+  BuildGuard building(*cache_, job.device, job.key);
+  if (job.generation != generation_) return;  // cleared since it was queued
+  struct InBackground {
+    InBackground() { in_background_build = true; }
+    ~InBackground() { in_background_build = false; }
+  } in_background;
+  CallModesScope modes(job.modes);
+  ++counters_.background_builds;
+  try {
+    build(job.key, job.device, job.args.ptr(), job.kwargs.ptr(), /*run_call=*/false, job.generation);
+  } catch (py::error_already_set& error) {
+    // No call waits for this build: its failure leaves the bucket uncached, as an inline build
+    // that fails where the plain call does not.
+    if (!error.matches(PyExc_Exception)) throw;
+    ++counters_.fallbacks;
+    run_uncached_from_now_on(job.key);
+    warn_once(warned_background_failed_, "shapecache: the background build of " + describe_key(job.key) +
+                                             " failed (" + describe_error(error) +
+                                             "); that bucket runs uncached from now on (sc.clear lets it be built "
+                                             "again)");
+  }
+}
+
+py::object ShapeDispatcher::build(const ShapeKey& key, const c10::Device& device, PyObject* args, PyObject* kwargs,
+                                  bool run_call, uint64_t generation) {
   {
-    auto last = last_build_bytes_.find(key.device);
-    auto evicted = cache_->lru(key.device).make_room_for(last == last_build_bytes_.end() ? 0 : last->second);
+    auto last = last_build_bytes_.find(device);
+    auto evicted = cache_->lru(device).make_room_for(last == last_build_bytes_.end() ? 0 : last->second);
   }  // what was evicted is released here, before the build allocates
   const auto start = std::chrono::steady_clock::now();
-  std::optional<py::tuple> maybe_built = run_builder(key.device, args, kwargs);
-  if (!maybe_built) return run_uncached_after_out_of_memory(key.device, args, kwargs);
-  py::tuple built = std::move(*maybe_built);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (built.size() != 6) throw py::type_error("shapecache: a builder must return a BuiltEntry (6 fields)");
-  if (built[0].is_none()) {
-    // Nothing could be built for the bucket (the compiler failed where the plain call did not):
-    // the output is the plain call's, and the bucket runs uncached until clear().
+  std::optional<BuiltEntry> maybe_built = run_builder(device, args, kwargs, run_call);
+  if (!maybe_built) {
+    if (run_call) return run_uncached_after_out_of_memory(device, args, kwargs);
+    // In the background no call waits: the bucket is built again from its next miss.
     ++counters_.fallbacks;
-    run_uncached_from_now_on(key.key);
-    warn_once(warned_build_failed_, "shapecache: no entry could be built for " + describe_key(key.key) + " (" +
-                                        first_line(py::str(built[5])) +
-                                        "); that bucket runs uncached from now on (sc.clear lets it be built again)");
-    return built[2];
+    warn_once(warned_out_of_memory_, "shapecache: building an entry on " + device.str() +
+                                         " ran out of memory twice (after evicting and emptying the allocator's "
+                                         "cache); such calls run uncached");
+    return py::none();
   }
-  ++counters_.builds;
+  BuiltEntry built = std::move(*maybe_built);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  py::object output = run_call ? built.output : py::none();
+  if (generation != generation_) return output;  // cleared while building: the result is dropped
+  if (built.runner.is_none()) {
+    // Nothing could be built for the bucket (the compiler failed where the plain call did not):
+    // the bucket runs uncached until clear(). Inline, the output is the plain call's.
+    ++counters_.fallbacks;
+    run_uncached_from_now_on(key);
+    warn_once(warned_build_failed_, "shapecache: no entry could be built for " + describe_key(key) + " (" +
+                                        first_line(built.failure) +
+                                        "); that bucket runs uncached from now on (sc.clear lets it be built again)");
+    return output;
+  }
+  insert(key, device, std::move(built), seconds);
+  return output;
+}
 
+void ShapeDispatcher::insert(const ShapeKey& key, const c10::Device& device, BuiltEntry built, double seconds) {
+  ++counters_.builds;
   Entry entry;
   entry.id = ShapeCache::next_entry_id();
-  entry.runner = built[0];
+  entry.runner = std::move(built.runner);
   if (py::isinstance<EntryRunner>(entry.runner)) entry.native = entry.runner.cast<std::shared_ptr<EntryRunner>>();
-  if (!built[4].is_none()) entry.guard = built[4].cast<std::shared_ptr<StateGuard>>();
+  entry.guard = std::move(built.guard);
   entry.function_id = id_;
-  entry.bucket = describe_key(key.key);
-  entry.backend = built[3].cast<std::string>();
+  entry.bucket = describe_key(key);
+  entry.backend = std::move(built.backend);
   entry.build_seconds = seconds;
   entry.last_use = unix_seconds();
-  const int64_t bytes = built[1].cast<int64_t>();
-  py::object output = built[2];
-  if (bytes >= 0) last_build_bytes_[key.device] = bytes;
+  const int64_t bytes = built.bytes;
+  if (bytes >= 0) last_build_bytes_[device] = bytes;
 
   // The same key may have been built by a re-entrant call meanwhile; then `inserted` is false
   // and the existing entry stays.
-  EntryLru& lru = cache_->lru(key.device);
-  const bool present = lru.contains(key.key);
-  auto result = lru.insert(key.key, std::move(entry), bytes);
-  if (!result.inserted && !present) {
-    ++counters_.fallbacks;
-    std::ostringstream message;
-    message << "shapecache: the entry for " << describe_key(key.key) << " was not kept: ";
-    const bool never_fits = bytes > lru.budget_bytes() - lru.shared_bytes();
-    if (bytes > lru.budget_bytes() - lru.shared_bytes() - lru.pinned_bytes()) {
-      message << "it holds " << bytes << " bytes, more than the budget of " << lru.budget_bytes()
-              << " bytes leaves after " << lru.pinned_bytes() << " bytes of running entries and " << lru.shared_bytes()
-              << " shared bytes";
-    } else {
-      message << "all " << lru.pinned_count() << " entries on " << key.device
-              << " are running, and max_entries=" << lru.max_entries() << " leaves no room beside them";
-    }
-    if (never_fits) {
-      run_uncached_from_now_on(key.key);
-      message << ". This call's result is returned; the bucket's calls run uncached from now on (a larger budget, or "
-                 "sc.clear, lets it be built again)";
-    } else {
-      message << ". This call's result is returned; the bucket is built again on its next call";
-    }
-    // A warning turned into an error (-W error) must not turn this computed result into an
-    // exception: it is reported as unraisable instead.
-    if (!warned_rejected_) {
-      warned_rejected_ = true;
-      if (PyErr_WarnEx(PyExc_RuntimeWarning, message.str().c_str(), 1) < 0) PyErr_WriteUnraisable(function_.ptr());
-    }
+  EntryLru& lru = cache_->lru(device);
+  const bool present = lru.contains(key);
+  auto result = lru.insert(key, std::move(entry), bytes);
+  if (result.inserted || present) return;  // `result` (evicted, returned entries) is destroyed on return
+  ++counters_.fallbacks;
+  std::ostringstream message;
+  message << "shapecache: the entry for " << describe_key(key) << " was not kept: ";
+  const bool never_fits = bytes > lru.budget_bytes() - lru.shared_bytes();
+  if (bytes > lru.budget_bytes() - lru.shared_bytes() - lru.pinned_bytes()) {
+    message << "it holds " << bytes << " bytes, more than the budget of " << lru.budget_bytes()
+            << " bytes leaves after " << lru.pinned_bytes() << " bytes of running entries and " << lru.shared_bytes()
+            << " shared bytes";
+  } else {
+    message << "all " << lru.pinned_count() << " entries on " << device
+            << " are running, and max_entries=" << lru.max_entries() << " leaves no room beside them";
   }
-  return output;  // `result` (evicted and returned entries) is destroyed here, after the cache is consistent
+  if (never_fits) {
+    run_uncached_from_now_on(key);
+    message << "; the bucket's calls run uncached from now on (a larger budget, or sc.clear, lets it be built "
+               "again)";
+  } else {
+    message << "; the bucket is built again on its next call";
+  }
+  // A warning turned into an error (-W error) must not turn the call's computed result into an
+  // exception: it is reported as unraisable instead.
+  if (!warned_rejected_) {
+    warned_rejected_ = true;
+    if (PyErr_WarnEx(PyExc_RuntimeWarning, message.str().c_str(), 1) < 0) PyErr_WriteUnraisable(function_.ptr());
+  }
 }
 
-std::optional<py::tuple> ShapeDispatcher::run_builder(const c10::Device& device, PyObject* args, PyObject* kwargs) {
-  py::object device_obj = py::reinterpret_steal<py::object>(THPDevice_New(device));
+std::optional<BuiltEntry> ShapeDispatcher::run_builder(const c10::Device& device, PyObject* args, PyObject* kwargs,
+                                                       bool run_call) {
+  py::object handle = py::cast(BuildHandle(cache_, device, run_call));
   for (int attempt = 0;; ++attempt) {
     try {
-      py::tuple built;
+      py::object result;
       {
         InsideBuild building;
-        built = builder_(py::reinterpret_borrow<py::tuple>(args), py::reinterpret_borrow<py::dict>(kwargs), device_obj)
-                    .cast<py::tuple>();
+        result = builder_(py::reinterpret_borrow<py::tuple>(args), py::reinterpret_borrow<py::dict>(kwargs), handle);
       }
-      // An entry whose runner is the call itself (eager) is run here, once the builder has
+      if (!py::isinstance<BuiltEntry>(result)) {
+        throw py::type_error(std::string("shapecache: a builder must return a shapecache BuiltEntry, got ") +
+                             Py_TYPE(result.ptr())->tp_name);
+      }
+      BuiltEntry built = result.cast<BuiltEntry>();
+      // An entry whose builder did not run the call (eager) is run here, once the builder has
       // returned, so that a recursive cached function costs the interpreter's recursion limit
       // one Python frame per level, as any decorator does, and not the builder's frame too.
-      if (built.size() >= 3 && py::object(built[2]).is(run_entry_marker())) {
-        py::list fields(built);
-        fields[2] = call_python(built[0].ptr(), args, kwargs);
-        built = py::tuple(fields);
+      if (run_call && !built.ran_call && !built.runner.is_none()) {
+        built.output = call_python(built.runner.ptr(), args, kwargs);
+        built.ran_call = true;
       }
       return built;
     } catch (py::error_already_set& error) {
@@ -476,7 +576,7 @@ std::optional<py::tuple> ShapeDispatcher::run_builder(const c10::Device& device,
     }  // the error, and the traceback that holds the failed build's tensors, are released here
     if (attempt == 1) return std::nullopt;
     ++counters_.oom_retries;
-    cache_->release_device_memory(device, py::cast(cache_));
+    cache_->release_device_memory(device);
   }
 }
 
@@ -500,15 +600,8 @@ py::object ShapeDispatcher::run_uncached_after_out_of_memory(const c10::Device& 
 
 py::dict ShapeDispatcher::stats() const {
   py::dict out = cache_->stats(id_);
-  out["calls"] = counters_.calls;
-  out["hits"] = counters_.hits;
-  out["misses"] = counters_.misses;
-  out["builds"] = counters_.builds;
-  out["fallbacks"] = counters_.fallbacks;
-  out["uncached_calls"] = counters_.uncached_calls;
-  out["oom_retries"] = counters_.oom_retries;
-  out["invalidations"] = counters_.invalidations;
-  out["busy_misses"] = counters_.busy_misses;
+  counters_.for_each([&](const char* name, int64_t value) { out[name] = value; });
+  out["pending_builds"] = pending_builds();
   return out;
 }
 
@@ -523,9 +616,12 @@ void ShapeDispatcher::clear_references() {
   // Pinned entries stay (a call is running them, so this dispatcher is not garbage then).
   if (cache_) auto dropped = cache_->clear(id_);
   crop_plans_.clear();
+  // Nothing queued holds it (a queued job keeps its dispatcher alive): nothing to cancel.
 }
 
 void ShapeDispatcher::clear() {
+  ++generation_;
+  auto cancelled = BuildQueue::instance().cancel(id_);
   cache_->clear(id_);
   crop_plans_.clear();
   uncached_buckets_.clear();
@@ -535,7 +631,10 @@ void ShapeDispatcher::clear() {
 void ShapeDispatcher::warn_once(bool& warned, const std::string& message) {
   if (warned) return;
   warned = true;
-  if (PyErr_WarnEx(PyExc_RuntimeWarning, message.c_str(), 1) < 0) throw py::error_already_set();
+  if (PyErr_WarnEx(PyExc_RuntimeWarning, message.c_str(), 1) < 0) {
+    if (!in_background_build) throw py::error_already_set();
+    PyErr_WriteUnraisable(function_.ptr());
+  }
 }
 
 }  // namespace shapecache

@@ -2,10 +2,18 @@
 // compiled entry. This file holds the hot path of shapecache.
 //
 // A call: build the key from the arguments (C++), find the entry on the key's device, pin
-// it, run it, unpin it, crop padded outputs to the plain call's sizes. A miss asks the Python builder for an entry
-// (the slow path: compiling and measuring belong to Python and torch) and inserts it under
-// the budget; a miss of a bucket that another call is building runs uncached (one build per
-// bucket). An argument that cannot be keyed runs the call uncached, with one warning.
+// it, run it, unpin it, crop padded outputs to the plain call's sizes. A miss asks the Python
+// builder for an entry (the slow path: compiling and measuring belong to Python and torch) and
+// inserts the BuiltEntry it returns under the budget; a miss of a bucket that another call is
+// building runs uncached (one build per bucket). An argument that cannot be keyed runs the
+// call uncached, with one warning.
+//
+// The miss path is one-way: this class owns key -> lookup -> pin -> run -> insert; the builder
+// sees the cache only through the BuildHandle it is given (build_handle.h), and returns a
+// BuiltEntry. Inline, the miss waits for the build, whose first run is the call. In the
+// background (build_queue.h), the miss runs the call uncached, queues the build for the
+// device's worker, and the same insertion code runs there when the build ends; until then the
+// bucket's calls run uncached.
 //
 // Before a build, room is made for an entry the size of this function's last build on the
 // device (BudgetedLru::make_room_for), so a build never runs beside a full budget.
@@ -34,48 +42,44 @@
 #include <vector>
 
 #include "core/bucket_policy.h"
+#include "cache/build_handle.h"
+#include "cache/build_queue.h"
+#include "cache/built_entry.h"
 #include "cache/call_key.h"
+#include "cache/function_counters.h"
 #include "cache/shape_cache.h"
 
 namespace shapecache {
 
 namespace py = pybind11;
 
-struct FunctionCounters {
-  int64_t calls = 0;           // every call, cached or not
-  int64_t hits = 0;            // served by an existing entry
-  int64_t misses = 0;          // no entry: one was built
-  int64_t builds = 0;          // entries built (== misses unless a build failed)
-  int64_t fallbacks = 0;       // ran uncached instead of keeping an entry: it did not fit, building ran out of
-                               // memory twice or failed, or the entry raised where the uncached call did not
-  int64_t uncached_calls = 0;  // ran uncached without trying: an argument that cannot be keyed, padded outputs
-                               // that cannot be cropped, or a bucket given up (uncached_buckets_)
-  int64_t oom_retries = 0;     // builds retried after an out-of-memory error
-  int64_t invalidations = 0;   // entries found stale (weights replaced) and rebuilt
-  int64_t busy_misses = 0;     // misses of a bucket another call was building: ran uncached
-};
-
-// What a builder returns as the output of an entry it did not run: the dispatcher runs the
-// entry's runner on the call's arguments itself, as part of the build.
-const py::object& run_entry_marker();
-
 class ShapeDispatcher {
  public:
-  // `builder(args: tuple, kwargs: dict, device: torch.device) -> (runner, bytes, output,
-  // backend)` builds the entry of a new bucket and returns the output of the call it ran, or
-  // run_entry_marker() when the runner is to be called on the call's arguments instead.
+  // `builder(args: tuple, kwargs: dict, handle: BuildHandle) -> BuiltEntry` builds the entry
+  // of a new bucket on `handle.device`, and runs the call too when `handle.run_call`.
+  // `background(device: torch.device) -> bool`, or None: whether misses on a device queue
+  // their build for the device's worker instead of waiting for it (asked once per device).
   // `owner` is None, or the object a method is bound to (the nn.Module of a forward): it is
   // held through a weak reference and passed as the first argument of every call, so that
   // the owner -> cached function -> owner cycle, which the garbage collector cannot see
   // through C++, never forms. Its `training` flag joins the key when `key_training` is set.
   ShapeDispatcher(py::object function, py::object builder, std::shared_ptr<ShapeCache> cache,
                  std::vector<ArgumentBuckets> buckets, std::vector<std::string> parameter_names, py::object owner,
-                 bool key_training);
+                 bool key_training, py::object background);
 
   py::object call(const py::args& args, const py::kwargs& kwargs);
 
   py::dict stats() const;
+  // Drops this function's entries, cancels its queued builds, and drops the result of one
+  // running now (its generation is then old).
   void clear();
+
+  // Queues the build of the bucket of a call without running the call (pre-warming in the
+  // background); false when the bucket has an entry, is being built, or runs uncached.
+  bool queue_build(const py::args& args, const py::kwargs& kwargs);
+  // Runs a queued build on the worker's thread and inserts its entry (BuildQueue::run_next).
+  void run_background_build(BuildJob& job);
+  int64_t pending_builds() const { return BuildQueue::instance().pending(id_); }
 
   // For the garbage collector (the Python type's tp_traverse and tp_clear): a compiled
   // entry's guard holds the cached module's dict, which holds this dispatcher, which holds
@@ -89,12 +93,15 @@ class ShapeDispatcher {
   uint64_t id() const { return id_; }
   const FunctionCounters& counters() const { return counters_; }
 
-  // What runs a function on fake tensors of its arguments' sizes, for crop plans:
-  // runner(function, args, kwargs) -> outputs. Set once by the Python package (buckets.py).
-  static void set_fake_tensor_runner(py::object runner);
-
  private:
-  py::object build(CallKey& key, PyObject* args, PyObject* kwargs);
+  // Builds the bucket's entry and inserts it (unless this function was cleared since
+  // `generation`). Inline (`run_call`), returns the call's output; in the background, None.
+  py::object build(const ShapeKey& key, const c10::Device& device, PyObject* args, PyObject* kwargs, bool run_call,
+                   uint64_t generation);
+  void insert(const ShapeKey& key, const c10::Device& device, BuiltEntry built, double seconds);
+  bool builds_in_background(const c10::Device& device);
+  // Marks the bucket as building and queues its build; false when it is being built already.
+  bool queue(const CallKey& key, const py::tuple& call_args, PyObject* call_kwargs);
   // A hit: runs the entry; if it raises where the uncached call does not, the bucket runs
   // uncached from now on. `own_args`/`own_kwargs`: the call's (padded) arguments without the
   // owner; `call_args`: with it.
@@ -106,9 +113,11 @@ class ShapeDispatcher {
   void give_up_if_unstable(const CallKey& key, const std::string& changed);
   static bool still_valid(const Entry& entry);
   void run_uncached_from_now_on(const ShapeKey& key);
-  std::optional<py::tuple> run_builder(const c10::Device& device, PyObject* args, PyObject* kwargs);
+  std::optional<BuiltEntry> run_builder(const c10::Device& device, PyObject* args, PyObject* kwargs, bool run_call);
   py::object run_uncached_after_out_of_memory(const c10::Device& device, PyObject* args, PyObject* kwargs);
   py::object owner() const;
+  // Warns once per flag. Inline, a warning turned into an error (-W error) raises from the
+  // call; in the background, where no caller would see it, it is reported as unraisable.
   void warn_once(bool& warned, const std::string& message);
 
   // What a padded call's outputs are cropped to (call_key.h): the plain call's size of each
@@ -122,10 +131,11 @@ class ShapeDispatcher {
                           const std::string& reason);
   py::object crop(const py::object& self, const py::args& args, const py::kwargs& kwargs, const CropPlan& plan,
                   const py::object& out);
-  static py::object& fake_tensor_runner();
-
   py::object function_;
   py::object builder_;
+  py::object background_;  // None, or device -> bool
+  std::unordered_map<c10::Device, bool> background_by_device_;
+  uint64_t generation_ = 0;  // clear() calls: a background build queued before one is dropped
   std::shared_ptr<ShapeCache> cache_;
   std::vector<ArgumentBuckets> buckets_;
   std::vector<std::string> parameter_names_;
@@ -140,6 +150,7 @@ class ShapeDispatcher {
   bool warned_entry_failed_ = false;
   bool warned_build_failed_ = false;
   bool warned_unstable_ = false;
+  bool warned_background_failed_ = false;
   // Crop plans by padded key and the caller's sizes of its padded dimensions. A plan costs a
   // fake-tensor run of the function, once per distinct sizes; the map is emptied when it
   // reaches kMaxKeysRemembered, so a stream of ever-new sizes cannot grow it without bound.

@@ -33,6 +33,7 @@ _PUBLIC = {
     "clear": "shapecache.cache",
     "stats": "shapecache.cache",
     "uncached": "shapecache.cache",
+    "wait": "shapecache.cache",
     "CacheStats": "shapecache.statistics",
     "DeviceStats": "shapecache.statistics",
     "EntryStats": "shapecache.statistics",
@@ -70,7 +71,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what __getattr__ gives, for type checkers and editors
     from shapecache.buckets import exact, multiple_of, power_of_two, sizes  # noqa: F401
     from shapecache.budget import Budget, parse_budget  # noqa: F401
-    from shapecache.cache import CachedFunction, cached, clear, stats, uncached  # noqa: F401
+    from shapecache.cache import CachedFunction, cached, clear, stats, uncached, wait  # noqa: F401
     from shapecache.diffusers import encode_prompts, prewarm, unwrap, wrap  # noqa: F401
     from shapecache.ops import TunedConvs, TuningDb, tune_convs  # noqa: F401
     from shapecache.statistics import CacheStats, DeviceStats, EntryStats, PipelineStats  # noqa: F401

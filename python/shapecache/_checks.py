@@ -23,6 +23,16 @@ def positive_int(name: str, value, what: str = "") -> int:
     return value
 
 
+def non_negative_number(name: str, value, what: str = "") -> float:
+    """`value` if it is an int or float >= 0 (not a bool, not NaN); else TypeError/ValueError."""
+    accepted = f"a number >= 0{', ' + what if what else ''}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}={value!r} ({type(value).__name__}): expected {accepted}")
+    if not value >= 0:
+        raise ValueError(f"{name}={value!r}: expected {accepted}")
+    return value
+
+
 def boolean(name: str, value) -> bool:
     """`value` if it is True or False; anything else (a string "false", say) is a TypeError."""
     if not isinstance(value, bool):

@@ -15,6 +15,10 @@ class CacheHolder:
     def clear(self) -> None:
         raise TypeError(f"clear: a {type(self).__name__} keeps no cache entries")
 
+    def dispatchers(self) -> list:
+        """The cached functions (``_C.ShapeDispatcher``) whose background builds ``sc.wait`` waits for."""
+        raise TypeError(f"wait: a {type(self).__name__} builds nothing")
+
     def uncache(self):
         """Undoes what was done; returns the object as it was before."""
         raise NotImplementedError

@@ -42,9 +42,6 @@ def call_on_fake_tensors(function: Callable, args: tuple, kwargs: dict):
         return function(*fake_args, **fake_kwargs)
 
 
-_C.ShapeDispatcher.set_fake_tensor_runner(call_on_fake_tensors)
-
-
 def exact() -> BucketPolicy:
     """Every size is its own bucket (the default)."""
     return BucketPolicy.exact()

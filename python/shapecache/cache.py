@@ -19,12 +19,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shapecache import _checks
-from shapecache._backends import BACKENDS, GRAPH_BACKENDS, BuildContext, check_available, make_builder
+from shapecache import _build_workers, _checks
+from shapecache._backends import (
+    BACKENDS,
+    GRAPH_BACKENDS,
+    BuildContext,
+    builds_in_background,
+    check_available,
+    make_builder,
+)
 from shapecache._backends.graph_pool import release_device_memory
 from shapecache._extension import _C
 from shapecache._holder import HOLDER, CacheHolder, holder_on
-from shapecache.buckets import check_buckets, positional_parameter_names, resolve_buckets
+from shapecache.buckets import call_on_fake_tensors, check_buckets, positional_parameter_names, resolve_buckets
 from shapecache.budget import Budget, format_bytes, parse_budget
 from shapecache.statistics import CacheStats
 
@@ -44,10 +51,11 @@ class CacheOptions:
     max_entries: int | None = None
     compile_options: dict = field(default_factory=dict)
     tune_convs: bool = False
+    build: str = "inline"
 
     @classmethod
     def from_arguments(
-        cls, *, budget, backend, buckets, max_entries, compile_options, tune_convs=False
+        cls, *, budget, backend, buckets, max_entries, compile_options, tune_convs=False, build="inline"
     ) -> CacheOptions:
         parsed = parse_budget(budget)
         if not isinstance(backend, str) or backend not in BACKENDS:
@@ -74,8 +82,14 @@ class CacheOptions:
                 "compile_options: 'dynamic' is fixed to False; shapecache compiles one static graph per bucket"
             )
         _checks.boolean("tune_convs", tune_convs)
+        if build not in BUILDS:
+            raise ValueError(f"build={build!r}: expected 'inline' (a miss waits for its build) or 'background' (a "
+                             "miss runs uncached while a worker thread builds)")
         check_available(backend)  # last: the options are checked even where the backend cannot run
-        return cls(parsed, backend, buckets, max_entries, dict(compile_options), tune_convs)
+        return cls(parsed, backend, buckets, max_entries, dict(compile_options), tune_convs, build)
+
+
+BUILDS = ("inline", "background")
 
 
 class CachedFunction(_C.ShapeDispatcher, CacheHolder):
@@ -91,11 +105,14 @@ class CachedFunction(_C.ShapeDispatcher, CacheHolder):
         names = positional_parameter_names(function, skip_first=has_owner)
         if cache is None:  # a cache of its own; functions given one share its budget
             cache = make_cache(options)
-        context = BuildContext(cache, has_owner, tuple(names), options.compile_options)
+        context = BuildContext(has_owner, tuple(names), options.compile_options)
         builder = make_builder(function, options.backend, context)
         if options.tune_convs:
-            builder = _charging_workspace(builder, cache)
-        super().__init__(function, builder, cache, buckets, names, owner, key_training)
+            builder = _charging_workspace(builder)
+        background = None
+        if options.build == "background":
+            background = functools.partial(builds_in_background, options.backend)
+        super().__init__(function, builder, cache, buckets, names, owner, key_training, background)
         functools.update_wrapper(self, function)
         if has_owner:  # called bound: the signature callers see has no `self`, as a bound method's has not
             try:
@@ -131,6 +148,9 @@ class CachedFunction(_C.ShapeDispatcher, CacheHolder):
         out["backend"] = self.options.backend
         return out
 
+    def dispatchers(self) -> list:
+        return [self]
+
     def uncache(self):
         self.clear()
         return self.__wrapped__
@@ -161,6 +181,9 @@ class ModuleHolder(CacheHolder):
     def stats(self) -> CacheStats:
         return self.wrapper.stats()
 
+    def dispatchers(self) -> list:
+        return [self.wrapper]
+
     def clear(self) -> None:
         self.wrapper.clear()
 
@@ -178,12 +201,12 @@ class ModuleHolder(CacheHolder):
         return self.module
 
 
-def _charging_workspace(builder, cache):
-    """`builder`, then the device's convolution workspace charged to `cache`'s budget."""
+def _charging_workspace(builder):
+    """`builder`, then the device's convolution workspace charged to the cache's budget."""
 
-    def build(args, kwargs, device):
-        entry = builder(args, kwargs, device)
-        cache.set_shared_bytes(device, workspace=_C.workspace_stats(device)["bytes"])
+    def build(args, kwargs, handle):
+        entry = builder(args, kwargs, handle)
+        handle.set_shared_bytes(workspace=_C.workspace_stats(handle.device)["bytes"])
         return entry
 
     return build
@@ -191,7 +214,8 @@ def _charging_workspace(builder, cache):
 
 def make_cache(options: CacheOptions):
     """An empty cache: one budget domain, shared by the functions built with it."""
-    return _C.ShapeCache(options.budget.bytes_for, options.max_entries, release_device_memory)
+    return _C.ShapeCache(options.budget.bytes_for, options.max_entries, release_device_memory=release_device_memory,
+                         run_on_fake_tensors=call_on_fake_tensors, wake_build_worker=_build_workers.wake)
 
 
 def cached(
@@ -204,6 +228,7 @@ def cached(
     max_entries: int | None = None,
     compile_options: Mapping | None = None,
     tune_convs: bool = False,
+    build: str = "inline",
     disable: bool = False,
 ):
     """Serve `function` (or an ``nn.Module``'s forward) from one compiled entry per shape bucket.
@@ -219,6 +244,10 @@ def cached(
         compile_options: keyword arguments for torch.compile (mode, backend, options, ...).
         tune_convs: route the module's Conv2d layers through shapecache's tuned convolution
             (shapecache.tune_convs, default records file); its workspace counts against the budget.
+        build: "inline": a miss waits for its bucket's build. "background": a miss runs the
+            call uncached at once and queues the build for the device's worker thread; the
+            bucket's calls run uncached until its entry is ready (``shapecache.wait`` waits for
+            them). CUDA graphs are captured inline either way.
         disable: return `function` unchanged.
 
     Returns:
@@ -226,7 +255,7 @@ def cached(
     """
     options = CacheOptions.from_arguments(
         budget=budget, backend=backend, buckets=buckets, max_entries=max_entries, compile_options=compile_options,
-        tune_convs=tune_convs,
+        tune_convs=tune_convs, build=build,
     )
     _checks.boolean("disable", disable)
     if function is None:
@@ -292,6 +321,14 @@ def stats(obj) -> CacheStats:
     """Counters and holdings of a cached function or module, or of a wrapped pipeline
     (``shapecache.PipelineStats``). Every key is defined in ``shapecache.statistics``."""
     return holder_of(obj, "stats").stats()
+
+
+def wait(obj, timeout: float | None = None) -> bool:
+    """Waits until the background builds of a cached function, module or wrapped pipeline
+    have ended (built, failed or dropped). Returns False if `timeout` seconds passed first."""
+    if timeout is not None:
+        _checks.non_negative_number("timeout", timeout, "seconds, or None to wait as long as it takes")
+    return _build_workers.wait(holder_of(obj, "wait").dispatchers(), timeout)
 
 
 def clear(obj) -> None:

@@ -40,21 +40,21 @@ class DeviceStats(TypedDict):
 
 
 class CacheStats(TypedDict):
-    """``sc.stats`` of a cached function or module."""
+    """``sc.stats`` of a cached function or module. The counters (``calls`` to ``busy_misses``)
+    are defined, with what each counts, in ``csrc/cache/function_counters.h``
+    (``_C.FUNCTION_COUNTERS``); a test checks that the two lists agree."""
 
-    calls: int  # every call, cached or not
-    hits: int  # served by an existing entry
-    misses: int  # no entry: one was built
-    builds: int  # entries built (== misses unless a build failed)
-    # ran uncached instead of keeping an entry: it did not fit, building ran out of memory
-    # twice or failed, or the entry raised where the uncached call did not
+    calls: int
+    hits: int
+    misses: int
+    builds: int
+    background_builds: int
     fallbacks: int
-    # ran uncached without trying: an argument that cannot be keyed, padded outputs that cannot
-    # be cropped, or a bucket given up (too large, failed, or rebuilt on every call)
     uncached_calls: int
-    oom_retries: int  # builds retried after an out-of-memory error
-    invalidations: int  # entries found stale (what they were built from changed) and rebuilt
-    busy_misses: int  # misses of a bucket another call (a thread, a recursion) was building: ran uncached
+    oom_retries: int
+    invalidations: int
+    busy_misses: int
+    pending_builds: int  # background builds of this function waiting or running now
     evictions: int
     rejections: int
     pool_rebuilds: int

@@ -11,7 +11,7 @@ from shapecache.testing.models import SIZES
 
 
 def test_inductor_per_bucket_on_a_conv_net(conv_net):
-    sizes = SIZES[:5]
+    sizes = SIZES[:3]
     x = {s: torch.randn(1, 3, *s) for s in sizes}
     with torch.no_grad():
         expected = {s: conv_net(x[s]) for s in sizes}
@@ -20,8 +20,8 @@ def test_inductor_per_bucket_on_a_conv_net(conv_net):
             for s in sizes:
                 torch.testing.assert_close(conv_net(x[s]), expected[s], rtol=1e-5, atol=1e-5)
     st = sc.stats(conv_net)
-    assert [e["backend"] for e in st["entries"]] == ["compile"] * 5
-    assert st["hits"] == 5 and st["builds"] == 5
+    assert [e["backend"] for e in st["entries"]] == ["compile"] * 3
+    assert st["hits"] == 3 and st["builds"] == 3
 
 
 def test_more_buckets_than_dynamos_recompile_limit_all_compile():
@@ -208,11 +208,11 @@ def test_frozen_entries_are_charged_their_weights_and_eviction_gives_them_back()
 
 
 def test_a_byte_budget_bounds_the_cache_and_the_process():
-    # Item 3: a budget of about three entries, twelve sizes' builds: the cache's bytes never
+    # Item 3: a budget of about three entries, eight sizes' builds: the cache's bytes never
     # exceed it, and resident memory ends within what the first build left plus the budget plus 8 MiB.
     weights = 256 * 16 * 9 * 4 * 2 + 256 * 256 * 9 * 4 + (256 * 2 + 16) * 4
     budget = int(3.5 * weights)
-    measured = frozen_size_loop({"budget": budget}, 12)
+    measured = frozen_size_loop({"budget": budget}, 8)
     assert measured["weights"] == weights
     assert max(measured["accounted"]) <= budget and measured["evictions"] > 0
     assert len(measured["entries"]) <= 3

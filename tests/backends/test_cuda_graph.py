@@ -81,12 +81,12 @@ def test_pool_over_budget_counts_what_evictions_cannot_free():
 
     cache = _C.ShapeCache(lambda device: 1000, None)
     cpu = torch.device("cpu")
-    cache.set_shared_bytes(cpu, pool=600, workspace=100)
-    assert not pool_over_budget(cpu, cache, 300)
-    assert pool_over_budget(cpu, cache, 301)
+    cache.handle(cpu).set_shared_bytes(pool=600, workspace=100)
+    assert not pool_over_budget(cache.handle(cpu), 300)
+    assert pool_over_budget(cache.handle(cpu), 301)
     unlimited = _C.ShapeCache(lambda device: 2**62, None)
-    unlimited.set_shared_bytes(cpu, pool=10**15)
-    assert not pool_over_budget(cpu, unlimited, 0)
+    unlimited.handle(cpu).set_shared_bytes(pool=10**15)
+    assert not pool_over_budget(unlimited.handle(cpu), 0)
     cache.count_pool_rebuild(cpu)
     assert cache.stats()["pool_rebuilds"] == 1 and cache.stats()["devices"]["cpu"]["pool_rebuilds"] == 1
 

@@ -29,8 +29,10 @@ def gc_that_switches_threads():
     gc.callbacks.remove(yield_the_gil)
 
 
-def test_calls_stats_clear_and_evictions_from_many_threads(gc_that_switches_threads):
-    f = sc.cached(lambda x: x * 2, max_entries=3)
+@pytest.mark.parametrize("build", ["inline", "background"])
+def test_calls_stats_clear_and_evictions_from_many_threads(gc_that_switches_threads, build):
+    # In the background, builds also end on the worker's thread meanwhile, and a thread waits for them.
+    f = sc.cached(lambda x: x * 2, max_entries=3, build=build)
     sizes = list(range(1, 9))
     inputs = {n: torch.arange(n, dtype=torch.float32) for n in sizes}
     failures = []
@@ -56,16 +58,23 @@ def test_calls_stats_clear_and_evictions_from_many_threads(gc_that_switches_thre
             sc.clear(f)
             time.sleep(0.001)
 
+    def waiter():
+        while time.monotonic() < deadline:
+            sc.wait(f, timeout=0.01)
+
     threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
     threads += [threading.Thread(target=reader) for _ in range(2)] + [threading.Thread(target=clearer)]
+    threads += [threading.Thread(target=waiter)] if build == "background" else []
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=30)
     assert not any(t.is_alive() for t in threads), "a thread hung"
     assert failures == []
+    assert sc.wait(f, timeout=30)
     st = sc.stats(f)
     assert st["calls"] == st["hits"] + st["misses"] + st["busy_misses"] + st["uncached_calls"]
+    assert st["pending_builds"] == 0 and (build == "inline") == (st["background_builds"] == 0)
 
 
 def test_a_bucket_missed_by_several_threads_at_once_is_built_once():
@@ -171,5 +180,5 @@ def test_the_rejection_warning_names_the_count_limit_when_bytes_are_not_the_reas
 
     g(torch.ones(2))
     with pytest.warns(RuntimeWarning, match=r"was not kept: all 1 entries on cpu are running, and max_entries=1 leaves "
-                                             r"no room beside them. This call's result is returned"):
+                                             r"no room beside them; the bucket is built again"):
         g(torch.ones(2))

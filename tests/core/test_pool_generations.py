@@ -302,7 +302,7 @@ class GraphDevice:
         self.graphs = weakref.WeakSet()
         self.failures = []  # injected into the next captures, in order
         self.inner_call = None
-        self.cache = _C.ShapeCache(lambda device: BUDGET, None, self.release_memory)
+        self.cache = _C.ShapeCache(lambda device: BUDGET, None, release_device_memory=self.release_memory)
         self.cached = _C.ShapeDispatcher(lambda x: x * 2, self.build, self.cache, [], ["x"], None, False)
 
     def open_pool(self):
@@ -338,22 +338,22 @@ class GraphDevice:
     def pool_bytes(self):
         return sum(self.held.values())
 
-    def charge(self, cache):
-        cache.set_shared_bytes(CPU, pool=self.pool_bytes())
+    def charge(self, handle):
+        handle.set_shared_bytes(pool=self.pool_bytes())
 
-    def release_memory(self, device, cache):  # graph_pool.release_device_memory, with empty_cache modelled
+    def release_memory(self, handle):  # graph_pool.release_device_memory, with empty_cache modelled
         # (no gc.collect(): nothing here is in a cycle, and refcounting frees a dropped graph at once)
         for pool in list(self.held):
             if self.allocator.use_count.get(pool, 0) == 0:
                 del self.held[pool], self.largest[pool]
-        self.charge(cache)
+        self.charge(handle)
 
-    def recapture(self, runner, device, cache):  # graph_pool.measured_recapture
+    def recapture(self, runner, handle):  # graph_pool.measured_recapture
         runner.recapture()
-        self.charge(cache)
+        self.charge(handle)
         return runner.static_input_bytes
 
-    def build(self, args, kwargs, device):  # _backends/cuda_graph.py's build, after the warm-up
+    def build(self, args, kwargs, handle):  # _backends/cuda_graph.py's build, after the warm-up
         (x,) = args
         runner = BucketGraph(self, x.numel())
         fail_at = self.failures.pop(0) if self.failures else None
@@ -363,17 +363,17 @@ class GraphDevice:
             raise  # the cache's own retry
         except Injected:
             return BuiltEntry((lambda y: y * 2), 0, x * 2, "eager")
-        self.charge(self.cache)
+        self.charge(handle)
         entry_bytes = runner.static_input_bytes
-        if graph_pool.pool_over_budget(CPU, self.cache, entry_bytes):
+        if graph_pool.pool_over_budget(handle, entry_bytes):
             rebuilt = graph_pool.rebuild_largest_first(
-                CPU, self.cache, runner, graphs_of=lambda r: isinstance(r, BucketGraph),
+                handle, runner, graphs_of=lambda r: isinstance(r, BucketGraph),
                 recapture=self.recapture, release=self.release_memory)
             if rebuilt is None:  # a graph is running up the stack
-                self.cache.evict_unpinned(CPU)
+                handle.evict_unpinned()
                 runner.release()
-                self.release_memory(CPU, self.cache)
-                rebuilt = self.recapture(runner, CPU, self.cache)
+                self.release_memory(handle)
+                rebuilt = self.recapture(runner, handle)
             entry_bytes = rebuilt
         return BuiltEntry(runner, entry_bytes, x * 2, "cuda_graph")
 
@@ -411,7 +411,7 @@ class PoolUnderBudget(RuleBasedStateMachine):
     @rule()
     def evict_and_empty(self):  # what the out-of-memory retry does, from outside a call
         self.device.cache.evict_unpinned(CPU)
-        self.device.release_memory(CPU, self.device.cache)
+        self.device.release_memory(self.device.cache.handle(CPU))
 
     @invariant()
     def torch_never_asserts(self):

@@ -173,15 +173,16 @@ def compare_through(make, inputs, changes):
 
 def test_freeu_and_lora_fusing_give_the_plain_pipelines_images_end_to_end():
     pytest.importorskip("peft")
-    changes = [("enable_freeu", CHANGES[0][1]), ("disable_freeu", CHANGES[2][1]), ("add_adapter", add_adapters),
+    # (disabling FreeU is seen by the guard-level test above; here each change costs a build)
+    changes = [("enable_freeu", CHANGES[0][1]), ("add_adapter", add_adapters),
                ("fuse_lora", lambda p: p.fuse_lora()), ("unfuse_lora", lambda p: p.unfuse_lora())]
     wrapped, moved = compare_through(tp.stable_diffusion, {"prompt": ["a photo of a cat"]}, changes)
     # Each change moved the image (so the comparisons above could fail), except fusing and
     # unfusing, which compute the same adapters another way: there a graph built for the other
     # way would answer wrongly (unfusing restores the weights in place and pops peft's list of
     # merged adapters), and the denoiser was rebuilt after every change.
-    assert all(moved[n] > 1e-2 for n in ("enable_freeu", "disable_freeu", "add_adapter")), moved
-    assert sc.stats(wrapped)["components"]["denoiser"]["invalidations"] >= 5
+    assert all(moved[n] > 1e-2 for n in ("enable_freeu", "add_adapter")), moved
+    assert sc.stats(wrapped)["components"]["denoiser"]["invalidations"] >= 4
 
 
 def test_a_first_block_cache_hook_gives_the_plain_pipelines_images_end_to_end():

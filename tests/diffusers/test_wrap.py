@@ -245,3 +245,19 @@ def test_every_state_a_user_can_reach_has_a_way_out():
     assert pipe.unet.__dict__["forward"] is replacement and "forward" not in pipe.vae.decoder.__dict__
     del pipe.unet.forward
     assert sc.wrap(pipe, sizes=[(32, 32)], progress=False) is pipe
+
+
+def test_background_prewarm_queues_every_size_largest_first_and_runs_nothing():
+    pipe = tp.stable_diffusion()
+    sc.wrap(pipe, sizes=[(32, 32), (48, 48), (32, 48)], backend="eager", build="background", progress=False)
+    assert sc.wait(pipe, timeout=60)
+    st = sc.stats(pipe)
+    denoiser = st["components"]["denoiser"]
+    assert (denoiser["calls"], denoiser["misses"], denoiser["background_builds"], denoiser["pending_builds"]) == (0, 3, 3, 0)
+    assert st["background_builds"] == 6 and st["prewarmed"] == []  # denoiser and decoder, per size
+    # Entries are listed most recently used first: the reverse of the order they were built in.
+    built = [tuple(int(n) for n in e["bucket"].split("sample=(")[1].split(")")[0].split(",")[2:])
+             for e in reversed(denoiser["entries"])]
+    assert built == [(24, 24), (16, 24), (16, 16)]  # latents of 48x48, 32x48, 32x32 (the VAE halves each side)
+    pipe(**text_inputs(), height=48, width=48, num_inference_steps=2, output_type="latent")
+    assert sc.stats(pipe)["components"]["denoiser"]["hits"] == 2

@@ -133,6 +133,14 @@ def test_stats_keys_are_the_typed_definition(conv_net):
     assert set(st["entries"][0]) == set(sc.EntryStats.__annotations__)
 
 
+def test_the_counters_are_defined_once_in_cpp_and_typed_in_the_same_order():
+    from shapecache._extension import _C
+
+    counters = list(_C.FUNCTION_COUNTERS)
+    assert counters[:2] == ["calls", "hits"] and len(counters) == len(set(counters))
+    assert list(sc.CacheStats.__annotations__)[:len(counters)] == counters
+
+
 def test_pipeline_stats_keys_are_the_typed_definition():
     pytest.importorskip("diffusers")
     from shapecache.testing import tiny_pipelines

@@ -9,7 +9,11 @@
   (measured when the bucket is built), else eager; ``"eager"`` elsewhere (on the CPU,
   inductor's builds cost seconds per bucket and need a C++ toolchain, for a smaller gain).
 
-The C++ cache calls a builder on a miss; it returns a ``BuiltEntry``.
+The C++ cache calls a builder on a miss with the call's arguments and a ``_C.BuildHandle``
+(the device, whether to run the call, and all the builder may do to the cache); it returns a
+``_C.BuiltEntry`` (``csrc/cache/built_entry.h``). Inline, the builder runs the call and returns
+its output; in the background (``handle.run_call`` false) the call has run already, uncached,
+and the builder only builds: it runs nothing that would repeat the call's effects.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
 
 import torch
 
@@ -27,22 +30,13 @@ BACKENDS = ("auto", "eager", "compile", "cuda_graph", "compile+cuda_graph")
 GRAPH_BACKENDS = ("cuda_graph", "compile+cuda_graph")
 
 
-class BuiltEntry(NamedTuple):
-    """What a builder returns to the C++ cache (which reads it as a tuple)."""
-
-    runner: Callable | None  # serves the bucket's later calls (a _C.EntryRunner serves them from C++); None: not built
-    bytes: int  # device memory the entry holds beyond what the uncached call leaves behind
-    output: Any  # the result of the call that built the entry, or _C.RUN_ENTRY: the cache runs `runner` for it
-    backend: str  # what built the runner: "eager", "compile", "cuda_graph", "compile+cuda_graph"
-    guard: Any = None  # a _C.StateGuard (guards.py): the entry is stale once what it was built from changed
-    failure: str | None = None  # with runner None: why nothing was built (the bucket then runs uncached)
+BuiltEntry = _C.BuiltEntry
 
 
 @dataclass(frozen=True)
 class BuildContext:
-    """What a builder needs besides the call: where entries go and how calls are spelled."""
+    """What a builder needs besides the call and its handle: how calls are spelled."""
 
-    cache: object  # the _C.ShapeCache the entry will join (its budget, its shared bytes)
     has_owner: bool  # the call's first argument is the module a method belongs to
     parameter_names: tuple  # positional parameter names (without the owner), as keys use them
     compile_options: dict
@@ -70,25 +64,34 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def builds_in_background(backend: str, device: torch.device) -> bool:
+    """Whether ``build="background"`` queues `backend`'s builds on `device` for a worker. A
+    CUDA graph is captured on the caller's thread, inline: the capture records the caller's
+    stream, and another thread's work on the device meanwhile would be captured into the graph
+    or break it (``cudaStreamCaptureModeGlobal``)."""
+    return resolve_backend(backend, device) not in GRAPH_BACKENDS
+
+
 def make_builder(function: Callable, backend: str, context: BuildContext) -> Callable:
-    """The builder the C++ cache calls on a miss: (args, kwargs, device) -> BuiltEntry."""
+    """The builder the C++ cache calls on a miss: (args, kwargs, handle) -> BuiltEntry."""
     warned = []
 
-    def build(args: tuple, kwargs: dict, device: torch.device) -> BuiltEntry:
+    def build(args: tuple, kwargs: dict, handle) -> BuiltEntry:
+        device = handle.device
         chosen = resolve_backend(backend, device)
         if backend in GRAPH_BACKENDS and chosen == "eager" and not warned:
             warned.append(True)
             warnings.warn(f"shapecache: backend={backend!r} got tensors on {device}; such calls run eager",
                           RuntimeWarning, stacklevel=2)
         if chosen == "eager":  # the dispatcher runs it: no frame of this builder under the call
-            return BuiltEntry(function, 0, _C.RUN_ENTRY, "eager")
+            return BuiltEntry(function, 0, None, "eager", ran_call=False)
         if chosen == "compile":
             from shapecache._backends.compile import build_compiled
 
-            return build_compiled(function, context, args, kwargs, device)
+            return build_compiled(function, context, args, kwargs, handle)
         from shapecache._backends.cuda_graph import build_graph
 
-        return build_graph(function, args, kwargs, device, context, compiled=chosen == "compile+cuda_graph",
+        return build_graph(function, args, kwargs, handle, context, compiled=chosen == "compile+cuda_graph",
                            keep_only_if_faster=backend == "auto")
 
     return build

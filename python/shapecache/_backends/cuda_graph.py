@@ -27,8 +27,9 @@ def warm_up_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def build_graph(function, args, kwargs, device, context: BuildContext, *, compiled: bool,
+def build_graph(function, args, kwargs, handle, context: BuildContext, *, compiled: bool,
                 keep_only_if_faster: bool) -> BuiltEntry:
+    device = handle.device
     owner, call_args = (args[0], args[1:]) if context.has_owner else (None, args)
     runnable = torch.compile(entry_point(function), dynamic=False, **context.compile_options) if compiled \
         else function
@@ -53,12 +54,11 @@ def build_graph(function, args, kwargs, device, context: BuildContext, *, compil
     if keep_only_if_faster:
         eager_seconds = min(_timing.timings(lambda: runnable(*args, **kwargs), device, repeats=2))
 
-    cache = context.cache
     try:
         runner, entry_bytes = graph_pool.measured_capture(
             lambda: _C.capture_cuda_graph(runnable, owner, tuple(call_args), dict(kwargs),
                                           list(context.parameter_names), guard),
-            device, cache)
+            handle)
     except torch.OutOfMemoryError:
         raise  # the cache's own retry: evict, empty the allocator's cache, build again
     except Exception as error:  # noqa: BLE001  (the call computed its result already: never fail it here)
@@ -68,14 +68,14 @@ def build_graph(function, args, kwargs, device, context: BuildContext, *, compil
                       f"graph ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
                       "its bucket runs eager", RuntimeWarning, stacklevel=2)
         return BuiltEntry(function, 0, output, "eager")
-    if graph_pool.pool_over_budget(device, cache, entry_bytes):
+    if graph_pool.pool_over_budget(handle, entry_bytes):
         # Evicting entries cannot shrink the pool (see graph_pool.py): rebuild it.
-        rebuilt = graph_pool.rebuild_largest_first(device, cache, runner)
+        rebuilt = graph_pool.rebuild_largest_first(handle, runner)
         if rebuilt is None:  # a graph of the device is running up the stack: keep what runs
-            cache.evict_unpinned(device)
+            handle.evict_unpinned()
             runner.release()
-            graph_pool.release_device_memory(device, cache)
-            rebuilt = graph_pool.measured_recapture(runner, device, cache)
+            graph_pool.release_device_memory(handle)
+            rebuilt = graph_pool.measured_recapture(runner, handle)
         entry_bytes = rebuilt
 
     name = "compile+cuda_graph" if compiled else "cuda_graph"

@@ -27,11 +27,13 @@ import torch
 from shapecache._extension import _C
 
 
-def release_device_memory(device: torch.device, cache=None) -> None:
-    """Frees what an out-of-memory error or an eviction left behind on `device`: garbage
+def release_device_memory(handle) -> None:
+    """Frees what an out-of-memory error or an eviction left behind on `handle.device`: garbage
     (a failed call's frames and tensors), the device allocator's cached blocks (retired pool
     generations among them) and the pinned host allocator's, whose graph pools hold the host
-    memory of captured copies; then charges the pool's new size to `cache`, if given."""
+    memory of captured copies; then charges the pool's new size through `handle` (a
+    _C.BuildHandle)."""
+    device = handle.device
     gc.collect()
     if device.type == "cpu":
         from shapecache._backends.host_memory import return_free_memory
@@ -43,19 +45,21 @@ def release_device_memory(device: torch.device, cache=None) -> None:
         host_empty_cache = getattr(torch._C, "_host_emptyCache", None)  # CUDA builds of torch have it
         if host_empty_cache is not None:
             host_empty_cache()
-        if cache is not None and _C.has_cuda_graphs:
-            charge_shared_bytes(device, cache)
+        if _C.has_cuda_graphs:
+            charge_shared_bytes(handle)
 
 
-def charge_shared_bytes(device: torch.device, cache) -> None:
-    """Charges the device's pool and workspace, as the allocator holds them now, to `cache`'s
-    budget (growth evicts least recently used entries)."""
-    cache.set_shared_bytes(device, pool=_C.cuda_graph_pool_bytes(device), workspace=_C.workspace_stats(device)["bytes"])
+def charge_shared_bytes(handle) -> None:
+    """Charges the device's pool and workspace, as the allocator holds them now, to the
+    cache's budget (growth evicts least recently used entries)."""
+    device = handle.device
+    handle.set_shared_bytes(pool=_C.cuda_graph_pool_bytes(device), workspace=_C.workspace_stats(device)["bytes"])
 
 
-def measured_capture(capture, device: torch.device, cache) -> tuple:
+def measured_capture(capture, handle) -> tuple:
     """Runs `capture() -> runner`; returns (runner, the entry's own bytes) and charges the
-    pool as it is afterwards to `cache`."""
+    pool as it is afterwards through `handle`."""
+    device = handle.device
     torch.cuda.synchronize(device)
     free_before, _ = torch.cuda.mem_get_info(device)
     reserved_before = torch.cuda.memory_reserved(device)
@@ -64,34 +68,34 @@ def measured_capture(capture, device: torch.device, cache) -> tuple:
     free_after, _ = torch.cuda.mem_get_info(device)
     reserved_after = torch.cuda.memory_reserved(device)
     unseen = max(0, (free_before - free_after) - (reserved_after - reserved_before))
-    charge_shared_bytes(device, cache)
+    charge_shared_bytes(handle)
     return runner, runner.static_input_bytes + unseen
 
 
-def measured_recapture(runner, device: torch.device, cache) -> int:
+def measured_recapture(runner, handle) -> int:
     """Captures a released `runner` again; returns its bytes as `measured_capture` does."""
 
     def recapture():
         runner.recapture()
         return runner
 
-    return measured_capture(recapture, device, cache)[1]
+    return measured_capture(recapture, handle)[1]
 
 
-def pool_over_budget(device: torch.device, cache, entry_bytes: int) -> bool:
+def pool_over_budget(handle, entry_bytes: int) -> bool:
     """Whether the pool and workspace, with one more entry of `entry_bytes`, exceed the budget
     even if every other entry went (the budget rule's own check, BudgetedLru::could_fit, with
     no entry pinned)."""
-    return not cache.could_fit(device, entry_bytes)
+    return not handle.could_fit(entry_bytes)
 
 
 def is_graph(runner) -> bool:
     return isinstance(runner, _C.CudaGraphRunner)
 
 
-def rebuild_largest_first(device: torch.device, cache, new_runner, *, graphs_of=is_graph,
-                          recapture=measured_recapture, release=release_device_memory) -> int | None:
-    """Drops every graph of `device` in `cache` and `new_runner`'s, lets the pool empty, and
+def rebuild_largest_first(handle, new_runner, *, graphs_of=is_graph, recapture=measured_recapture,
+                          release=release_device_memory) -> int | None:
+    """Drops every graph of the handle's device in its cache and `new_runner`'s, lets the pool empty, and
     captures them again largest first (most input bytes first: for one model, a bucket's
     temporaries grow with its input). Each recaptured entry is charged at its new cost under
     the budget rule, which may evict least recently used ones; entries evicted before their
@@ -105,7 +109,7 @@ def rebuild_largest_first(device: torch.device, cache, new_runner, *, graphs_of=
     (tests/core/test_pool_generations.py) runs this same order on the CPU with its model of
     torch's allocators in their place.
     """
-    graphs = [(entry_id, runner, pinned) for entry_id, runner, pinned in cache.entries(device)
+    graphs = [(entry_id, runner, pinned) for entry_id, runner, pinned in handle.entries()
               if graphs_of(runner)]
     if any(pinned for _, _, pinned in graphs):
         return None
@@ -114,38 +118,38 @@ def rebuild_largest_first(device: torch.device, cache, new_runner, *, graphs_of=
         if runner.valid():
             queue.append((entry_id, runner))
         else:
-            cache.erase_entry(device, entry_id)  # stale: rebuilt from the caller's call when next used
+            handle.erase_entry(entry_id)  # stale: rebuilt from the caller's call when next used
     del graphs
     queue.append((None, new_runner))
-    cache.count_pool_rebuild(device)
+    handle.count_pool_rebuild()
     for _, runner in queue:
         runner.release()
-    release(device, cache)
+    release(handle)
 
     # sorted() is stable: among equals, the most recently used (listed first) goes first.
     queue = sorted(queue, key=lambda item: item[1].static_input_bytes, reverse=True)
     new_bytes = None
     while queue:
         entry_id, runner = queue.pop(0)
-        if entry_id is not None and not cache.contains_entry(device, entry_id):
+        if entry_id is not None and not handle.contains_entry(entry_id):
             continue  # evicted by an earlier recapture's cost
         try:
-            entry_bytes = recapture(runner, device, cache)
+            entry_bytes = recapture(runner, handle)
         except Exception as error:
             if entry_id is None:
                 raise  # the caller's own bucket: its builder's error handling takes over
             # Out of memory, its module gone, or a capture that failed: the entry goes, and is
             # built again from its caller's next call.
             if not isinstance(error, (torch.OutOfMemoryError, ReferenceError)):
-                warnings.warn(f"shapecache: recapturing a graph on {device} failed ({error!r}); its entry was "
+                warnings.warn(f"shapecache: recapturing a graph on {handle.device} failed ({error!r}); its entry was "
                               "dropped", RuntimeWarning, stacklevel=2)
-            cache.erase_entry(device, entry_id)
+            handle.erase_entry(entry_id)
             del runner, error
-            release(device, cache)
+            release(handle)
             continue
         if entry_id is None:
             new_bytes = entry_bytes
         else:
-            cache.set_entry_bytes(device, entry_id, entry_bytes)
+            handle.set_entry_bytes(entry_id, entry_bytes)
         del runner  # an entry evicted later must not be kept alive here
     return new_bytes

@@ -22,6 +22,7 @@ import torch
 
 from shapecache import _checks
 from shapecache._backends.exported import disk_cache_counts, disk_cache_state
+from shapecache._extension import _C
 from shapecache._holder import HOLDER, CacheHolder, holder_on
 from shapecache.budget import format_bytes
 from shapecache.cache import CacheOptions, cache_module, disabled_by_environment, make_cache, uncached
@@ -54,13 +55,19 @@ class PipelineHolder(CacheHolder):
         totals["components"] = components
         totals["prewarmed"] = list(self.prewarmed)
         totals["memory"] = device_memory(totals["devices"])
-        for counter in ("calls", "hits", "misses", "builds", "fallbacks", "uncached_calls", "oom_retries",
-                        "invalidations", "busy_misses"):
+        for counter in (*_C.FUNCTION_COUNTERS, "pending_builds"):
             totals[counter] = sum(c[counter] for c in components.values())
         return totals
 
     def clear(self) -> None:
+        for module in self.components.values():
+            if holder_on(module) is not None:  # each component's clear also cancels its background builds
+                holder_on(module).clear()
         self.cache.clear()
+
+    def dispatchers(self) -> list:
+        return [d for module in self.components.values() if holder_on(module) is not None
+                for d in holder_on(module).dispatchers()]
 
     def uncache(self):
         for module in self.components.values():
@@ -83,6 +90,7 @@ def wrap(
     guidance: bool | None = None,
     text_length: int | None = None,
     progress: bool | None = None,
+    build: str = "inline",
 ):
     """Caches `pipe`'s denoiser and VAE decoder under one `budget`; returns `pipe`.
 
@@ -93,13 +101,15 @@ def wrap(
         budget, backend, max_entries: as for ``sc.cached``; the budget covers both components.
         tune_convs: route both components' Conv2d layers through the tuned convolution
             (None: no). Pre-warming then tunes every size's convolutions before the first call.
+        build: as for ``sc.cached``. With "background", pre-warming queues each size's
+            builds, largest first, and returns at once; ``sc.wait(pipe)`` waits for them.
     """
     family = family_of(pipe)
     if isinstance(holder_on(pipe), PipelineHolder):
         raise ValueError(f"{type(pipe).__name__} is wrapped already; call shapecache.unwrap(pipe) first")
     options = CacheOptions.from_arguments(
         budget=budget, backend=backend, buckets=None, max_entries=max_entries, compile_options=None,
-        tune_convs=bool(tune_convs),
+        tune_convs=bool(tune_convs), build=build,
     )
     checked_sizes = _check_sizes(pipe, family, sizes) if sizes is not None else []
     if disabled_by_environment():  # checked like any call, then left alone
@@ -208,6 +218,8 @@ def _prewarm(pipe, sizes, batch_size, guidance, text_length, progress) -> list:
 
     from tqdm.auto import tqdm
 
+    if state.options.build == "background":
+        return _queue_builds(pipe, state, sizes, batch_size, denoiser_batch, text_length)
     records = []
     with torch.no_grad():  # as the pipelines' __call__ run: the autograd mode is part of the key
         for height, width in tqdm(sizes, desc="shapecache prewarm", disable=not progress):
@@ -235,6 +247,22 @@ def _prewarm(pipe, sizes, batch_size, guidance, text_length, progress) -> list:
                 f", inductor cache {record['inductor_cache']}" if record["inductor_cache"] else "",
             )
     return records
+
+
+def _queue_builds(pipe, state, sizes, batch_size, denoiser_batch, text_length) -> list:
+    """Queues the builds of `sizes`, largest first, for the device's worker; runs nothing.
+    Returns no records: the builds end later (``sc.wait``, ``sc.stats``)."""
+    family = state.family
+    denoiser = state.components["denoiser"]
+    decoder = state.components.get("vae_decoder")
+    with torch.no_grad():  # the key holds the autograd mode, and the worker builds under the caller's
+        for height, width in sizes:
+            holder_on(denoiser).wrapper.queue_build(**family.denoiser_inputs(pipe, height, width, denoiser_batch,
+                                                                            text_length))
+            if decoder is not None:
+                holder_on(decoder).wrapper.queue_build(_decoder_input(pipe, decoder, height, width, batch_size))
+            logger.info("shapecache: queued the builds of %dx%d (batch %d)", height, width, batch_size)
+    return []
 
 
 def _decoder_input(pipe, decoder, height, width, batch):

@@ -1,0 +1,18 @@
+#include "cache/build_handle.h"
+
+namespace shapecache {
+
+void BuildHandle::set_shared_bytes(std::optional<int64_t> pool, std::optional<int64_t> workspace) {
+  SharedBytes bytes = cache_->shared_bytes(device_);  // a figure not given stays as it is
+  if (pool) bytes.pool = *pool;
+  if (workspace) bytes.workspace = *workspace;
+  auto evicted = cache_->set_shared_bytes(device_, bytes);
+}
+
+py::list BuildHandle::set_entry_bytes(uint64_t id, int64_t bytes) {
+  py::list ids;  // what left the cache; the entries themselves are destroyed on return
+  for (const auto& gone : cache_->set_entry_bytes(device_, id, bytes)) ids.append(gone.value.id);
+  return ids;
+}
+
+}  // namespace shapecache

@@ -1,0 +1,53 @@
+// BuildHandle: all a builder may do to the cache it builds for, on the device it builds on.
+// A builder is given one per build, inline or in the background, and reaches the cache
+// through nothing else: it charges the bytes every entry of the device shares (a CUDA graph
+// pool, a convolution workspace), and takes the steps of a pool rebuild (list the device's
+// entries, drop or re-charge them). What the build returns, the dispatcher inserts.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "cache/shape_cache.h"
+
+namespace shapecache {
+
+namespace py = pybind11;
+
+class BuildHandle {
+ public:
+  // `run_call`: whether the build is to run the call and return its output (inline), or only
+  // build (in the background, where the call already ran uncached).
+  BuildHandle(std::shared_ptr<ShapeCache> cache, c10::Device device, bool run_call)
+      : cache_(std::move(cache)), device_(device), run_call_(run_call) {}
+
+  const c10::Device& device() const { return device_; }
+  bool run_call() const { return run_call_; }
+
+  // Charges the device's shared bytes; a figure not given stays as it is. May evict.
+  void set_shared_bytes(std::optional<int64_t> pool, std::optional<int64_t> workspace);
+  // Whether an entry of `bytes` fits the device's budget, after evictions.
+  bool could_fit(int64_t bytes) { return cache_->lru(device_).could_fit(bytes); }
+  // The device's entries, most recently used first: (id, runner, pinned) each.
+  py::list entries() { return cache_->entries(device_); }
+  bool erase_entry(uint64_t id) { return cache_->erase_entry(device_, id).has_value(); }
+  bool contains_entry(uint64_t id) { return cache_->contains_entry(device_, id); }
+  // Re-charges a rebuilt entry; returns the ids of what left the cache.
+  py::list set_entry_bytes(uint64_t id, int64_t bytes);
+  size_t evict_unpinned() { return cache_->evict_unpinned(device_).size(); }
+  void count_pool_rebuild() { cache_->count_pool_rebuild(device_); }
+  std::string describe() { return cache_->describe(device_); }
+
+ private:
+  std::shared_ptr<ShapeCache> cache_;
+  c10::Device device_;
+  bool run_call_;
+};
+
+}  // namespace shapecache

@@ -1,0 +1,85 @@
+"""The background builds' worker threads: one per device, process-wide, each running the
+builds queued for its device one at a time, in the order they were asked for
+(``csrc/cache/build_queue.h`` holds the queue; a ``_C.ShapeCache`` calls ``wake`` after
+queuing one).
+
+A worker waits in Python with the GIL released and holds the GIL while it builds, as any
+Python thread does: the serving threads keep running between the build's own releases of the
+GIL (inductor's compiles, its C++ compiler subprocesses, torch's kernels).
+
+Workers are daemon threads. At interpreter exit, builds still waiting are dropped; one running
+is left to end with the process. After ``fork()`` the child starts its own worker when it
+queues a build, and no build of its parent counts as running there.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+
+import torch
+
+from shapecache._extension import _C
+
+BUILD_NICENESS = 10  # added to the process's niceness for the worker thread (os.setpriority)
+
+_lock = threading.Lock()
+_workers: dict[str, tuple[threading.Thread, threading.Event]] = {}
+
+
+def wake(device: torch.device) -> None:
+    """A build was queued for `device`: start its worker if there is none, and wake it."""
+    name = str(device)
+    with _lock:
+        worker = _workers.get(name)
+        if worker is None or not worker[0].is_alive():
+            work = threading.Event()
+            thread = threading.Thread(target=_serve, args=(device, work), name=f"shapecache-build-{name}",
+                                      daemon=True)
+            worker = _workers[name] = (thread, work)
+            thread.start()
+    worker[1].set()
+
+
+def _serve(device: torch.device, work: threading.Event) -> None:
+    _lower_priority()
+    while True:
+        work.wait()
+        work.clear()
+        while _C.run_next_build(device):
+            pass
+
+
+def _lower_priority() -> None:
+    """Gives this thread, and the compiler processes it starts, a lower CPU priority than the
+    threads that serve calls: where cores are fewer than the work, a build takes what serving
+    leaves. (On Linux a thread has a nice value of its own, which processes it forks inherit.)"""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BUILD_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not permitted: the default priority
+        pass
+
+
+def wait(dispatchers, timeout: float | None) -> bool:
+    """Waits until no build of `dispatchers` (``_C.ShapeDispatcher``) is waiting or running;
+    False when `timeout` seconds passed first."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while any(d.pending_builds for d in dispatchers):
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        # A short sleep, not a condition: a build ends on the worker, a cancellation on any
+        # thread, and both are rare beside a build's seconds.
+        time.sleep(0.01)
+    return True
+
+
+def _forget_parents_workers() -> None:
+    _workers.clear()
+    _C.forget_running_builds()
+
+
+atexit.register(_C.cancel_all_builds)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parents_workers)

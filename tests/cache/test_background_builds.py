@@ -1,0 +1,224 @@
+"""build="background": a miss runs the call uncached at once and queues the bucket's build for
+the device's worker thread; the bucket's calls run uncached until the entry is in, then hit it.
+
+Most tests drive the C++ dispatcher with a builder that waits on an event, standing in for a
+compiler that takes minutes; one builds with the real compile backend.
+"""
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+import shapecache as sc
+from shapecache import _build_workers
+from shapecache._backends import BuiltEntry
+from shapecache._extension import _C
+
+WAIT = 30  # seconds: a generous bound on a build that should take milliseconds
+
+
+class GatedBuilder:
+    """Builds an eager entry of `nbytes` once `gate` is set; records each build's input size,
+    whether the handle asked it to run the call, the grad mode it ran under and how many
+    builds ran at once."""
+
+    def __init__(self, function, nbytes=10, fail_with=None):
+        self.function, self.nbytes, self.fail_with = function, nbytes, list(fail_with or [])
+        self.gate = threading.Event()
+        self.gate.set()
+        self.sizes, self.run_calls, self.grad_modes = [], [], []
+        self.running = self.most_at_once = 0
+        self.started = threading.Event()
+
+    def __call__(self, args, kwargs, handle):
+        self.running += 1
+        self.most_at_once = max(self.most_at_once, self.running)
+        try:
+            self.started.set()
+            assert self.gate.wait(WAIT), "the test never opened the gate"
+            self.sizes.append(args[0].shape[0])
+            self.run_calls.append(handle.run_call)
+            self.grad_modes.append(torch.is_grad_enabled())
+            if self.fail_with:
+                raise self.fail_with.pop(0)
+            return BuiltEntry(self.function, self.nbytes, None, "eager", ran_call=False)
+        finally:
+            self.running -= 1
+
+
+class Counted:
+    """x * 2, counting its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1
+        return x * 2
+
+
+def background(function, builder, budget=1000):
+    cache = _C.ShapeCache(lambda device: budget, None, wake_build_worker=_build_workers.wake)
+    return _C.ShapeDispatcher(function, builder, cache, [], ["x"], None, False, background=lambda device: True)
+
+
+def wait(f, timeout=WAIT):
+    return _build_workers.wait([f], timeout)
+
+
+def test_a_miss_answers_at_once_and_later_calls_hit_once_the_build_is_in():
+    function = Counted()
+    builder = GatedBuilder(function)
+    builder.gate.clear()
+    f = background(function, builder)
+    x = torch.ones(3)
+    assert torch.equal(f(x), x * 2)  # the builder is still waiting: the call ran uncached
+    assert f.pending_builds == 1 and f.stats()["entries"] == []
+    assert torch.equal(f(x), x * 2)  # the same bucket, still building: uncached, not queued again
+    builder.gate.set()
+    assert wait(f)
+    assert torch.equal(f(x), x * 2)
+    st = f.stats()
+    assert (st["misses"], st["busy_misses"], st["hits"], st["builds"], st["background_builds"]) == (1, 1, 1, 1, 1)
+    assert st["pending_builds"] == 0 and len(st["entries"]) == 1
+    assert builder.sizes == [3] and builder.run_calls == [False]  # built once, told not to run the call
+    assert function.calls == 3  # two uncached calls and one hit of the eager entry: the build ran none
+
+
+def test_builds_run_one_at_a_time_in_request_order():
+    builder = GatedBuilder(Counted())
+    builder.gate.clear()
+    f = background(builder.function, builder)
+    for n in (5, 2, 7, 2, 4):
+        f(torch.ones(n))
+    assert builder.started.wait(WAIT)
+    assert f.pending_builds == 4  # 2 was asked for twice: queued once
+    builder.gate.set()
+    assert wait(f)
+    assert builder.sizes == [5, 2, 7, 4] and builder.most_at_once == 1
+    assert len(f.stats()["entries"]) == 4
+
+
+def test_the_build_runs_under_the_callers_grad_mode():
+    builder = GatedBuilder(Counted())
+    f = background(builder.function, builder)
+    with torch.no_grad():
+        f(torch.ones(2))
+    assert wait(f)
+    assert builder.grad_modes == [False]
+
+
+def test_a_failed_build_warns_once_and_leaves_its_bucket_uncached():
+    builder = GatedBuilder(Counted(), fail_with=[ValueError("the compiler broke")])
+    f = background(builder.function, builder)
+    with pytest.warns(RuntimeWarning, match=r"background build of x=\(3,\).*ValueError: the compiler broke.*uncached"):
+        f(torch.ones(3))
+        assert wait(f)
+    assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+    st = f.stats()
+    assert (st["fallbacks"], st["uncached_calls"], st["entries"]) == (1, 1, [])
+    assert builder.sizes == [3]  # not built again
+    f.clear()  # lets it be built again
+    f(torch.ones(3))
+    assert wait(f) and len(f.stats()["entries"]) == 1
+
+
+def test_a_build_out_of_memory_twice_fails_no_call_and_is_tried_again_from_the_next_miss():
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    builder = GatedBuilder(Counted(), fail_with=[oom, oom])
+    f = background(builder.function, builder)
+    with pytest.warns(RuntimeWarning, match="ran out of memory twice"):
+        assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+        assert wait(f)
+    st = f.stats()
+    assert (st["oom_retries"], st["fallbacks"], st["entries"]) == (1, 1, [])
+    f(torch.ones(3))  # queued again, and built this time
+    assert wait(f) and len(f.stats()["entries"]) == 1 and builder.sizes == [3, 3, 3]
+
+
+def test_clear_cancels_the_queued_builds_and_drops_the_running_ones_result():
+    builder = GatedBuilder(Counted())
+    builder.gate.clear()
+    f = background(builder.function, builder)
+    for n in (1, 2, 3):
+        f(torch.ones(n))
+    assert builder.started.wait(WAIT)  # 1 is building, 2 and 3 wait
+    assert f.pending_builds == 3
+    f.clear()
+    assert f.pending_builds == 1
+    builder.gate.set()
+    assert wait(f)
+    assert builder.sizes == [1] and f.stats()["entries"] == []
+    f(torch.ones(2))  # the cancelled bucket can be queued again
+    assert wait(f) and [e["bucket"] for e in f.stats()["entries"]] == ["x=(2,) float32 cpu"]
+
+
+def test_background_builds_keep_the_budget():
+    builder = GatedBuilder(Counted(), nbytes=40)
+    f = background(builder.function, builder, budget=100)
+    for n in range(1, 7):
+        f(torch.ones(n))
+        assert wait(f)
+        st = f.stats()
+        assert st["bytes"] <= 100 and len(st["entries"]) <= 2
+    assert f.stats()["evictions"] == 4
+
+
+def test_queue_build_builds_without_running_the_call():
+    function = Counted()
+    builder = GatedBuilder(function)
+    f = background(function, builder)
+    assert f.queue_build(torch.ones(4))
+    assert not f.queue_build(torch.ones(4))  # queued already
+    assert wait(f)
+    assert not f.queue_build(torch.ones(4))  # built already
+    assert function.calls == 0 and builder.sizes == [4]
+    f(torch.ones(4))
+    assert f.stats()["hits"] == 1
+
+
+def test_wait_times_out_while_a_build_runs():
+    builder = GatedBuilder(Counted())
+    builder.gate.clear()
+    f = background(builder.function, builder)
+    f(torch.ones(1))
+    assert not wait(f, timeout=0.05)
+    builder.gate.set()
+    assert wait(f)
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match=r"build='later': expected 'inline' .* or 'background'"):
+        sc.cached(lambda x: x, build="later")
+    f = sc.cached(lambda x: x, build="background", backend="eager")
+    with pytest.raises(ValueError, match=r"timeout=-1: expected a number >= 0"):
+        sc.wait(f, timeout=-1)
+    with pytest.raises(TypeError, match=r"wait: expected a function or module wrapped by shapecache.cached"):
+        sc.wait(lambda x: x)
+
+
+def test_the_compile_backend_builds_in_the_background_and_answers_as_the_plain_model():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 3, 1)).eval()
+    plain = [torch.nn.Sequential(*net).eval()]  # the same layers, called without the cache
+    x = torch.randn(1, 3, 16, 16)
+    with torch.no_grad():
+        expected = plain[0](x)
+        sc.cached(net, backend="compile", build="background", budget="1GiB")
+        assert torch.equal(net(x), expected)  # uncached: the plain model's own kernels
+        assert sc.wait(net, timeout=300)
+        st = sc.stats(net)
+        assert [e["backend"] for e in st["entries"]] == ["compile"] and st["background_builds"] == 1
+        torch.testing.assert_close(net(x), expected)
+        assert sc.stats(net)["hits"] == 1
+        net[0].weight.mul_(2)  # the entry is stale: it runs uncached again while it is rebuilt
+        expected = plain[0](x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the rebuild warns nothing
+            torch.testing.assert_close(net(x), expected)
+            assert sc.wait(net, timeout=300)
+        torch.testing.assert_close(net(x), expected)
+    st = sc.stats(net)
+    assert (st["invalidations"], st["background_builds"], st["hits"]) == (1, 2, 2)
