@@ -27,6 +27,7 @@ BUILD_NICENESS = 10  # added to the process's niceness for the worker thread (os
 
 _lock = threading.Lock()
 _workers: dict[str, tuple[threading.Thread, threading.Event]] = {}
+_worker_threads: set[int] = set()  # threading.get_ident() of each worker
 
 
 def wake(device: torch.device) -> None:
@@ -44,6 +45,7 @@ def wake(device: torch.device) -> None:
 
 
 def _serve(device: torch.device, work: threading.Event) -> None:
+    _worker_threads.add(threading.get_ident())
     _lower_priority()
     while True:
         work.wait()
@@ -65,6 +67,8 @@ def _lower_priority() -> None:
 def wait(dispatchers, timeout: float | None) -> bool:
     """Waits until no build of `dispatchers` (``_C.ShapeDispatcher``) is waiting or running;
     False when `timeout` seconds passed first."""
+    if threading.get_ident() in _worker_threads:
+        raise RuntimeError("shapecache.wait was called from a background build, which would wait for itself")
     deadline = None if timeout is None else time.monotonic() + timeout
     while any(d.pending_builds for d in dispatchers):
         if deadline is not None and time.monotonic() >= deadline:
@@ -77,6 +81,7 @@ def wait(dispatchers, timeout: float | None) -> bool:
 
 def _forget_parents_workers() -> None:
     _workers.clear()
+    _worker_threads.clear()
     _C.forget_running_builds()
 
 

@@ -9,6 +9,8 @@ from torch._dynamo.utils import counters
 import shapecache as sc
 from shapecache.testing.models import SIZES
 
+pytestmark = pytest.mark.slow
+
 
 def test_inductor_per_bucket_on_a_conv_net(conv_net):
     sizes = SIZES[:3]

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 import shapecache as sc
 
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
 # The README's rounding for compiled entries: inductor may reorder float sums.
 CLOSE = {"rtol": 1e-4, "atol": 1e-5}

@@ -199,6 +199,7 @@ def test_options_are_checked():
         sc.wait(lambda x: x)
 
 
+@pytest.mark.slow
 def test_the_compile_backend_builds_in_the_background_and_answers_as_the_plain_model():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 3, 1)).eval()
@@ -222,3 +223,19 @@ def test_the_compile_backend_builds_in_the_background_and_answers_as_the_plain_m
         torch.testing.assert_close(net(x), expected)
     st = sc.stats(net)
     assert (st["invalidations"], st["background_builds"], st["hits"]) == (1, 2, 2)
+
+
+def test_waiting_from_inside_a_background_build_is_refused_not_a_deadlock():
+    seen = []
+
+    def builder(args, kwargs, handle):
+        try:
+            _build_workers.wait([f], timeout=None)
+        except RuntimeError as error:
+            seen.append(str(error))
+        return BuiltEntry(Counted(), 0, None, "eager", ran_call=False)
+
+    f = background(Counted(), builder)
+    f(torch.ones(1))
+    assert wait(f)
+    assert seen == ["shapecache.wait was called from a background build, which would wait for itself"]

@@ -24,7 +24,8 @@ from shapecache._backends import guards  # noqa: E402
 from shapecache._backends.exported import DetachedTrees  # noqa: E402
 from shapecache.testing import tiny_pipelines as tp  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::FutureWarning", "ignore::UserWarning")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::FutureWarning", "ignore::UserWarning")]
 
 SIZE = (32, 32)
 CLOSE = {"rtol": 1e-3, "atol": 1e-3}

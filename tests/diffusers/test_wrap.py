@@ -202,6 +202,7 @@ def test_sd15_size_pipeline_over_service_sizes_stays_within_budget():
     assert st["fallbacks"] == 0
 
 
+@pytest.mark.slow
 def test_compile_backend_is_bit_identical_to_torch_compile():
     size = (32, 48)
     anchor = tp.stable_diffusion()

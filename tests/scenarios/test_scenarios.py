@@ -10,6 +10,8 @@ pytest.importorskip("diffusers")
 from shapecache.scenarios import size_loop  # noqa: E402
 from shapecache.testing import tiny_pipelines as tp  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 SIZES = [(32, 32), (48, 64), (32, 48)]
 
 

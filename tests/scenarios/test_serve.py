@@ -7,6 +7,8 @@ import pytest
 
 from shapecache.scenarios import _cli, _serve
 
+pytestmark = pytest.mark.slow
+
 
 def serve(*argv) -> dict:
     return _serve.run(_cli.parse_arguments(["serve", *argv]))
