@@ -25,7 +25,7 @@ def build_sizes(freezing: bool, sizes: list) -> dict:
     import torch
 
     import shapecache as sc
-    from shapecache._backends.exported import disk_cache_counts, disk_cache_state
+    from shapecache._backends import disk_cache_counts, disk_cache_state
     from shapecache.scenarios import build_model
 
     model = build_model("res-convnet", torch.device("cpu"))

@@ -315,7 +315,7 @@ def small_conv_net():
 
 
 def test_a_rebuilt_bucket_is_read_from_inductors_disk_cache_and_a_frozen_one_is_not_cached():
-    from shapecache._backends.exported import disk_cache_counts, disk_cache_state
+    from shapecache._backends import disk_cache_counts, disk_cache_state
 
     def build(net, x):
         before = disk_cache_counts()

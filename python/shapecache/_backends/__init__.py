@@ -18,29 +18,34 @@ and the builder only builds: it runs nothing that would repeat the call's effect
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from shapecache._backends.disk_cache import disk_cache_counts, disk_cache_state
+from shapecache._backends.entry import BuildContext, BuiltEntry
 from shapecache._extension import _C
 
 BACKENDS = ("auto", "eager", "compile", "cuda_graph", "compile+cuda_graph")
 GRAPH_BACKENDS = ("cuda_graph", "compile+cuda_graph")
 
+# The builder of each backend a bucket can be built with, by name: "module:function", imported
+# on first use (the compile and graph backends load torch.export and inductor). Each is called
+# as builder(function, args, kwargs, handle, context, asked) with `asked` the backend the user
+# asked for ("auto" keeps a graph only where it is faster).
+BUILDERS = {
+    "eager": "shapecache._backends.eager:build_eager",
+    "compile": "shapecache._backends.compile:build_compiled",
+    "cuda_graph": "shapecache._backends.cuda_graph:build_cuda_graph",
+    "compile+cuda_graph": "shapecache._backends.cuda_graph:build_compiled_cuda_graph",
+}
 
-BuiltEntry = _C.BuiltEntry
 
-
-@dataclass(frozen=True)
-class BuildContext:
-    """What a builder needs besides the call and its handle: how calls are spelled."""
-
-    has_owner: bool  # the call's first argument is the module a method belongs to
-    parameter_names: tuple  # positional parameter names (without the owner), as keys use them
-    compile_options: dict
-
+# The package's seam: what the rest of shapecache uses of the backends.
+__all__ = ["BACKENDS", "GRAPH_BACKENDS", "BuildContext", "BuiltEntry", "builds_in_background", "check_available",
+           "disk_cache_counts", "disk_cache_state", "dynamo_entry_point", "make_builder", "resolve_backend"]
 
 def check_available(backend: str) -> None:
     """Raises ValueError when `backend` cannot run here at all."""
@@ -83,15 +88,20 @@ def make_builder(function: Callable, backend: str, context: BuildContext) -> Cal
             warned.append(True)
             warnings.warn(f"shapecache: backend={backend!r} got tensors on {device}; such calls run eager",
                           RuntimeWarning, stacklevel=2)
-        if chosen == "eager":  # the dispatcher runs it: no frame of this builder under the call
-            return BuiltEntry(function, 0, None, "eager", ran_call=False)
-        if chosen == "compile":
-            from shapecache._backends.compile import build_compiled
-
-            return build_compiled(function, context, args, kwargs, handle)
-        from shapecache._backends.cuda_graph import build_graph
-
-        return build_graph(function, args, kwargs, handle, context, compiled=chosen == "compile+cuda_graph",
-                           keep_only_if_faster=backend == "auto")
+        return builder_of(chosen)(function, args, kwargs, handle, context, backend)
 
     return build
+
+
+def builder_of(name: str) -> Callable:
+    """The builder registered for backend `name` (BUILDERS)."""
+    module, function = BUILDERS[name].split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def dynamo_entry_point(function: Callable) -> Callable:
+    """`function` behind an entry point of its own for ``torch.compile`` (see compile.py): one
+    code object per artifact, so that Dynamo's per-code recompile limit never applies."""
+    from shapecache._backends.compile import entry_point
+
+    return entry_point(function)

@@ -28,12 +28,13 @@ from collections.abc import Callable
 import torch
 from torch.utils._pytree import tree_leaves
 
-from shapecache._backends import BuiltEntry, exported, guards
+from shapecache._backends import exported, guards
+from shapecache._backends.entry import BuildContext, BuiltEntry
 from shapecache._backends.exported import _first_line
 from shapecache._backends.host_memory import resident_bytes, return_free_memory
 
 
-def build_compiled(function, context, args, kwargs, handle) -> BuiltEntry:
+def build_compiled(function, args, kwargs, handle, context: BuildContext, asked: str) -> BuiltEntry:
     """The bucket's entry: one exported graph compiled by inductor (exported.py), or where the
     call cannot be exported whole or the options ask for another backend, Dynamo's build.
 

@@ -11,8 +11,9 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from shapecache import _timing
-from shapecache._backends import BuildContext, BuiltEntry, graph_pool, guards
+from shapecache._backends import graph_pool, guards
 from shapecache._backends.compile import entry_point
+from shapecache._backends.entry import BuildContext, BuiltEntry
 from shapecache._extension import _C
 
 _warm_up_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -27,8 +28,19 @@ def warm_up_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def build_graph(function, args, kwargs, handle, context: BuildContext, *, compiled: bool,
-                keep_only_if_faster: bool) -> BuiltEntry:
+def build_cuda_graph(function, args, kwargs, handle, context: BuildContext, asked: str) -> BuiltEntry:
+    """The bucket captured from the function itself; with ``backend="auto"``, kept only where
+    its replay beats the eager call."""
+    return _build_graph(function, args, kwargs, handle, context, compiled=False, keep_only_if_faster=asked == "auto")
+
+
+def build_compiled_cuda_graph(function, args, kwargs, handle, context: BuildContext, asked: str) -> BuiltEntry:
+    """The bucket's ``torch.compile`` graph, captured."""
+    return _build_graph(function, args, kwargs, handle, context, compiled=True, keep_only_if_faster=False)
+
+
+def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compiled: bool,
+                 keep_only_if_faster: bool) -> BuiltEntry:
     device = handle.device
     owner, call_args = (args[0], args[1:]) if context.has_owner else (None, args)
     runnable = torch.compile(entry_point(function), dynamic=False, **context.compile_options) if compiled \

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shapecache import _checks
-from shapecache._backends.exported import disk_cache_counts, disk_cache_state
+from shapecache._backends import disk_cache_counts, disk_cache_state
 from shapecache._extension import _C
 from shapecache._holder import HOLDER, CacheHolder, holder_on
 from shapecache.budget import format_bytes

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from shapecache._backends.compile import entry_point
+from shapecache._backends import dynamo_entry_point
 
 
 def naive_forward(forward: Callable, device: torch.device, compile_options: dict) -> Callable:
@@ -28,7 +28,7 @@ def naive_forward(forward: Callable, device: torch.device, compile_options: dict
             if device.type == "cuda":
                 artifacts[key] = capture_per_size_graph(forward, self, args, kwargs)
             else:
-                artifacts[key] = torch.compile(entry_point(forward), dynamic=False, **compile_options)
+                artifacts[key] = torch.compile(dynamo_entry_point(forward), dynamic=False, **compile_options)
         return artifacts[key](self, *args, **kwargs)
 
     return naive
