@@ -27,6 +27,7 @@
 #include "cache/entry_runner.h"
 #include "cache/compiled_graph_runner.h"
 #include "cache/state_guard.h"
+#include "ops/tuning_records.h"
 #include "ops/workspace_arena.h"
 #if SHAPECACHE_WITH_CUDA
 #include "cache/cuda/cuda_graph_runner.h"
@@ -35,20 +36,10 @@
 namespace py = pybind11;
 using namespace shapecache;
 
+// The surface only tests use (testing_bindings.cpp): _C._testing.
+void bind_testing(py::module_& m);
+
 namespace {
-
-// The LRU over plain ints, so the core's invariants can be tested from Python directly.
-using IntLru = BudgetedLru<int64_t, int64_t>;
-
-int64_t limit_from_python(const std::optional<int64_t>& value) {
-  return value ? *value : IntLru::kUnlimited;
-}
-
-py::list evicted_keys(const std::vector<IntLru::Evicted>& evicted) {
-  py::list keys;
-  for (const auto& e : evicted) keys.append(e.key);
-  return keys;
-}
 
 void bind_core(py::module_& m) {
   py::class_<BucketPolicy>(m, "BucketPolicy")
@@ -68,138 +59,10 @@ void bind_core(py::module_& m) {
       .def_readonly("position", &ArgumentBuckets::position)
       .def_readonly("name", &ArgumentBuckets::name);
 
-  py::class_<IntLru>(m, "IntLru")
-      .def(py::init([](std::optional<int64_t> budget, std::optional<int64_t> max_entries) {
-             return std::make_unique<IntLru>(limit_from_python(budget), limit_from_python(max_entries));
-           }),
-           py::arg("budget") = py::none(), py::arg("max_entries") = py::none())
-      .def(
-          "insert",
-          [](IntLru& lru, int64_t key, int64_t value, int64_t bytes) {
-            auto result = lru.insert(key, value, bytes);
-            return py::make_tuple(result.inserted, evicted_keys(result.evicted));
-          },
-          py::arg("key"), py::arg("value"), py::arg("bytes"))
-      .def("find", [](IntLru& lru, int64_t key) -> std::optional<int64_t> {
-        const int64_t* v = lru.find(key);
-        return v ? std::optional<int64_t>(*v) : std::nullopt;
-      })
-      .def("peek", [](IntLru& lru, int64_t key) -> std::optional<int64_t> {
-        const int64_t* v = lru.peek(key);
-        return v ? std::optional<int64_t>(*v) : std::nullopt;
-      })
-      .def("pin", &IntLru::pin)
-      .def("unpin", [](IntLru& lru, int64_t key) { return evicted_keys(lru.unpin(key)); })
-      .def("pin_count", &IntLru::pin_count)
-      .def("could_fit", &IntLru::could_fit)
-      .def(
-          "make_room_for", [](IntLru& lru, int64_t bytes) { return evicted_keys(lru.make_room_for(bytes)); },
-          py::arg("bytes"))
-      .def("erase", [](IntLru& lru, int64_t key) { return lru.erase(key).has_value(); })
-      .def("clear", [](IntLru& lru) { return evicted_keys(lru.clear()); })
-      .def(
-          "set_limits",
-          [](IntLru& lru, std::optional<int64_t> budget, std::optional<int64_t> max_entries) {
-            return evicted_keys(lru.set_limits(limit_from_python(budget), limit_from_python(max_entries)));
-          },
-          py::arg("budget"), py::arg("max_entries") = py::none())
-      .def("set_shared_bytes", [](IntLru& lru, int64_t bytes) { return evicted_keys(lru.set_shared_bytes(bytes)); })
-      .def("set_entry_bytes", [](IntLru& lru, int64_t key, int64_t bytes) { return evicted_keys(lru.set_entry_bytes(key, bytes)); })
-      .def("keys",
-           [](const IntLru& lru) {
-             py::list keys;  // most recently used first
-             lru.for_each([&](int64_t key, int64_t, int64_t, int) { keys.append(key); });
-             return keys;
-           })
-      .def_property_readonly("entry_bytes", &IntLru::entry_bytes)
-      .def_property_readonly("shared_bytes", &IntLru::shared_bytes)
-      .def_property_readonly("total_bytes", &IntLru::total_bytes)
-      .def_property_readonly("budget", &IntLru::budget_bytes)
-      .def_property_readonly("max_entries", &IntLru::max_entries)
-      .def("__len__", &IntLru::size)
-      .def_property_readonly("counters", [](const IntLru& lru) {
-        const LruCounters& c = lru.counters();
-        py::dict d;
-        d["hits"] = c.hits;
-        d["misses"] = c.misses;
-        d["inserts"] = c.inserts;
-        d["rejections"] = c.rejections;
-        d["evictions"] = c.evictions;
-        d["peak_bytes"] = c.peak_bytes;
-        return d;
-      });
-}
-
-// The pool lifecycle with every torch call a Python callable, so that its rules can be checked
-// on the CPU against a model of torch's allocators (ids cross as (int, int) tuples).
-void bind_pool_generations(py::module_& m) {
-  using Generation = PoolGenerations::Generation;
-  py::class_<PoolGenerations>(m, "PoolGenerations")
-      .def(py::init<>())
-      .def(
-          "capture",
-          [](PoolGenerations& pool, py::function open_pool, py::function begin, py::function body, py::function end,
-             py::function ended, py::function device_end, py::function device_release, py::function host_end,
-             py::function host_release) {
-            auto id_call = [](py::function f) { return [f](const PoolId& id) { f(py::make_tuple(id.first, id.second)); }; };
-            CaptureSteps steps{
-                [open_pool] { return open_pool().cast<PoolId>(); },
-                id_call(begin),
-                [body] { body(); },
-                [end] { end(); },
-                [ended] { return ended().cast<bool>(); },
-                PoolAllocatorCalls{id_call(device_end), id_call(device_release)},
-                PoolAllocatorCalls{id_call(host_end), id_call(host_release)},
-            };
-            const PoolId id = pool.capture(steps);
-            return py::make_tuple(id.first, id.second);
-          },
-          py::arg("open_pool"), py::arg("begin"), py::arg("body"), py::arg("end"), py::arg("ended"),
-          py::arg("device_end"), py::arg("device_release"), py::arg("host_end"), py::arg("host_release"))
-      .def("graph_released", [](PoolGenerations& pool, PoolId id) { pool.graph_released(id); })
-      .def_property_readonly("live_graphs", &PoolGenerations::live_graphs)
-      .def_property_readonly("generations", [](const PoolGenerations& pool) {
-        py::list out;
-        for (const Generation& g : pool.generations()) {
-          py::dict d;
-          d["id"] = py::make_tuple(g.id.first, g.id.second);
-          d["graphs"] = g.graphs;
-          d["recording"] = g.recording;
-          d["retired"] = g.retired;
-          out.append(d);
-        }
-        return out;
-      });
 }
 
 void bind_cache(py::module_& m) {
   py::register_exception<UnkeyableArgument>(m, "UnkeyableArgument", PyExc_TypeError);
-
-  m.def(
-      "call_key",
-      [](py::tuple args, py::dict kwargs, std::vector<ArgumentBuckets> buckets, uint64_t function_id, int training,
-         std::vector<std::string> parameter_names) {
-        CallContext context;
-        context.function_id = function_id;
-        context.training = training;
-        context.parameter_names = &parameter_names;
-        CallKey key = make_call_key(context, args, kwargs, buckets);
-        py::dict out;
-        out["words"] = py::tuple(py::cast(key.key.words()));
-        out["hash"] = key.key.hash();
-        out["device"] = py::reinterpret_steal<py::object>(THPDevice_New(key.device));
-        out["description"] = describe_key(key.key);
-        out["padded"] = key.padded;
-        out["args"] = key.padded ? py::object(key.args) : py::object(args);
-        out["kwargs"] = key.padded ? py::object(key.kwargs) : py::object(kwargs);
-        py::list crop;
-        for (const CropDim& c : key.crop) crop.append(py::make_tuple(c.dim, c.original, c.padded));
-        out["crop"] = crop;
-        return out;
-      },
-      py::arg("args"), py::arg("kwargs"), py::arg("buckets") = std::vector<ArgumentBuckets>{},
-      py::arg("function_id") = 0, py::arg("training") = -1, py::arg("parameter_names") = std::vector<std::string>{},
-      "The key of calling a function with `args` and `kwargs` (for tests and debugging).");
 
   // The modes a CUDA graph is recaptured under (call_modes.h), readable and usable on any device.
   py::class_<CallModes>(m, "CallModes")
@@ -221,15 +84,6 @@ void bind_cache(py::module_& m) {
             return function();
           },
           py::arg("function"), "Calls `function()` under these modes; the thread's own come back after.");
-
-  m.def(
-      "crop_outputs",
-      [](py::object outputs, std::vector<std::vector<int64_t>> shapes) -> py::object {
-        std::optional<py::object> cropped = crop_outputs(outputs, shapes);
-        return cropped ? std::move(*cropped) : py::object(py::none());
-      },
-      py::arg("outputs"), py::arg("shapes"),
-      "`outputs` with each tensor narrowed to its shape in `shapes` (map order); None when they do not match.");
 
   py::class_<ShapeCache, std::shared_ptr<ShapeCache>>(m, "ShapeCache")
       .def(py::init([](py::object budget_for_device, std::optional<int64_t> max_entries,
@@ -274,13 +128,7 @@ void bind_cache(py::module_& m) {
       .def(
           "could_fit", [](ShapeCache& cache, c10::Device device, int64_t bytes) { return cache.lru(device).could_fit(bytes); },
           py::arg("device"), py::arg("bytes"), "Whether an entry of `bytes` fits the device's budget, after evictions.")
-      .def("count_pool_rebuild", &ShapeCache::count_pool_rebuild, py::arg("device"))
-      .def(
-          "handle",
-          [](const std::shared_ptr<ShapeCache>& cache, c10::Device device) {
-            return BuildHandle(cache, device, /*run_call=*/false);
-          },
-          py::arg("device"), "A BuildHandle on `device`, as a builder gets one (for tests of what builders do).");
+      .def("count_pool_rebuild", &ShapeCache::count_pool_rebuild, py::arg("device"));
 
   py::class_<BuiltEntry>(m, "BuiltEntry", "What a builder returns for a new bucket (csrc/cache/built_entry.h).")
       .def(py::init([](py::object runner, int64_t bytes, py::object output, std::string backend,
@@ -383,67 +231,6 @@ void bind_cache(py::module_& m) {
       .def_property_readonly("cache", &ShapeDispatcher::cache);
 }
 
-// Tuning records cross to Python as plain dicts (the file format's fields).
-py::dict record_to_dict(const TuningRecord& r) {
-  const ConvProblem& p = r.problem;
-  py::dict d;
-  d["environment"] = r.environment;
-  d["device_type"] = c10::DeviceTypeName(static_cast<c10::DeviceType>(p.device_type), /*lower_case=*/true);
-  d["dtype"] = std::string(torch::getTHPDtype(static_cast<c10::ScalarType>(p.dtype))->name);
-  d["layout"] = p.layout ? "channels_last" : "contiguous";
-  d["input"] = py::make_tuple(p.n, p.c, p.h, p.w);
-  d["weight"] = py::make_tuple(p.k, p.c / p.groups, p.r, p.s);
-  d["stride"] = py::make_tuple(p.stride[0], p.stride[1]);
-  d["padding"] = py::make_tuple(p.padding[0], p.padding[1]);
-  d["dilation"] = py::make_tuple(p.dilation[0], p.dilation[1]);
-  d["groups"] = p.groups;
-  d["bias"] = static_cast<bool>(p.has_bias);
-  d["algorithm"] = r.algorithm;
-  d["workspace_bytes"] = r.workspace_bytes;
-  d["microseconds"] = r.microseconds;
-  return d;
-}
-
-c10::ScalarType dtype_from_name(const std::string& name) {
-  for (int i = 0; i < static_cast<int>(c10::ScalarType::NumOptions); ++i) {
-    const auto type = static_cast<c10::ScalarType>(i);
-    THPDtype* dtype = torch::getTHPDtype(type);
-    if (dtype != nullptr && name == dtype->name) return type;
-  }
-  throw py::value_error("unknown dtype '" + name + "'");
-}
-
-// Raises KeyError/TypeError/ValueError on a malformed record (the file is then set aside).
-TuningRecord record_from_dict(const py::dict& d) {
-  TuningRecord r;
-  ConvProblem& p = r.problem;
-  std::memset(&p, 0, sizeof(p));
-  r.environment = d["environment"].cast<std::string>();
-  p.environment = hash_environment(r.environment);
-  p.device_type = static_cast<int8_t>(c10::Device(d["device_type"].cast<std::string>()).type());
-  p.dtype = static_cast<int8_t>(dtype_from_name(d["dtype"].cast<std::string>()));
-  const auto layout = d["layout"].cast<std::string>();
-  if (layout != "contiguous" && layout != "channels_last") throw py::value_error("unknown layout '" + layout + "'");
-  p.layout = layout == "channels_last" ? 1 : 0;
-  const auto input = d["input"].cast<std::vector<int64_t>>();
-  const auto weight = d["weight"].cast<std::vector<int64_t>>();
-  const auto stride = d["stride"].cast<std::vector<int64_t>>();
-  const auto padding = d["padding"].cast<std::vector<int64_t>>();
-  const auto dilation = d["dilation"].cast<std::vector<int64_t>>();
-  if (input.size() != 4 || weight.size() != 4 || stride.size() != 2 || padding.size() != 2 || dilation.size() != 2) {
-    throw py::value_error("a tuning record has sizes of the wrong length");
-  }
-  p.n = input[0], p.c = input[1], p.h = input[2], p.w = input[3];
-  p.k = weight[0], p.r = weight[2], p.s = weight[3];
-  for (int i = 0; i < 2; ++i) p.stride[i] = stride[i], p.padding[i] = padding[i], p.dilation[i] = dilation[i];
-  p.groups = d["groups"].cast<int64_t>();
-  p.has_bias = d["bias"].cast<bool>() ? 1 : 0;
-  r.algorithm = d["algorithm"].cast<std::string>();
-  r.workspace_bytes = d["workspace_bytes"].cast<int64_t>();
-  r.microseconds = d["microseconds"].cast<double>();
-  return r;
-}
-
 void bind_tuning(py::module_& m) {
   m.def(
       "tune_conv2d",
@@ -498,8 +285,6 @@ void bind_tuning(py::module_& m) {
   });
   m.def("tuning_clear", [] { ConvTuner::instance().clear(); });
   m.def("tuning_set_enabled", [](bool enabled) { ConvTuner::instance().set_enabled(enabled); });
-  m.def("_tuning_fail_candidate", [](std::string name) { ConvTuner::instance().fail_candidate_for_tests(std::move(name)); },
-        "Fault injection for tests: tuning makes the named candidate fail ('' for none).");
   m.def("tuning_environment", [](c10::Device device) { return ConvTuner::instance().environment(device); });
   m.def("record_key", [](const py::dict& record) {  // the identity of a record's problem, for merging files
     const TuningRecord r = record_from_dict(record);
@@ -528,9 +313,10 @@ void bind_tuning(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "shapecache's C++ core: shape keys, bucket policies, the budgeted LRU, the cached call, conv tuning";
   bind_core(m);
-  bind_pool_generations(m);
   bind_cache(m);
   bind_tuning(m);
+  py::module_ testing = m.def_submodule("_testing", "What only tests use: the core's pieces over plain values, fault injection.");
+  bind_testing(testing);
 #if SHAPECACHE_WITH_CUDA
   bind_cuda_graphs(m);
   m.attr("has_cuda_graphs") = true;

@@ -81,12 +81,12 @@ def test_pool_over_budget_counts_what_evictions_cannot_free():
 
     cache = _C.ShapeCache(lambda device: 1000, None)
     cpu = torch.device("cpu")
-    cache.handle(cpu).set_shared_bytes(pool=600, workspace=100)
-    assert not pool_over_budget(cache.handle(cpu), 300)
-    assert pool_over_budget(cache.handle(cpu), 301)
+    _C._testing.build_handle(cache, cpu).set_shared_bytes(pool=600, workspace=100)
+    assert not pool_over_budget(_C._testing.build_handle(cache, cpu), 300)
+    assert pool_over_budget(_C._testing.build_handle(cache, cpu), 301)
     unlimited = _C.ShapeCache(lambda device: 2**62, None)
-    unlimited.handle(cpu).set_shared_bytes(pool=10**15)
-    assert not pool_over_budget(unlimited.handle(cpu), 0)
+    _C._testing.build_handle(unlimited, cpu).set_shared_bytes(pool=10**15)
+    assert not pool_over_budget(_C._testing.build_handle(unlimited, cpu), 0)
     cache.count_pool_rebuild(cpu)
     assert cache.stats()["pool_rebuilds"] == 1 and cache.stats()["devices"]["cpu"]["pool_rebuilds"] == 1
 

@@ -97,7 +97,7 @@ class LruModel:
 class LruMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.lru = _C.IntLru(budget=100, max_entries=4)
+        self.lru = _C._testing.IntLru(budget=100, max_entries=4)
         self.model = LruModel(100, 4)
 
     @rule(key=KEYS, nbytes=BYTES)
@@ -186,7 +186,7 @@ TestLruMachine.settings = settings(max_examples=300, stateful_step_count=40, dea
 
 
 def test_eviction_order_is_least_recently_used():
-    lru = _C.IntLru(budget=30)
+    lru = _C._testing.IntLru(budget=30)
     for key in (1, 2, 3):
         assert lru.insert(key, key, 10) == (True, [])
     lru.find(1)  # 2 is now the least recently used
@@ -196,7 +196,7 @@ def test_eviction_order_is_least_recently_used():
 
 
 def test_pinned_entry_survives_and_doomed_insert_evicts_nothing():
-    lru = _C.IntLru(budget=100)
+    lru = _C._testing.IntLru(budget=100)
     lru.insert(1, 1, 70)
     lru.insert(2, 2, 20)
     lru.pin(1)
@@ -209,7 +209,7 @@ def test_pinned_entry_survives_and_doomed_insert_evicts_nothing():
 
 
 def test_counters():
-    lru = _C.IntLru(max_entries=1)
+    lru = _C._testing.IntLru(max_entries=1)
     lru.insert(1, 1, 5)
     assert lru.find(1) == 1 and lru.find(2) is None
     lru.insert(2, 2, 7)
@@ -218,7 +218,7 @@ def test_counters():
 
 
 def test_shared_bytes_share_the_budget():
-    lru = _C.IntLru(budget=100)
+    lru = _C._testing.IntLru(budget=100)
     lru.insert(1, 1, 40)
     lru.insert(2, 2, 40)
     assert lru.set_shared_bytes(50) == [1]
@@ -227,7 +227,7 @@ def test_shared_bytes_share_the_budget():
 
 
 def test_unpin_without_pin_is_an_error():
-    lru = _C.IntLru()
+    lru = _C._testing.IntLru()
     lru.insert(1, 1, 0)
     with pytest.raises(RuntimeError, match="not pinned"):
         lru.unpin(1)
@@ -235,11 +235,11 @@ def test_unpin_without_pin_is_an_error():
 
 def test_negative_limits_rejected():
     with pytest.raises(ValueError, match="budget must be >= 0"):
-        _C.IntLru(budget=-1)
+        _C._testing.IntLru(budget=-1)
 
 
 def test_set_bytes_evicts_others_least_recent_first_and_never_itself():
-    lru = _C.IntLru(budget=100)
+    lru = _C._testing.IntLru(budget=100)
     for key in (1, 2, 3):
         lru.insert(key, key, 20)
     # 1 is the least recently used; growing it to 70 needs 30 more bytes: 1 itself stays,
@@ -250,7 +250,7 @@ def test_set_bytes_evicts_others_least_recent_first_and_never_itself():
 
 
 def test_set_bytes_that_cannot_fit_removes_only_that_entry():
-    lru = _C.IntLru(budget=100)
+    lru = _C._testing.IntLru(budget=100)
     lru.insert(1, 1, 30)
     lru.insert(2, 2, 30)
     lru.pin(2)
@@ -263,7 +263,7 @@ def test_set_bytes_that_cannot_fit_removes_only_that_entry():
 
 
 def test_room_made_before_an_entry_exists_bounds_what_is_held_while_it_is_built():
-    lru = _C.IntLru(budget=100)
+    lru = _C._testing.IntLru(budget=100)
     for key in (1, 2, 3):
         lru.insert(key, key, 30)
     assert lru.make_room_for(30) == [1]  # 90 + 30 would pass 100: the least recent goes first

@@ -8,7 +8,7 @@ from shapecache._extension import _C
 
 
 def key(*args, buckets=(), **kwargs):
-    return _C.call_key(tuple(args), kwargs, list(buckets))
+    return _C._testing.call_key(tuple(args), kwargs, list(buckets))
 
 
 def test_equal_shapes_dtypes_devices_give_equal_keys():
@@ -60,7 +60,7 @@ def test_keyword_order_does_not_matter():
 
 def test_named_parameters_key_the_same_by_position_or_keyword():
     def named(*args, **kwargs):
-        return _C.call_key(args, kwargs, [], 0, -1, ["x", "t"])
+        return _C._testing.call_key(args, kwargs, [], 0, -1, ["x", "t"])
 
     x, t = torch.ones(2, 3), torch.tensor(5)
     by_position = named(x, t, scale=2)
@@ -74,7 +74,7 @@ def test_named_parameters_key_the_same_by_position_or_keyword():
 
 def test_padding_by_keyword_uses_the_named_policy():
     buckets = [_C.ArgumentBuckets(0, "x", [(0, sc.power_of_two())])]
-    k = _C.call_key((), {"x": torch.ones(3, 2)}, buckets, 0, -1, ["x"])
+    k = _C._testing.call_key((), {"x": torch.ones(3, 2)}, buckets, 0, -1, ["x"])
     assert k["padded"] and k["kwargs"]["x"].shape == (4, 2) and k["args"] == ()
 
 
@@ -85,8 +85,8 @@ def test_autograd_mode_and_training_are_part_of_the_key():
     with torch.inference_mode():
         inference = key(x)
     assert len({tuple(key(x)["words"]), tuple(no_grad["words"]), tuple(inference["words"])}) == 3
-    train = _C.call_key((x,), {}, [], 0, 1)
-    evaluation = _C.call_key((x,), {}, [], 0, 0)
+    train = _C._testing.call_key((x,), {}, [], 0, 1)
+    evaluation = _C._testing.call_key((x,), {}, [], 0, 0)
     assert train["words"] != evaluation["words"]
 
 
@@ -135,12 +135,12 @@ def test_padding_keeps_channels_last():
 
 
 def test_crop_narrows_each_output_to_its_shape_and_keeps_containers():
-    out = _C.crop_outputs(
+    out = _C._testing.crop_outputs(
         {"up": torch.zeros(2, 64), "same": torch.zeros(8), "constant": torch.zeros(3)},
         [(2, 40), (5,), (3,)],
     )
     assert {k: tuple(v.shape) for k, v in out.items()} == {"up": (2, 40), "same": (5,), "constant": (3,)}
-    t = _C.crop_outputs((torch.arange(8.0), [torch.zeros(4, 4)], 7, None), [(5,), (4, 2)])
+    t = _C._testing.crop_outputs((torch.arange(8.0), [torch.zeros(4, 4)], 7, None), [(5,), (4, 2)])
     assert isinstance(t, tuple) and isinstance(t[1], list) and t[1][0].shape == (4, 2) and t[2:] == (7, None)
     assert torch.equal(t[0], torch.arange(5.0))  # the leading corner
 
@@ -155,7 +155,7 @@ def test_crop_narrows_each_output_to_its_shape_and_keeps_containers():
     ],
 )
 def test_crop_refuses_outputs_that_do_not_match_the_plain_calls(outputs, shapes):
-    assert _C.crop_outputs(outputs, shapes) is None
+    assert _C._testing.crop_outputs(outputs, shapes) is None
 
 
 def test_crop_rejects_outputs_it_cannot_walk():
@@ -163,17 +163,17 @@ def test_crop_rejects_outputs_it_cannot_walk():
         pass
 
     with pytest.raises(TypeError, match="cannot walk an output of type Output .padded buckets and CUDA graphs need"):
-        _C.crop_outputs(Output(), [(1,)])
+        _C._testing.crop_outputs(Output(), [(1,)])
 
 
 def test_arguments_that_share_storage_are_keyed_apart_from_ones_that_do_not():
     a, b = torch.ones(3), torch.ones(3)
-    same = _C.call_key((a, a), {})
-    apart = _C.call_key((a, b), {})
+    same = _C._testing.call_key((a, a), {})
+    apart = _C._testing.call_key((a, b), {})
     assert same["words"] != apart["words"]
     assert same["description"].endswith("same storage as tensor 0")
-    assert _C.call_key((b, b), {})["words"] == same["words"]  # which tensors, not which storage
-    view = _C.call_key((a, a[:2]), {})
+    assert _C._testing.call_key((b, b), {})["words"] == same["words"]  # which tensors, not which storage
+    view = _C._testing.call_key((a, a[:2]), {})
     assert "same storage as tensor 0" in view["description"]
 
 

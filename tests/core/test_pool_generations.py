@@ -103,7 +103,7 @@ class PoolLifecycle(RuleBasedStateMachine):
         super().__init__()
         self.device = AllocatorModel("device")
         self.host = AllocatorModel("host")
-        self.pool = _C.PoolGenerations()
+        self.pool = _C._testing.PoolGenerations()
         self.next_id = 1
         self.live = []  # graphs whose capture succeeded and that are not released
 
@@ -295,7 +295,7 @@ class GraphDevice:
 
     def __init__(self):
         self.allocator, self.host = AllocatorModel("device"), AllocatorModel("host")
-        self.generations = _C.PoolGenerations()
+        self.generations = _C._testing.PoolGenerations()
         self.next_id = 0
         self.held = {}     # pool id -> bytes of blocks the allocator holds for it
         self.largest = {}  # pool id -> largest temporaries captured into it
@@ -411,7 +411,7 @@ class PoolUnderBudget(RuleBasedStateMachine):
     @rule()
     def evict_and_empty(self):  # what the out-of-memory retry does, from outside a call
         self.device.cache.evict_unpinned(CPU)
-        self.device.release_memory(self.device.cache.handle(CPU))
+        self.device.release_memory(_C._testing.build_handle(self.device.cache, CPU))
 
     @invariant()
     def torch_never_asserts(self):

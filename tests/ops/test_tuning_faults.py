@@ -112,11 +112,11 @@ def test_a_writer_killed_mid_write_leaves_the_file_whole_and_the_next_writer_cle
 def test_a_candidate_that_fails_while_tuning_is_skipped_not_the_users_call(fresh_tuner):
     x, w = torch.randn(2, 8, 12, 12), torch.randn(16, 8, 3, 3)
     try:
-        _C._tuning_fail_candidate("im2col_gemm")
+        _C._testing.tuning_fail_candidate("im2col_gemm")
         result = _C.tune_conv2d(x, w, None, **PROBLEM)
         out = torch.ops.shapecache.conv2d(x, w, None, **PROBLEM)
     finally:
-        _C._tuning_fail_candidate("")
+        _C._testing.tuning_fail_candidate("")
     failed = [c for c in result["candidates"] if c["algorithm"] == "im2col_gemm"]
     assert failed and failed[0]["skipped"] == "failed: failure injected for tests" and failed[0]["microseconds"] is None
     assert result["algorithm"] != "im2col_gemm"

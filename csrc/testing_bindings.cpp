@@ -1,0 +1,190 @@
+// _C._testing: what only tests use. The core's classes over plain values (the LRU over ints,
+// the pool lifecycle with Python callables for torch's calls), a call's key and crop, a
+// builder's handle outside a build, and fault injection into tuning.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <torch/csrc/Device.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cache/build_handle.h"
+#include "cache/call_key.h"
+#include "cache/shape_cache.h"
+#include "core/budgeted_lru.h"
+#include "core/pool_generations.h"
+#include "ops/conv_tuner.h"
+
+namespace py = pybind11;
+using namespace shapecache;
+
+namespace {
+
+// The LRU over plain ints, so the core's invariants can be tested from Python directly.
+using IntLru = BudgetedLru<int64_t, int64_t>;
+
+int64_t limit_from_python(const std::optional<int64_t>& value) {
+  return value ? *value : IntLru::kUnlimited;
+}
+
+py::list evicted_keys(const std::vector<IntLru::Evicted>& evicted) {
+  py::list keys;
+  for (const auto& e : evicted) keys.append(e.key);
+  return keys;
+}
+
+// The pool lifecycle with every torch call a Python callable, so that its rules can be checked
+// on the CPU against a model of torch's allocators (ids cross as (int, int) tuples).
+void bind_pool_generations(py::module_& m) {
+  using Generation = PoolGenerations::Generation;
+  py::class_<PoolGenerations>(m, "PoolGenerations")
+      .def(py::init<>())
+      .def(
+          "capture",
+          [](PoolGenerations& pool, py::function open_pool, py::function begin, py::function body, py::function end,
+             py::function ended, py::function device_end, py::function device_release, py::function host_end,
+             py::function host_release) {
+            auto id_call = [](py::function f) { return [f](const PoolId& id) { f(py::make_tuple(id.first, id.second)); }; };
+            CaptureSteps steps{
+                [open_pool] { return open_pool().cast<PoolId>(); },
+                id_call(begin),
+                [body] { body(); },
+                [end] { end(); },
+                [ended] { return ended().cast<bool>(); },
+                PoolAllocatorCalls{id_call(device_end), id_call(device_release)},
+                PoolAllocatorCalls{id_call(host_end), id_call(host_release)},
+            };
+            const PoolId id = pool.capture(steps);
+            return py::make_tuple(id.first, id.second);
+          },
+          py::arg("open_pool"), py::arg("begin"), py::arg("body"), py::arg("end"), py::arg("ended"),
+          py::arg("device_end"), py::arg("device_release"), py::arg("host_end"), py::arg("host_release"))
+      .def("graph_released", [](PoolGenerations& pool, PoolId id) { pool.graph_released(id); })
+      .def_property_readonly("live_graphs", &PoolGenerations::live_graphs)
+      .def_property_readonly("generations", [](const PoolGenerations& pool) {
+        py::list out;
+        for (const Generation& g : pool.generations()) {
+          py::dict d;
+          d["id"] = py::make_tuple(g.id.first, g.id.second);
+          d["graphs"] = g.graphs;
+          d["recording"] = g.recording;
+          d["retired"] = g.retired;
+          out.append(d);
+        }
+        return out;
+      });
+}
+
+}  // namespace
+
+void bind_testing(py::module_& m) {
+  py::class_<IntLru>(m, "IntLru")
+      .def(py::init([](std::optional<int64_t> budget, std::optional<int64_t> max_entries) {
+             return std::make_unique<IntLru>(limit_from_python(budget), limit_from_python(max_entries));
+           }),
+           py::arg("budget") = py::none(), py::arg("max_entries") = py::none())
+      .def(
+          "insert",
+          [](IntLru& lru, int64_t key, int64_t value, int64_t bytes) {
+            auto result = lru.insert(key, value, bytes);
+            return py::make_tuple(result.inserted, evicted_keys(result.evicted));
+          },
+          py::arg("key"), py::arg("value"), py::arg("bytes"))
+      .def("find", [](IntLru& lru, int64_t key) -> std::optional<int64_t> {
+        const int64_t* v = lru.find(key);
+        return v ? std::optional<int64_t>(*v) : std::nullopt;
+      })
+      .def("pin", &IntLru::pin)
+      .def("unpin", [](IntLru& lru, int64_t key) { return evicted_keys(lru.unpin(key)); })
+      .def("pin_count", &IntLru::pin_count)
+      .def("could_fit", &IntLru::could_fit)
+      .def(
+          "make_room_for", [](IntLru& lru, int64_t bytes) { return evicted_keys(lru.make_room_for(bytes)); },
+          py::arg("bytes"))
+      .def("erase", [](IntLru& lru, int64_t key) { return lru.erase(key).has_value(); })
+      .def("clear", [](IntLru& lru) { return evicted_keys(lru.clear()); })
+      .def(
+          "set_limits",
+          [](IntLru& lru, std::optional<int64_t> budget, std::optional<int64_t> max_entries) {
+            return evicted_keys(lru.set_limits(limit_from_python(budget), limit_from_python(max_entries)));
+          },
+          py::arg("budget"), py::arg("max_entries") = py::none())
+      .def("set_shared_bytes", [](IntLru& lru, int64_t bytes) { return evicted_keys(lru.set_shared_bytes(bytes)); })
+      .def("set_entry_bytes", [](IntLru& lru, int64_t key, int64_t bytes) { return evicted_keys(lru.set_entry_bytes(key, bytes)); })
+      .def("keys",
+           [](const IntLru& lru) {
+             py::list keys;  // most recently used first
+             lru.for_each([&](int64_t key, int64_t, int64_t, int) { keys.append(key); });
+             return keys;
+           })
+      .def_property_readonly("entry_bytes", &IntLru::entry_bytes)
+      .def_property_readonly("shared_bytes", &IntLru::shared_bytes)
+      .def_property_readonly("total_bytes", &IntLru::total_bytes)
+      .def_property_readonly("budget", &IntLru::budget_bytes)
+      .def_property_readonly("max_entries", &IntLru::max_entries)
+      .def("__len__", &IntLru::size)
+      .def_property_readonly("counters", [](const IntLru& lru) {
+        const LruCounters& c = lru.counters();
+        py::dict d;
+        d["hits"] = c.hits;
+        d["misses"] = c.misses;
+        d["inserts"] = c.inserts;
+        d["rejections"] = c.rejections;
+        d["evictions"] = c.evictions;
+        d["peak_bytes"] = c.peak_bytes;
+        return d;
+      });
+
+  bind_pool_generations(m);
+
+  m.def(
+      "call_key",
+      [](py::tuple args, py::dict kwargs, std::vector<ArgumentBuckets> buckets, uint64_t function_id, int training,
+         std::vector<std::string> parameter_names) {
+        CallContext context;
+        context.function_id = function_id;
+        context.training = training;
+        context.parameter_names = &parameter_names;
+        CallKey key = make_call_key(context, args, kwargs, buckets);
+        py::dict out;
+        out["words"] = py::tuple(py::cast(key.key.words()));
+        out["hash"] = key.key.hash();
+        out["device"] = py::reinterpret_steal<py::object>(THPDevice_New(key.device));
+        out["description"] = describe_key(key.key);
+        out["padded"] = key.padded;
+        out["args"] = key.padded ? py::object(key.args) : py::object(args);
+        out["kwargs"] = key.padded ? py::object(key.kwargs) : py::object(kwargs);
+        py::list crop;
+        for (const CropDim& c : key.crop) crop.append(py::make_tuple(c.dim, c.original, c.padded));
+        out["crop"] = crop;
+        return out;
+      },
+      py::arg("args"), py::arg("kwargs"), py::arg("buckets") = std::vector<ArgumentBuckets>{},
+      py::arg("function_id") = 0, py::arg("training") = -1, py::arg("parameter_names") = std::vector<std::string>{},
+      "The key of calling a function with `args` and `kwargs` (for tests and debugging).");
+
+  m.def(
+      "crop_outputs",
+      [](py::object outputs, std::vector<std::vector<int64_t>> shapes) -> py::object {
+        std::optional<py::object> cropped = crop_outputs(outputs, shapes);
+        return cropped ? std::move(*cropped) : py::object(py::none());
+      },
+      py::arg("outputs"), py::arg("shapes"),
+      "`outputs` with each tensor narrowed to its shape in `shapes` (map order); None when they do not match.");
+
+  m.def(
+      "build_handle",
+      [](const std::shared_ptr<ShapeCache>& cache, c10::Device device) {
+        return BuildHandle(cache, device, /*run_call=*/false);
+      },
+      py::arg("cache"), py::arg("device"), "A BuildHandle on `device` of `cache`, as a builder gets one.");
+
+  m.def("tuning_fail_candidate", [](std::string name) { ConvTuner::instance().fail_candidate_for_tests(std::move(name)); },
+        "Fault injection for tests: tuning makes the named candidate fail ('' for none).");
+}
