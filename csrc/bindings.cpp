@@ -170,8 +170,18 @@ void bind_cache(py::module_& m) {
         "Background builds waiting or running, on every device.");
   m.def("cancel_all_builds", [] { return BuildQueue::instance().cancel_all().size(); },
         "Drops every waiting background build (at interpreter exit); the running ones end as they do.");
-  m.def("forget_running_builds", [] { BuildQueue::instance().forget_running(); },
-        "In a forked child: its parent's running builds do not run here.");
+  m.def("forget_parents_builds", [] { return BuildQueue::instance().forget_parents_builds().size(); },
+        "In a forked child: drops the builds its parent had queued or was running.");
+  m.def(
+      "devices_with_waiting_builds",
+      [] {
+        py::list devices;
+        for (const c10::Device& d : BuildQueue::instance().waiting_devices()) {
+          devices.append(py::reinterpret_steal<py::object>(THPDevice_New(d)));
+        }
+        return devices;
+      },
+      "The devices whose workers have builds waiting.");
   {
     py::list names;
     FunctionCounters{}.for_each([&](const char* name, int64_t) { names.append(name); });

@@ -1,5 +1,6 @@
 #include "cache/build_queue.h"
 
+#include "cache/shape_cache.h"
 #include "cache/shape_dispatcher.h"
 
 namespace shapecache {
@@ -19,9 +20,11 @@ BuildQueue& BuildQueue::instance() {
   return *queue;
 }
 
-void BuildQueue::push(BuildJob job) {
-  const c10::Device device = job.device;
-  waiting_[device].push_back(std::move(job));
+bool BuildQueue::push(BuildJob job) {
+  std::deque<BuildJob>& jobs = waiting_[job.device];
+  if (jobs.size() >= kMaxWaiting) return false;
+  jobs.push_back(std::move(job));
+  return true;
 }
 
 bool BuildQueue::run_next(const c10::Device& device) {
@@ -29,13 +32,13 @@ bool BuildQueue::run_next(const c10::Device& device) {
   if (found == waiting_.end() || found->second.empty()) return false;
   BuildJob job = std::move(found->second.front());
   found->second.pop_front();
-  running_[device] = job.function_id;
+  running_[device] = Running{job.function_id, job.key, job.dispatcher.cast<ShapeDispatcher&>().cache()};
   // Cleared on every way out; the job's objects are released after, still with the GIL.
-  struct Running {
-    std::unordered_map<c10::Device, uint64_t>& running;
+  struct Ended {
+    std::unordered_map<c10::Device, Running>& running;
     const c10::Device& device;
-    ~Running() { running.erase(device); }
-  } running{running_, device};
+    ~Ended() { running.erase(device); }
+  } ended{running_, device};
   ShapeDispatcher& dispatcher = job.dispatcher.cast<ShapeDispatcher&>();
   dispatcher.run_background_build(job);
   return true;
@@ -57,6 +60,35 @@ std::vector<BuildJob> BuildQueue::cancel(uint64_t function_id) {
   return cancelled;
 }
 
+std::vector<BuildJob> BuildQueue::cancel(uint64_t function_id, const c10::Device& device, const ShapeKey& key) {
+  std::vector<BuildJob> cancelled;
+  auto found = waiting_.find(device);
+  if (found == waiting_.end()) return cancelled;
+  for (auto it = found->second.begin(); it != found->second.end(); ++it) {
+    if (it->function_id == function_id && it->key == key) {
+      end_mark(*it);
+      cancelled.push_back(std::move(*it));
+      found->second.erase(it);
+      break;
+    }
+  }
+  return cancelled;
+}
+
+std::vector<c10::Device> BuildQueue::waiting_devices() const {
+  std::vector<c10::Device> devices;
+  for (const auto& [device, jobs] : waiting_) {
+    if (!jobs.empty()) devices.push_back(device);
+  }
+  return devices;
+}
+
+std::vector<BuildJob> BuildQueue::forget_parents_builds() {
+  for (auto& [device, running] : running_) running.cache->end_build(device, running.key);
+  running_.clear();
+  return cancel_all();
+}
+
 std::vector<BuildJob> BuildQueue::cancel_all() {
   std::vector<BuildJob> cancelled;
   for (auto& [device, jobs] : waiting_) {
@@ -74,7 +106,7 @@ int64_t BuildQueue::pending(uint64_t function_id) const {
   for (const auto& [device, jobs] : waiting_) {
     for (const BuildJob& job : jobs) count += job.function_id == function_id;
   }
-  for (const auto& [device, id] : running_) count += id == function_id;
+  for (const auto& [device, running] : running_) count += running.function_id == function_id;
   return count;
 }
 

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <optional>
 #include <unordered_map>
 #include <vector>
@@ -29,14 +30,18 @@ namespace shapecache {
 namespace py = pybind11;
 
 class ShapeDispatcher;
+class ShapeCache;
 
 struct BuildJob {
   py::object dispatcher;  // the ShapeDispatcher's Python object: kept alive until the job ends
   uint64_t function_id = 0;
   ShapeKey key;
   c10::Device device{c10::kCPU};
-  py::tuple args;   // the call's arguments as its entry is called (padded, owner first)
-  py::dict kwargs;  // (a copy: the caller may change its dict after the call)
+  // The call's arguments as its entry is called (padded, owner first), with every list, dict
+  // and tuple copied: the key holds their contents, and the caller may change them after the
+  // call returns. Tensors are shared (a build reads their sizes, not their values).
+  py::tuple args;
+  py::dict kwargs;
   uint64_t generation = 0;  // the dispatcher's clear() count when queued: a clear since drops the build
   // The caller's grad, inference and autocast modes, which the key holds: the build runs
   // under them on the worker's thread, whose own modes are its defaults.
@@ -47,27 +52,44 @@ class BuildQueue {
  public:
   static BuildQueue& instance();
 
-  void push(BuildJob job);
+  // Jobs waiting per device at most. Each holds its call's inputs (and the module a method
+  // belongs to) outside any budget, so a stream of new sizes faster than the builds must not
+  // grow the queue without bound: past this, misses run uncached without queuing.
+  static constexpr size_t kMaxWaiting = 64;
+
+  // False (and nothing queued) when the device's queue is full.
+  bool push(BuildJob job);
 
   // Runs the oldest job of `device` (ShapeDispatcher::run_background_build); false when none waits.
   bool run_next(const c10::Device& device);
 
   // Removes the waiting jobs of a function and returns them (the caller ends their build marks).
   std::vector<BuildJob> cancel(uint64_t function_id);
+  // Removes the waiting job of one bucket, if any (its call failed: it builds nothing).
+  std::vector<BuildJob> cancel(uint64_t function_id, const c10::Device& device, const ShapeKey& key);
   // Removes every waiting job (at interpreter exit).
   std::vector<BuildJob> cancel_all();
+
+  // Devices with jobs waiting.
+  std::vector<c10::Device> waiting_devices() const;
 
   // Builds of a function waiting or running.
   int64_t pending(uint64_t function_id) const;
   // Builds waiting or running on any device.
   int64_t pending() const;
 
-  // After fork(): the child has no worker, so no build of its parent runs in it.
-  void forget_running() { running_.clear(); }
+  // After fork(), in the child: no build of its parent runs there, and none it queued will.
+  // Their buckets' marks end, so that their next misses queue them again.
+  std::vector<BuildJob> forget_parents_builds();
 
  private:
+  struct Running {
+    uint64_t function_id;
+    ShapeKey key;
+    std::shared_ptr<ShapeCache> cache;
+  };
   std::unordered_map<c10::Device, std::deque<BuildJob>> waiting_;
-  std::unordered_map<c10::Device, uint64_t> running_;  // device -> function id of the build running there
+  std::unordered_map<c10::Device, Running> running_;  // the build running on each device's worker
 };
 
 }  // namespace shapecache

@@ -19,7 +19,8 @@ namespace shapecache {
     "failed, or the entry raised where the uncached call did not")                                         \
   X(uncached_calls,                                                                                        \
     "ran uncached without trying: an argument that cannot be keyed, padded outputs that cannot be "       \
-    "cropped, or a bucket given up (too large, failed, or rebuilt on every call)")                         \
+    "cropped, a bucket given up (too large, failed, or rebuilt on every call), or a miss whose build "     \
+    "could not be queued (the background queue was full)")                                                 \
   X(oom_retries, "builds retried after an out-of-memory error")                                            \
   X(invalidations, "entries found stale (what they were built from changed) and rebuilt")                 \
   X(busy_misses,                                                                                           \

@@ -47,6 +47,9 @@ struct Entry {
   double build_seconds = 0;   // wall time of the build, first call included
   int64_t hits = 0;           // calls served after the build
   double last_use = 0;        // unix time of the last call
+  // Whether the guard was checked after the entry's first run (its builder ran the call and
+  // checked; else the dispatcher checks after the first hit, ShapeDispatcher::check_after_first_run).
+  bool checked_after_first_run = true;
 
   // After a check found the entry stale (ShapeDispatcher::still_valid): what changed.
   std::string changed() const {

@@ -97,6 +97,30 @@ py::tuple with_owner(const py::object& self, const py::tuple& args) {
   return out;
 }
 
+// `value` with every list, dict and tuple in it copied, and everything else shared: what a
+// queued build keeps of its call, whose key holds those containers' contents while the
+// caller may change them once the call has returned.
+py::object copy_containers(py::handle value) {
+  PyObject* v = value.ptr();
+  if (PyList_CheckExact(v)) {
+    py::list out;
+    for (py::handle item : py::reinterpret_borrow<py::list>(value)) out.append(copy_containers(item));
+    return out;
+  }
+  if (PyTuple_CheckExact(v)) {
+    const Py_ssize_t n = PyTuple_GET_SIZE(v);
+    py::tuple out(n);
+    for (Py_ssize_t i = 0; i < n; ++i) PyTuple_SET_ITEM(out.ptr(), i, copy_containers(PyTuple_GET_ITEM(v, i)).release().ptr());
+    return out;
+  }
+  if (PyDict_CheckExact(v)) {
+    py::dict out;
+    for (auto [k, item] : py::reinterpret_borrow<py::dict>(value)) out[k] = copy_containers(item);
+    return out;
+  }
+  return py::reinterpret_borrow<py::object>(value);
+}
+
 // Set while a builder or a crop plan's fake-tensor run is on this thread's stack: cached
 // functions they reach (a cached submodule, recursion) are transparent. They call the
 // original and build nothing, so no entry is built from the fake tensors of a trace, and a
@@ -248,24 +272,26 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
     // this call, and the bucket's calls until the entry is in, run uncached. The worker is
     // woken when this call has returned, so that the build does not compete with the call
     // that asked for it.
-    if (queue(key, call_args, call_kwargs)) {
-      ++counters_.misses;
-      struct WakeAfter {
-        ShapeCache& cache;
-        const c10::Device& device;
-        ~WakeAfter() {
-          py::error_scope keep;  // the call's own exception, if any, stays the one raised
-          try {
-            cache.wake_build_worker(device);
-          } catch (py::error_already_set& error) {
-            error.discard_as_unraisable("shapecache: waking the build worker");
-          }
+    switch (queue(key, call_args, call_kwargs)) {
+      case Queued::kQueued:
+        ++counters_.misses;
+        try {
+          out = call_python(function_.ptr(), call_args.ptr(), call_kwargs);
+        } catch (py::error_already_set&) {
+          // A call that fails by itself builds nothing, as inline (its own error propagates).
+          auto cancelled = BuildQueue::instance().cancel(id_, key.device, key.key);
+          throw;
         }
-      } wake{*cache_, key.device};
-      out = call_python(function_.ptr(), call_args.ptr(), call_kwargs);
-    } else {
-      ++counters_.busy_misses;
-      out = call_python(function_.ptr(), call_args.ptr(), call_kwargs);
+        cache_->wake_build_worker(key.device);
+        break;
+      case Queued::kBusy:
+        ++counters_.busy_misses;
+        out = call_python(function_.ptr(), call_args.ptr(), call_kwargs);
+        break;
+      case Queued::kFull:
+        ++counters_.uncached_calls;
+        out = call_python(function_.ptr(), call_args.ptr(), call_kwargs);
+        break;
     }
   } else if (!cache_->begin_build(key.device, key.key)) {
     // Another call is building this bucket (another thread, or this call's own caller).
@@ -296,15 +322,14 @@ py::object ShapeDispatcher::run_entry(const CallKey& key, Entry& entry, const py
   py::object runner = entry.runner;
   std::shared_ptr<EntryRunner> native = entry.native;
   const bool eager = entry.backend == "eager";
+  const bool first_run_unchecked = !entry.checked_after_first_run;
   EntryLru& lru = cache_->lru(key.device);
   std::optional<py::error_already_set> failure;
+  py::object ran;
   {
     PinGuard pinned(lru, key.key);
     try {
-      if (native) {
-        return native->run(own_args, own_kwargs);
-      }
-      return call_python(runner.ptr(), call_args.ptr(), call_kwargs);
+      ran = native ? native->run(own_args, own_kwargs) : call_python(runner.ptr(), call_args.ptr(), call_kwargs);
     } catch (py::error_already_set& error) {
       // The call's own to report: an eager entry's error (it is the plain call), an
       // interrupt, out of memory, or the recursion limit (which a second run would reach
@@ -315,6 +340,10 @@ py::object ShapeDispatcher::run_entry(const CallKey& key, Entry& entry, const py
       }
       failure = std::move(error);
     }
+  }
+  if (!failure) {
+    if (first_run_unchecked) check_after_first_run(key);  // unpinned now: a stale entry can go
+    return ran;
   }
   // The entry raised. The uncached call tells whose error it is: if it raises too, it is the
   // call's own (its exception propagates, the entry stays); if not, the entry was wrong for
@@ -328,6 +357,25 @@ py::object ShapeDispatcher::run_entry(const CallKey& key, Entry& entry, const py
                                       ") where the uncached call did not; that bucket runs uncached from now on "
                                       "(sc.clear lets it be built again)");
   return out;
+}
+
+void ShapeDispatcher::check_after_first_run(const CallKey& key) {
+  Entry* entry = cache_->lru(key.device).find(key.key);
+  if (entry == nullptr || entry->checked_after_first_run) return;
+  entry->checked_after_first_run = true;
+  if (still_valid(*entry)) return;
+  // Its own run changed what it reads (BatchNorm's statistics in training): this run was the
+  // call's one update, and its output is the answer, but every later call would find the entry
+  // stale and rebuild it. As an inline build finds at its first run (compile.py).
+  EntryLru& lru = cache_->lru(key.device);
+  entry = lru.find(key.key);  // the check may run Python code
+  const std::string changed = entry != nullptr ? entry->changed() : "the entry";
+  if (entry != nullptr && lru.pin_count(key.key) == 0) auto stale = lru.erase(key.key);
+  ++counters_.fallbacks;
+  run_uncached_from_now_on(key.key);
+  warn_once(warned_build_failed_, "shapecache: no entry could be kept for " + describe_key(key.key) +
+                                      " (the call updates what it reads: " + changed +
+                                      "); that bucket runs uncached from now on (sc.clear lets it be built again)");
 }
 
 bool ShapeDispatcher::still_valid(const Entry& entry) {
@@ -406,19 +454,22 @@ bool ShapeDispatcher::builds_in_background(const c10::Device& device) {
   return background;
 }
 
-bool ShapeDispatcher::queue(const CallKey& key, const py::tuple& call_args, PyObject* call_kwargs) {
-  if (!cache_->begin_build(key.device, key.key)) return false;
+ShapeDispatcher::Queued ShapeDispatcher::queue(const CallKey& key, const py::tuple& call_args, PyObject* call_kwargs) {
+  if (!cache_->begin_build(key.device, key.key)) return Queued::kBusy;
   BuildJob job;
   job.dispatcher = py::cast(this, py::return_value_policy::reference);
   job.function_id = id_;
   job.key = key.key;
   job.device = key.device;
-  job.args = call_args;
-  job.kwargs = py::dict(py::reinterpret_borrow<py::dict>(call_kwargs));
+  job.args = copy_containers(call_args).cast<py::tuple>();
+  job.kwargs = copy_containers(py::reinterpret_borrow<py::dict>(call_kwargs)).cast<py::dict>();
   job.generation = generation_;
   job.modes = CallModes::of_this_thread(key.device.type());
-  BuildQueue::instance().push(std::move(job));
-  return true;  // the caller wakes the worker
+  if (!BuildQueue::instance().push(std::move(job))) {
+    cache_->end_build(key.device, key.key);
+    return Queued::kFull;
+  }
+  return Queued::kQueued;  // the caller wakes the worker
 }
 
 bool ShapeDispatcher::queue_build(const py::args& args, const py::kwargs& kwargs) {
@@ -433,11 +484,16 @@ bool ShapeDispatcher::queue_build(const py::args& args, const py::kwargs& kwargs
     context.training = training;
   }
   CallKey key = make_call_key(context, args, kwargs, buckets_);  // UnkeyableArgument reaches the caller
-  if (cache_->lru(key.device).contains(key.key) || uncached_buckets_.count(key.key) != 0) return false;
+  if (!builds_in_background(key.device) || uncached_buckets_.count(key.key) != 0) return false;
+  EntryLru& lru = cache_->lru(key.device);
+  if (Entry* entry = lru.find(key.key)) {
+    if (still_valid(*entry) || lru.pin_count(key.key) > 0) return false;
+    ++counters_.invalidations;  // stale: built again below
+    auto stale = lru.erase(key.key);
+  }
   py::tuple call_args = with_owner(self, key.padded ? key.args : static_cast<const py::tuple&>(args));
-  if (!queue(key, call_args, key.padded ? key.kwargs.ptr() : kwargs.ptr())) return false;
-  ++counters_.misses;
-  cache_->wake_build_worker(key.device);
+  if (queue(key, call_args, key.padded ? key.kwargs.ptr() : kwargs.ptr()) != Queued::kQueued) return false;
+  cache_->wake_build_worker(key.device);  // no call counts it: it is not a miss of a call
   return true;
 }
 
@@ -450,19 +506,23 @@ void ShapeDispatcher::run_background_build(BuildJob& job) {
   } in_background;
   CallModesScope modes(job.modes);
   ++counters_.background_builds;
+  std::string failure;
   try {
     build(job.key, job.device, job.args.ptr(), job.kwargs.ptr(), /*run_call=*/false, job.generation);
+    return;
   } catch (py::error_already_set& error) {
-    // No call waits for this build: its failure leaves the bucket uncached, as an inline build
-    // that fails where the plain call does not.
-    if (!error.matches(PyExc_Exception)) throw;
-    ++counters_.fallbacks;
-    run_uncached_from_now_on(job.key);
-    warn_once(warned_background_failed_, "shapecache: the background build of " + describe_key(job.key) +
-                                             " failed (" + describe_error(error) +
-                                             "); that bucket runs uncached from now on (sc.clear lets it be built "
-                                             "again)");
+    failure = describe_error(error);
+  } catch (const std::exception& error) {  // a builder that returned something else (py::type_error)
+    failure = error.what();
   }
+  // No call waits for this build: whatever it raised, its bucket runs uncached, as an inline
+  // build that fails where the plain call does not (unless it was cleared meanwhile).
+  if (job.generation != generation_) return;
+  ++counters_.fallbacks;
+  run_uncached_from_now_on(job.key);
+  warn_once(warned_background_failed_, "shapecache: the background build of " + describe_key(job.key) + " failed (" +
+                                           first_line(failure) +
+                                           "); that bucket runs uncached from now on (sc.clear lets it be built again)");
 }
 
 py::object ShapeDispatcher::build(const ShapeKey& key, const c10::Device& device, PyObject* args, PyObject* kwargs,
@@ -476,6 +536,7 @@ py::object ShapeDispatcher::build(const ShapeKey& key, const c10::Device& device
   if (!maybe_built) {
     if (run_call) return run_uncached_after_out_of_memory(device, args, kwargs);
     // In the background no call waits: the bucket is built again from its next miss.
+    if (generation != generation_) return py::none();
     ++counters_.fallbacks;
     warn_once(warned_out_of_memory_, "shapecache: building an entry on " + device.str() +
                                          " ran out of memory twice (after evicting and emptying the allocator's "
@@ -512,6 +573,7 @@ void ShapeDispatcher::insert(const ShapeKey& key, const c10::Device& device, Bui
   entry.backend = std::move(built.backend);
   entry.build_seconds = seconds;
   entry.last_use = unix_seconds();
+  entry.checked_after_first_run = built.ran_call;
   const int64_t bytes = built.bytes;
   if (bytes >= 0) last_build_bytes_[device] = bytes;
 

@@ -100,8 +100,12 @@ class ShapeDispatcher {
                    uint64_t generation);
   void insert(const ShapeKey& key, const c10::Device& device, BuiltEntry built, double seconds);
   bool builds_in_background(const c10::Device& device);
-  // Marks the bucket as building and queues its build; false when it is being built already.
-  bool queue(const CallKey& key, const py::tuple& call_args, PyObject* call_kwargs);
+  // Marks the bucket as building and queues its build (the caller wakes the worker).
+  enum class Queued { kQueued, kBusy, kFull };  // queued; being built already; the queue is full
+  Queued queue(const CallKey& key, const py::tuple& call_args, PyObject* call_kwargs);
+  // After an entry's first run when its builder did not run the call (a background build):
+  // if that run changed what the entry reads, the bucket runs uncached from now on.
+  void check_after_first_run(const CallKey& key);
   // A hit: runs the entry; if it raises where the uncached call does not, the bucket runs
   // uncached from now on. `own_args`/`own_kwargs`: the call's (padded) arguments without the
   // owner; `call_args`: with it.

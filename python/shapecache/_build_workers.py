@@ -1,21 +1,24 @@
 """The background builds' worker threads: one per device, process-wide, each running the
 builds queued for its device one at a time, in the order they were asked for
-(``csrc/cache/build_queue.h`` holds the queue; a ``_C.ShapeCache`` calls ``wake`` after
-queuing one).
+(``csrc/cache/build_queue.h`` holds the queue; a ``_C.ShapeCache`` calls ``wake`` once the call
+that queued a build has returned).
 
 A worker waits in Python with the GIL released and holds the GIL while it builds, as any
 Python thread does: the serving threads keep running between the build's own releases of the
 GIL (inductor's compiles, its C++ compiler subprocesses, torch's kernels).
 
-Workers are daemon threads. At interpreter exit, builds still waiting are dropped; one running
-is left to end with the process. After ``fork()`` the child starts its own worker when it
-queues a build, and no build of its parent counts as running there.
+Workers are daemon threads. At interpreter exit, builds still waiting are dropped and the one
+running is waited for, as ``concurrent.futures`` waits for its running tasks: a thread stopped
+inside torch's C++ code at exit aborts the process. After ``fork()`` the child drops what its
+parent had queued or was building (the next miss of such a bucket queues it again) and starts
+its own worker when it queues a build.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import time
 
@@ -44,14 +47,23 @@ def wake(device: torch.device) -> None:
     worker[1].set()
 
 
+def on_a_worker() -> bool:
+    """Whether the calling thread is a background builds' worker."""
+    return threading.get_ident() in _worker_threads
+
+
 def _serve(device: torch.device, work: threading.Event) -> None:
     _worker_threads.add(threading.get_ident())
     _lower_priority()
     while True:
         work.wait()
         work.clear()
-        while _C.run_next_build(device):
-            pass
+        while True:
+            try:
+                if not _C.run_next_build(device):
+                    break
+            except BaseException:  # noqa: BLE001  (a build's failure is its bucket's; the worker serves on)
+                sys.excepthook(*sys.exc_info())
 
 
 def _lower_priority() -> None:
@@ -67,8 +79,12 @@ def _lower_priority() -> None:
 def wait(dispatchers, timeout: float | None) -> bool:
     """Waits until no build of `dispatchers` (``_C.ShapeDispatcher``) is waiting or running;
     False when `timeout` seconds passed first."""
-    if threading.get_ident() in _worker_threads:
+    if on_a_worker():
         raise RuntimeError("shapecache.wait was called from a background build, which would wait for itself")
+    # A build queued by a call that has not returned yet (this wait may be inside it) waits for
+    # a wake that comes when that call returns: wake its worker now.
+    for device in _C.devices_with_waiting_builds():
+        wake(device)
     deadline = None if timeout is None else time.monotonic() + timeout
     while any(d.pending_builds for d in dispatchers):
         if deadline is not None and time.monotonic() >= deadline:
@@ -79,12 +95,18 @@ def wait(dispatchers, timeout: float | None) -> bool:
     return True
 
 
-def _forget_parents_workers() -> None:
+def _at_exit() -> None:
+    _C.cancel_all_builds()
+    while _C.pending_builds() and any(thread.is_alive() for thread, _ in list(_workers.values())):
+        time.sleep(0.01)
+
+
+def _forget_parents_builds() -> None:
     _workers.clear()
     _worker_threads.clear()
-    _C.forget_running_builds()
+    _C.forget_parents_builds()
 
 
-atexit.register(_C.cancel_all_builds)
+atexit.register(_at_exit)
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_parents_workers)
+    os.register_at_fork(after_in_child=_forget_parents_builds)

@@ -37,9 +37,16 @@ def call_on_fake_tensors(function: Callable, args: tuple, kwargs: dict):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._pytree import tree_map_only
 
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:  # weights stay real, read as fakes
-        fake_args, fake_kwargs = tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
-        return function(*fake_args, **fake_kwargs)
+    # Autocast caches the casts of real weights it makes; made here, they would be fake, and
+    # every later call in the caller's autocast region would get them back.
+    cache_casts = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:  # weights stay real, read as fakes
+            fake_args, fake_kwargs = tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+            return function(*fake_args, **fake_kwargs)
+    finally:
+        torch.set_autocast_cache_enabled(cache_casts)
 
 
 def exact() -> BucketPolicy:

@@ -239,3 +239,131 @@ def test_waiting_from_inside_a_background_build_is_refused_not_a_deadlock():
     f(torch.ones(1))
     assert wait(f)
     assert seen == ["shapecache.wait was called from a background build, which would wait for itself"]
+
+
+def test_a_list_the_caller_changes_after_the_miss_is_built_as_it_was_at_the_call():
+    seen = []
+
+    def builder(args, kwargs, handle):
+        seen.append(list(args[1]))
+        return BuiltEntry(lambda x, scales: x * scales[0], 0, None, "eager", ran_call=False)
+
+    cache = _C.ShapeCache(lambda device: 1000, None, wake_build_worker=_build_workers.wake)
+    f = _C.ShapeDispatcher(lambda x, scales: x * scales[0], builder, cache, [], ["x", "scales"], None, False,
+                           background=lambda device: True)
+    scales = [2.0]
+    f(torch.ones(2), scales)
+    scales[0] = 3.0  # after the call, before the worker builds
+    assert wait(f)
+    assert seen == [[2.0]]
+
+
+def test_a_call_that_raises_queues_no_build():
+    def failing(x):
+        raise ValueError("not ready")
+
+    builder = GatedBuilder(failing)
+    f = background(failing, builder)
+    with pytest.raises(ValueError, match="not ready"):
+        f(torch.ones(2))
+    assert f.pending_builds == 0 and wait(f)
+    assert builder.sizes == [] and f.stats()["fallbacks"] == 0
+
+
+def test_the_worker_survives_a_builder_that_raises_anything_and_serves_the_builds_behind_it():
+    class Stop(BaseException):
+        pass
+
+    builder = GatedBuilder(Counted(), fail_with=[Stop()])
+    builder.gate.clear()
+    f = background(builder.function, builder)
+    f(torch.ones(1))
+    f(torch.ones(2))
+    with pytest.warns(RuntimeWarning, match=r"background build of x=\(1,\) .*failed"):
+        builder.gate.set()
+        assert wait(f)
+    assert builder.sizes == [1, 2] and [e["bucket"] for e in f.stats()["entries"]] == ["x=(2,) float32 cpu"]
+
+    def wrong_type(args, kwargs, handle):
+        return ("not", "a", "BuiltEntry")
+
+    g = background(Counted(), wrong_type)
+    with pytest.warns(RuntimeWarning, match="must return a shapecache BuiltEntry, got tuple"):
+        g(torch.ones(3))
+        assert wait(g)
+    assert g.stats()["fallbacks"] == 1
+
+
+def test_a_build_cleared_while_it_runs_and_then_fails_leaves_the_bucket_free_to_build():
+    builder = GatedBuilder(Counted(), fail_with=[ValueError("late")])
+    builder.gate.clear()
+    f = background(builder.function, builder)
+    f(torch.ones(1))
+    assert builder.started.wait(WAIT)
+    f.clear()
+    builder.gate.set()
+    assert wait(f)
+    assert f.stats()["fallbacks"] == 0
+    f(torch.ones(1))
+    assert wait(f) and len(f.stats()["entries"]) == 1
+
+
+def test_queue_build_counts_no_call_and_keeps_the_calls_sum():
+    builder = GatedBuilder(Counted())
+    f = background(builder.function, builder)
+    assert f.queue_build(torch.ones(1)) and wait(f)
+    f(torch.ones(1))
+    st = f.stats()
+    assert st["calls"] == st["hits"] + st["misses"] + st["busy_misses"] + st["uncached_calls"] == 1
+
+
+def test_wait_inside_the_call_that_queued_the_build_returns_when_it_is_built():
+    builder = GatedBuilder(Counted())
+    results = []
+
+    def function(x):
+        results.append(wait(f, timeout=WAIT))  # the call has not returned: the worker is woken for it
+        return x * 2
+
+    f = background(function, builder)
+    f(torch.ones(1))
+    assert results == [True]
+
+
+def test_an_entry_whose_first_run_updates_what_it_reads_is_given_up_not_rebuilt_per_call():
+    steps = torch.zeros(1)
+
+    def builder(args, kwargs, handle):
+        guard = _C.StateGuard()
+        guard.add_tensor(steps, "steps")
+
+        def runner(x):
+            steps.add_(1)  # as BatchNorm in training updates its statistics
+            return x * 2
+
+        return BuiltEntry(runner, 0, None, "compile", guard, ran_call=False)
+
+    f = background(lambda x: (steps.add_(1), x * 2)[1], builder)
+    f(torch.ones(1))
+    assert wait(f)
+    with pytest.warns(RuntimeWarning, match="the call updates what it reads: .*steps"):
+        f(torch.ones(1))  # the entry's first run: its update is the call's one update
+    for _ in range(3):
+        f(torch.ones(1))
+    st = f.stats()
+    assert (st["hits"], st["uncached_calls"], st["background_builds"], st["invalidations"]) == (1, 3, 1, 0)
+    assert steps.item() == 5  # once per call
+
+
+def test_a_full_queue_runs_misses_uncached_without_queuing():
+    builder = GatedBuilder(Counted())
+    builder.gate.clear()
+    f = background(builder.function, builder)
+    f(torch.ones(1))
+    assert builder.started.wait(WAIT)  # size 1 runs; the queue holds what waits
+    for n in range(2, 2 + 64 + 3):
+        f(torch.ones(n))
+    assert f.pending_builds == 1 + 64 and f.stats()["uncached_calls"] == 3
+    _C.cancel_all_builds()
+    builder.gate.set()
+    assert wait(f)

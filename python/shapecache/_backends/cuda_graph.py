@@ -41,6 +41,8 @@ def build_compiled_cuda_graph(function, args, kwargs, handle, context: BuildCont
 
 def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compiled: bool,
                  keep_only_if_faster: bool) -> BuiltEntry:
+    if not handle.run_call:  # builds_in_background keeps graphs off the worker
+        raise RuntimeError("a CUDA graph is captured on the caller's thread, not in the background")
     device = handle.device
     owner, call_args = (args[0], args[1:]) if context.has_owner else (None, args)
     runnable = torch.compile(entry_point(function), dynamic=False, **context.compile_options) if compiled \

@@ -26,6 +26,7 @@ runs its own forward, so the trace is one graph and builds nothing for the submo
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import types
@@ -46,6 +47,26 @@ from shapecache._holder import holder_on
 # Builds of this route change inductor's configuration for their duration (config.patch is
 # process-wide) and attribute the modules inductor loads meanwhile to one entry: one at a time.
 _build_lock = threading.RLock()
+
+
+def _new_build_lock() -> None:
+    # A child forked while another thread built holds a copy of a lock nobody will release.
+    global _build_lock
+    _build_lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_build_lock)
+
+
+def quiet_warnings_here() -> bool:
+    """Whether this thread may silence warnings around a trace: warnings.catch_warnings swaps
+    the process's filters, so on a background build's worker, which runs beside the threads
+    that serve, it would silence their warnings too, or leave "ignore" behind when their own
+    catch_warnings blocks interleave with it."""
+    from shapecache import _build_workers
+
+    return not _build_workers.on_a_worker()
 
 # torch.compile arguments this route understands; any other (a backend other than inductor,
 # a mode that captures CUDA graphs) goes to Dynamo.
@@ -84,20 +105,22 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, parameter_names:
     Raises ExportFailed when the call cannot be captured as one graph; inductor's own errors
     propagate.
     """
+    # The live state the trace starts from, recorded before anything is copied from it: the
+    # entry's guard is recorded from the live model after the trace, and if another thread
+    # changed it since this point (while the copies were made, or during the trace), the
+    # entry starts stale.
+    roots = guards.call_roots(args, kwargs, has_owner, parameter_names)
+    before = guards.record(roots, functions=[function])
     leaves, spec = tree_flatten((args, kwargs))
     tensors = _C.tensors_in_key_order(tuple(args[1:] if has_owner else args), dict(kwargs), list(parameter_names))
     tensor_positions = _positions_of(tensors, leaves)
     copies = DetachedTrees()
     traced = [copies.of(leaf) if isinstance(leaf, torch.nn.Module) else leaf for leaf in leaves]
     module = _Call(function, traced, spec, tensor_positions)
-    roots = guards.call_roots(args, kwargs, has_owner, parameter_names)
     copy_roots = {path: copies.of(leaf) for path, leaf in roots.items()}
     shared: list[dict] = []
     module.trace.python_state = guards.record(copy_roots, functions=[function], python_only=True, collect=shared)
     saved = [(d, dict(d)) for d in shared]
-    # The live state the trace starts from. The entry's guard is recorded from the live model
-    # after the trace; if another thread changed it meanwhile, the entry starts stale.
-    before = guards.record(roots, functions=[function])
     options = dict(compile_options.get("options") or {})
     mode = compile_options.get("mode")
     if mode not in (None, "default"):
@@ -109,8 +132,11 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, parameter_names:
 
     with _build_lock:
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # export's notes on how it traced are not the user's concern
+            if quiet_warnings_here():
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # export's notes on how it traced are not the user's concern
+                    program = torch.export.export(module, tensors, strict=False)
+            else:
                 program = torch.export.export(module, tensors, strict=False)
             graph = program.module()
         except Exception as error:  # noqa: BLE001  (export's failures share no base class)

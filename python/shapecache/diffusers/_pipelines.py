@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shapecache import _checks
-from shapecache._backends import disk_cache_counts, disk_cache_state
+from shapecache._backends import builds_in_background, disk_cache_counts, disk_cache_state
 from shapecache._extension import _C
 from shapecache._holder import HOLDER, CacheHolder, holder_on
 from shapecache.budget import format_bytes
@@ -103,6 +103,7 @@ def wrap(
             (None: no). Pre-warming then tunes every size's convolutions before the first call.
         build: as for ``sc.cached``. With "background", pre-warming queues each size's
             builds, largest first, and returns at once; ``sc.wait(pipe)`` waits for them.
+            (CUDA graphs are captured inline: with them, pre-warming waits as inline does.)
     """
     family = family_of(pipe)
     if isinstance(holder_on(pipe), PipelineHolder):
@@ -218,7 +219,8 @@ def _prewarm(pipe, sizes, batch_size, guidance, text_length, progress) -> list:
 
     from tqdm.auto import tqdm
 
-    if state.options.build == "background":
+    device = next(denoiser.parameters()).device
+    if state.options.build == "background" and builds_in_background(state.options.backend, device):
         return _queue_builds(pipe, state, sizes, batch_size, denoiser_batch, text_length)
     records = []
     with torch.no_grad():  # as the pipelines' __call__ run: the autograd mode is part of the key
