@@ -29,22 +29,22 @@ from shapecache._extension import _C
 BUILD_NICENESS = 10  # added to the process's niceness for the worker thread (os.setpriority)
 
 _lock = threading.Lock()
-_workers: dict[str, tuple[threading.Thread, threading.Event]] = {}
+_workers: dict[str, threading.Thread] = {}
+_leaving: dict[str, bool] = {}  # the device's worker found its queue empty and is ending
 _worker_threads: set[int] = set()  # threading.get_ident() of each worker
 
 
 def wake(device: torch.device) -> None:
-    """A build was queued for `device`: start its worker if there is none, and wake it."""
+    """A build was queued for `device`: start its worker unless one is running."""
     name = str(device)
     with _lock:
         worker = _workers.get(name)
-        if worker is None or not worker[0].is_alive():
-            work = threading.Event()
-            thread = threading.Thread(target=_serve, args=(device, work), name=f"shapecache-build-{name}",
-                                      daemon=True)
-            worker = _workers[name] = (thread, work)
-            thread.start()
-    worker[1].set()
+        if worker is not None and worker.is_alive() and not _leaving.get(name):
+            return
+        worker = _workers[name] = threading.Thread(target=_serve, args=(device, name),
+                                                   name=f"shapecache-build-{name}", daemon=True)
+        _leaving[name] = False
+        worker.start()
 
 
 def on_a_worker() -> bool:
@@ -52,18 +52,28 @@ def on_a_worker() -> bool:
     return threading.get_ident() in _worker_threads
 
 
-def _serve(device: torch.device, work: threading.Event) -> None:
-    _worker_threads.add(threading.get_ident())
+def _serve(device: torch.device, name: str) -> None:
+    # A worker ends when its queue is empty: a thread that ran torch's CPU kernels keeps an
+    # OpenMP thread pool of its own for as long as it lives, and with more pool threads than
+    # cores, OpenMP stops spinning between parallel regions, which made every compiled call of
+    # the serving threads half again slower after an idle moment.
+    ident = threading.get_ident()
+    _worker_threads.add(ident)
     _lower_priority()
-    while True:
-        work.wait()
-        work.clear()
+    try:
         while True:
             try:
-                if not _C.run_next_build(device):
-                    break
+                if _C.run_next_build(device):
+                    continue
             except BaseException:  # noqa: BLE001  (a build's failure is its bucket's; the worker serves on)
                 sys.excepthook(*sys.exc_info())
+                continue
+            with _lock:  # a build queued from here on starts another worker
+                if _C.devices_with_waiting_builds().count(device) == 0:
+                    _leaving[name] = True
+                    return
+    finally:
+        _worker_threads.discard(ident)
 
 
 def _lower_priority() -> None:
@@ -97,12 +107,13 @@ def wait(dispatchers, timeout: float | None) -> bool:
 
 def _at_exit() -> None:
     _C.cancel_all_builds()
-    while _C.pending_builds() and any(thread.is_alive() for thread, _ in list(_workers.values())):
+    while _C.pending_builds() and any(thread.is_alive() for thread in list(_workers.values())):
         time.sleep(0.01)
 
 
 def _forget_parents_builds() -> None:
     _workers.clear()
+    _leaving.clear()
     _worker_threads.clear()
     _C.forget_parents_builds()
 
