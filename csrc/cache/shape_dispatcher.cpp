@@ -208,11 +208,7 @@ py::object ShapeDispatcher::owner() const {
   return alive;
 }
 
-py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs) {
-  RecursionAllowance allowance;
-  if (transparent_here()) return call_python(function_.ptr(), with_owner(owner(), args).ptr(), kwargs.ptr());
-  ++counters_.calls;
-  py::object self = owner();
+CallContext ShapeDispatcher::context_of(const py::object& self) const {
   CallContext context;
   context.function_id = id_;
   context.parameter_names = &parameter_names_;
@@ -221,6 +217,15 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
     if (training < 0) throw py::error_already_set();
     context.training = training;
   }
+  return context;
+}
+
+py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs) {
+  RecursionAllowance allowance;
+  if (transparent_here()) return call_python(function_.ptr(), with_owner(owner(), args).ptr(), kwargs.ptr());
+  ++counters_.calls;
+  py::object self = owner();
+  const CallContext context = context_of(self);
 
   CallKey key;
   try {
@@ -475,14 +480,7 @@ ShapeDispatcher::Queued ShapeDispatcher::queue(const CallKey& key, const py::tup
 bool ShapeDispatcher::queue_build(const py::args& args, const py::kwargs& kwargs) {
   if (transparent_here()) return false;
   py::object self = owner();
-  CallContext context;
-  context.function_id = id_;
-  context.parameter_names = &parameter_names_;
-  if (key_training_ && !self.is_none()) {
-    const int training = PyObject_IsTrue(self.attr("training").ptr());
-    if (training < 0) throw py::error_already_set();
-    context.training = training;
-  }
+  const CallContext context = context_of(self);
   CallKey key = make_call_key(context, args, kwargs, buckets_);  // UnkeyableArgument reaches the caller
   if (!builds_in_background(key.device) || uncached_buckets_.count(key.key) != 0) return false;
   EntryLru& lru = cache_->lru(key.device);

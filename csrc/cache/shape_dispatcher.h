@@ -120,6 +120,9 @@ class ShapeDispatcher {
   std::optional<BuiltEntry> run_builder(const c10::Device& device, PyObject* args, PyObject* kwargs, bool run_call);
   py::object run_uncached_after_out_of_memory(const c10::Device& device, PyObject* args, PyObject* kwargs);
   py::object owner() const;
+  // What a call's key is made with: this function's id and parameter names, and the owner's
+  // training flag when it is keyed.
+  CallContext context_of(const py::object& self) const;
   // Warns once per flag. Inline, a warning turned into an error (-W error) raises from the
   // call; in the background, where no caller would see it, it is reported as unraisable.
   void warn_once(bool& warned, const std::string& message);

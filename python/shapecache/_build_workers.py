@@ -17,10 +17,13 @@ its own worker when it queues a build.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import gc
 import os
 import sys
 import threading
 import time
+import warnings
 
 import torch
 
@@ -63,8 +66,9 @@ def _serve(device: torch.device, name: str) -> None:
     try:
         while True:
             try:
-                if _C.run_next_build(device):
-                    continue
+                with _objects_before_frozen():
+                    if _C.run_next_build(device):
+                        continue
             except BaseException:  # noqa: BLE001  (a build's failure is its bucket's; the worker serves on)
                 sys.excepthook(*sys.exc_info())
                 continue
@@ -74,6 +78,24 @@ def _serve(device: torch.device, name: str) -> None:
                     return
     finally:
         _worker_threads.discard(ident)
+
+
+@contextlib.contextmanager
+def _objects_before_frozen():
+    """Keeps the objects that exist before a build out of the garbage collector's full
+    collections until it ends. A full collection holds the GIL while it walks every object (a
+    quarter of a second with torch, inductor and a model loaded on these machines), and a build
+    makes several, its own and the automatic ones: each stopped the threads that serve. Frozen,
+    they walk the build's new objects only. Garbage from before waits for the end of the build.
+    Left alone when someone else froze objects (a server that forks keeps them frozen)."""
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.unfreeze()
 
 
 def _lower_priority() -> None:
@@ -107,6 +129,9 @@ def wait(dispatchers, timeout: float | None) -> bool:
 
 def _at_exit() -> None:
     _C.cancel_all_builds()
+    # The running build is waited for; the compiler's own workers may be gone by now, which
+    # fails it, and a failure at exit is nobody's to read.
+    warnings.simplefilter("ignore")
     while _C.pending_builds() and any(thread.is_alive() for thread in list(_workers.values())):
         time.sleep(0.01)
 
