@@ -38,10 +38,10 @@ FAMILIES = {
 }
 
 
-def run(pipe, inputs, size, **kwargs):
+def run(pipe, inputs, size, output_type="pt", **kwargs):
     height, width = size
     return pipe(**inputs, height=height, width=width, num_inference_steps=2,
-                generator=torch.Generator().manual_seed(0), output_type="pt", **kwargs).images
+                generator=torch.Generator().manual_seed(0), output_type=output_type, **kwargs).images
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -205,14 +205,15 @@ def test_sd15_size_pipeline_over_service_sizes_stays_within_budget():
 @pytest.mark.slow
 def test_compile_backend_is_bit_identical_to_torch_compile():
     size = (32, 48)
+    # The denoiser's latents (the decoder is built by the pre-warm too, not compared: each
+    # comparison costs two inductor builds)
     anchor = tp.stable_diffusion()
     anchor.unet = torch.compile(anchor.unet, dynamic=False)
-    anchor.vae.decoder = torch.compile(anchor.vae.decoder, dynamic=False)
-    expected = run(anchor, text_inputs(), size)
+    expected = run(anchor, text_inputs(), size, output_type="latent")
 
     pipe = tp.stable_diffusion()
     sc.wrap(pipe, sizes=[size], backend="compile")
-    assert torch.equal(run(pipe, text_inputs(), size), expected)
+    assert torch.equal(run(pipe, text_inputs(), size, output_type="latent"), expected)
     st = sc.stats(pipe)
     assert st["builds"] == 2 and [e["backend"] for e in st["entries"]] == ["compile", "compile"]
     assert st["prewarmed"][0]["inductor_cache"] in ("cold", "warm")  # what inductor's disk cache did
@@ -254,7 +255,8 @@ def test_background_prewarm_queues_every_size_largest_first_and_runs_nothing():
     assert sc.wait(pipe, timeout=60)
     st = sc.stats(pipe)
     denoiser = st["components"]["denoiser"]
-    assert (denoiser["calls"], denoiser["misses"], denoiser["background_builds"], denoiser["pending_builds"]) == (0, 3, 3, 0)
+    # queued, not missed: no call ran
+    assert (denoiser["calls"], denoiser["misses"], denoiser["background_builds"], denoiser["pending_builds"]) == (0, 0, 3, 0)
     assert st["background_builds"] == 6 and st["prewarmed"] == []  # denoiser and decoder, per size
     # Entries are listed most recently used first: the reverse of the order they were built in.
     built = [tuple(int(n) for n in e["bucket"].split("sample=(")[1].split(")")[0].split(",")[2:])

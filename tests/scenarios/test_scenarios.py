@@ -72,13 +72,13 @@ def test_repro_runs_each_strategy_and_draws_the_plot(tmp_path):
     from shapecache.scenarios import _cli, _repro
 
     png, out = tmp_path / "memory.png", tmp_path / "out.json"
-    args = _cli.parse_arguments(["repro", "--model", "res-convnet", "--sizes", "64x64,96x96", "--strategies",
+    args = _cli.parse_arguments(["repro", "--model", "res-convnet", "--sizes", "64x64", "--strategies",
                                  "torch_compile,shapecache", "--budget", "2GiB", "--plot", str(png), "--json", str(out)])
     results = _repro.run(args)
-    assert {s: _repro.verdict(r, 2) for s, r in results.items()} == {"torch_compile": "completed",
+    assert {s: _repro.verdict(r, 1) for s, r in results.items()} == {"torch_compile": "completed",
                                                                        "shapecache": "completed"}
     for result in results.values():
-        assert [r["size"] for r in result["records"]] == [[64, 64], [96, 96]]
+        assert [r["size"] for r in result["records"]] == [[64, 64]]
         assert all(r["build_seconds"] > 0 and r["call_seconds"] > 0 for r in result["records"])
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
