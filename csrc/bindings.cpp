@@ -161,8 +161,7 @@ void bind_cache(py::module_& m) {
       .def("contains_entry", &BuildHandle::contains_entry, py::arg("id"))
       .def("set_entry_bytes", &BuildHandle::set_entry_bytes, py::arg("id"), py::arg("bytes"))
       .def("evict_unpinned", &BuildHandle::evict_unpinned)
-      .def("count_pool_rebuild", &BuildHandle::count_pool_rebuild)
-      .def("describe", &BuildHandle::describe);
+      .def("count_pool_rebuild", &BuildHandle::count_pool_rebuild);
 
   m.def("run_next_build", [](c10::Device device) { return BuildQueue::instance().run_next(device); },
         py::arg("device"), "Runs the oldest background build queued for `device`; False when none waits.");

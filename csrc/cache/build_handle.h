@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
-#include <string>
 
 #include "cache/shape_cache.h"
 
@@ -42,7 +41,6 @@ class BuildHandle {
   py::list set_entry_bytes(uint64_t id, int64_t bytes);
   size_t evict_unpinned() { return cache_->evict_unpinned(device_).size(); }
   void count_pool_rebuild() { cache_->count_pool_rebuild(device_); }
-  std::string describe() { return cache_->describe(device_); }
 
  private:
   std::shared_ptr<ShapeCache> cache_;

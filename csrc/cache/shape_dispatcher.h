@@ -91,7 +91,6 @@ class ShapeDispatcher {
   const py::object& function() const { return function_; }
   const std::shared_ptr<ShapeCache>& cache() const { return cache_; }
   uint64_t id() const { return id_; }
-  const FunctionCounters& counters() const { return counters_; }
 
  private:
   // Builds the bucket's entry and inserts it (unless this function was cleared since
