@@ -130,7 +130,8 @@ class KeyWriter {
 
   // A bucketed argument: keyed by its bucket sizes, padded when they differ from its own.
   // Returns the padded tensor, or nullopt when the argument already has its bucket's sizes.
-  std::optional<py::object> add_bucketed(PyObject* obj, const ArgumentBuckets& spec, const std::string& name) {
+  std::optional<py::object> add_bucketed(PyObject* obj, const ArgumentBuckets& spec, int64_t argument,
+                                         const std::string& name) {
     if (!THPVariable_Check(obj)) {
       throw py::type_error("buckets: argument '" + name + "' has a bucket policy, so it must be a tensor; got " +
                            Py_TYPE(obj)->tp_name);
@@ -154,7 +155,7 @@ class KeyWriter {
       } catch (const std::overflow_error& e) {
         throw py::value_error("buckets: argument '" + name + "', dimension " + std::to_string(dim) + ": " + e.what());
       }
-      if (bucket != sizes[d]) padded_dims.push_back(CropDim{d, sizes[d], bucket});
+      if (bucket != sizes[d]) padded_dims.push_back(CropDim{argument, d, sizes[d], bucket});
       sizes[d] = bucket;
     }
     note_device(t.device());
@@ -266,7 +267,7 @@ CallKey make_call_key(const CallContext& context, const py::tuple& args, const p
       }
       return;
     }
-    auto padded = writer.add_bucketed(argument.value, *spec, name);
+    auto padded = writer.add_bucketed(argument.value, *spec, spec - buckets.data(), name);
     if (!padded) return;
     if (argument.keyword == nullptr) {
       if (!padded_args) padded_args = py::list(args);

@@ -41,6 +41,7 @@ class UnkeyableArgument : public std::runtime_error {
 
 // One padded dimension of a padded argument, in argument order.
 struct CropDim {
+  int64_t argument;  // which bucketed argument: its index in the function's ArgumentBuckets
   int64_t dim;
   int64_t original;
   int64_t padded;

@@ -412,8 +412,14 @@ void ShapeDispatcher::run_uncached_from_now_on(const ShapeKey& key) {
 
 std::shared_ptr<const ShapeDispatcher::CropPlan> ShapeDispatcher::crop_plan(const CallKey& key, const py::tuple& args,
                                                                             const py::dict& kwargs) {
+  // Invariant 4 for padded buckets. The plan's key: the bucket, and which dimensions were
+  // padded from which sizes: calls of one bucket padded in different dimensions (1x4 and 3x1 in a bucket of 3x4) return different shapes.
   ShapeKey plan_key = key.key;
-  for (const CropDim& c : key.crop) plan_key.add_int(c.original);
+  for (const CropDim& c : key.crop) {
+    plan_key.add_int(c.argument);
+    plan_key.add_int(c.dim);
+    plan_key.add_int(c.original);
+  }
   if (auto found = crop_plans_.find(plan_key); found != crop_plans_.end()) return found->second;
   auto plan = std::make_shared<CropPlan>();
   const py::object& fake_call = cache_->run_on_fake_tensors();
