@@ -128,7 +128,7 @@ def test_verdicts_say_out_of_memory_only_for_a_failed_allocation_and_over_the_bu
 LIMITED = """
 import json, torch
 from shapecache.scenarios._repro import limit_data_segment
-from shapecache.scenarios._size_loop import out_of_memory
+from shapecache.testing.memory_cap import out_of_memory
 limit = limit_data_segment(64 << 20)
 small = torch.ones(16 << 20, dtype=torch.uint8)  # within the limit
 try:
@@ -155,7 +155,7 @@ def test_the_cpu_memory_limit_makes_torchs_allocator_fail_cleanly():
 def test_a_failed_allocation_wrapped_by_the_compiler_is_still_out_of_memory():
     from torch._dynamo.exc import InternalTorchDynamoError
 
-    from shapecache.scenarios._size_loop import out_of_memory
+    from shapecache.testing.memory_cap import out_of_memory
 
     def wrapped(cause):  # as Dynamo raises what a compile raised: the cause chained
         try:

@@ -1,14 +1,18 @@
 """The pytest plugin, run in pytest's own sandbox (pytester)."""
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
 NO_CUDA = not torch.cuda.is_available()
 
 
-def test_marker_is_registered_with_its_signature(pytester):
+def test_markers_are_registered_with_their_signatures(pytester):
     result = pytester.runpytest("--markers")
-    result.stdout.fnmatch_lines(["*@pytest.mark.vram_budget(budget, device=None): cap this test's GPU memory*"])
+    result.stdout.fnmatch_lines(["*@pytest.mark.memory_budget(budget, device=None): cap the memory this test*",
+                                 "*@pytest.mark.vram_budget(budget, device=None): cap this test's GPU memory*"])
 
 
 def test_report_header_names_the_budget(pytester):
@@ -107,3 +111,132 @@ def test_a_bad_budget_for_every_test_is_one_usage_error_naming_where_it_was_set(
     result.stderr.fnmatch_lines(["*SHAPECACHE_VRAM_BUDGET='lots': cannot read this size*"])
     result = pytester.runpytest_subprocess("--vram-budget", "2 parsecs")
     result.stderr.fnmatch_lines(["*--vram-budget='2 parsecs': cannot read this size*"])
+
+
+# The CPU cap is RLIMIT_DATA on the whole process: these sessions run in a process of their own.
+CAPPED_THEN_UNCAPPED = """
+import resource
+
+import pytest
+import torch
+
+LIMIT_BEFORE = resource.getrlimit(resource.RLIMIT_DATA)
+
+
+@pytest.fixture
+def block():  # a fixture's memory counts against the budget: the cap is set before it runs
+    return torch.ones(32 << 20, dtype=torch.uint8)
+
+
+@pytest.mark.memory_budget("64MiB", device="cpu")
+def test_capped(block):
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    assert hard == LIMIT_BEFORE[1] and soft != LIMIT_BEFORE[0]
+    torch.ones(48 << 20, dtype=torch.uint8)  # 32 + 48 MiB: more than the budget
+
+
+@pytest.mark.memory_budget("64MiB", device="cpu")
+def test_capped_python_objects():
+    kept = [bytearray(1 << 20) for _ in range(128)]
+
+
+def test_uncapped_after():
+    assert resource.getrlimit(resource.RLIMIT_DATA) == LIMIT_BEFORE
+    block = torch.ones(256 << 20, dtype=torch.uint8)  # four times the cap
+    assert block[-1] == 1
+
+
+class TestUnderAClassMarker:
+    pytestmark = pytest.mark.memory_budget("256MiB", device="cpu")
+
+    def test_within(self):
+        assert torch.ones(64 << 20, dtype=torch.uint8)[-1] == 1
+"""
+
+
+def test_memory_budget_fails_a_test_that_outgrows_it_on_the_cpu_and_nothing_after(pytester):
+    pytester.makepyfile(test_cap=CAPPED_THEN_UNCAPPED)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-ra")
+    result.assert_outcomes(failed=2, passed=2)
+    result.stdout.fnmatch_lines([
+        "*MemoryBudgetExceeded: test_cap.py::test_capped ran out of its memory budget of 64.0 MiB on cpu, set by "
+        "@pytest.mark.memory_budget('64MiB') on test_cap.py::test_capped: RLIMIT_DATA soft limit * the data "
+        "segment's * when the cap was set + 64.0 MiB; the allocation that failed: DefaultCPUAllocator: can't "
+        "allocate memory*",
+    ])
+    result.stdout.fnmatch_lines(["*MemoryBudgetExceeded: test_cap.py::test_capped_python_objects ran out of its "
+                                 "memory budget*the allocation that failed: MemoryError*"])
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+
+
+def test_memory_budget_is_skipped_with_the_reason_where_no_cap_can_be_set(pytester):
+    pytester.makeconftest("""
+import resource
+del resource.RLIMIT_DATA  # as on a platform without it
+""")
+    pytester.makepyfile("""
+import pytest
+
+@pytest.mark.memory_budget("64MiB", device="cpu")
+def test_capped():
+    raise AssertionError("must not run uncapped")
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*memory_budget: no memory cap can be set here: this platform has no RLIMIT_DATA*"])
+
+
+def test_memory_budget_rejects_what_it_cannot_cap(pytester):
+    pytester.makepyfile("""
+import pytest
+
+@pytest.mark.memory_budget("lots")
+def test_unreadable():
+    pass
+
+@pytest.mark.memory_budget("64MiB", device="meta")
+def test_no_such_cap():
+    pass
+
+@pytest.mark.memory_budget()
+def test_no_budget():
+    pass
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=3)
+    result.stdout.fnmatch_lines(["*memory_budget='lots': cannot read this size*"])
+    result.stdout.fnmatch_lines(["*test_no_such_cap: memory_budget(device='meta'): expected a 'cuda' or 'cpu' device*"])
+    result.stdout.fnmatch_lines(["*test_no_budget: memory_budget(budget, device=None) needs a budget*"])
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the behaviour without CUDA")
+def test_memory_budget_on_cuda_is_skipped_without_it(pytester):
+    pytester.makepyfile("""
+import pytest
+
+@pytest.mark.memory_budget("1GiB", device="cuda")
+def test_capped():
+    raise AssertionError("must not run without CUDA")
+""")
+    result = pytester.runpytest("-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*memory_budget needs a CUDA device*"])
+
+
+def readme_block(containing: str) -> str:
+    """The README's Python example that contains `containing`, as written there."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL)
+    found = [block for block in blocks if containing in block]
+    assert len(found) == 1, f"expected one README example with {containing!r}, found {len(found)}"
+    return found[0]
+
+
+@pytest.mark.slow
+def test_the_readmes_pytest_example_fails_per_size_graphs_and_passes_shapecache(pytester):
+    pytester.makepyfile(test_sizes=readme_block("@pytest.mark.memory_budget"))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-ra")
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(["FAILED test_sizes.py::test_a_graph_per_size*"])
+    result.stdout.fnmatch_lines(["*MemoryBudgetExceeded: test_sizes.py::test_a_graph_per_size ran out of its memory "
+                                 "budget of 600.0 MiB on cpu*"])

@@ -1,31 +1,26 @@
 """``python -m shapecache repro``: the out-of-memory scenario, strategy by strategy, in one table
-and one picture. ``python -m shapecache demo`` is the same command with its defaults: on the
-CPU, a residual conv net with 54 MiB of weights compiled with inductor's freezing under a
-budget of 160 MiB; on CUDA, the tiny pipeline.
+and one picture. ``python -m shapecache demo`` is the same command, which also exits with 1 when
+the run did not show that the per-size graphs outgrow the limit while shapecache completes.
+Their defaults are the same: on the CPU, a residual conv net with 54 MiB of weights compiled
+with inductor's freezing under a budget of 160 MiB; on CUDA, the tiny pipeline.
 
 Each strategy runs the size loop (shapecache.scenarios) in a process of its own, so that one
-strategy's memory does not count against the next, under the same memory limit:
-- CUDA: the process is capped at ``--budget`` (torch.cuda.set_per_process_memory_fraction),
-  and shapecache is also given it as its budget.
+strategy's memory does not count against the next, under the same memory cap
+(shapecache.testing.memory_cap):
+- CUDA: the process is capped at ``--budget``, and shapecache is also given it as its budget.
 - CPU: once the first size is built (the compiler loaded, what every strategy pays once), the
-  process's data segment is capped at its size then plus the budget plus LIMIT_SLACK, with
-  RLIMIT_DATA. Of the limits Linux offers, that is the one torch's allocator meets cleanly:
-  it counts the heap and private mappings (where tensors and Python objects live) and not the
-  libraries' code, so an allocation past it fails with torch's "DefaultCPUAllocator: can't
-  allocate memory" (RLIMIT_AS counts every mapping and cut 76 MiB short of its figure in a
-  test; RLIMIT_RSS is ignored by Linux). Where no limit can be set, the verdict compares the
-  memory's growth with the same figure: "over the budget at HxW".
-  The data segment counts address space that is reserved and never written, which the cache's
-  budget does not (it counts resident memory, host_memory.py). They agree for the demo's model,
-  whose layers are convolutions; a frozen model with Linear layers reserves several times more
-  than it writes (MKL's packed weights) and meets this limit sooner than its budget says.
+  process's data segment is capped at its size then plus the budget plus LIMIT_SLACK, so
+  that a strategy that outgrows the budget meets a real allocation failure. Where no cap can
+  be set, the verdict compares the memory's growth with the same figure: "over the budget
+  at HxW".
+
+Each size's call time is the best of CALL_REPEATS calls after its first.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 
@@ -35,17 +30,20 @@ from shapecache.budget import format_bytes, parse_budget
 from shapecache.scenarios import _arguments
 from shapecache.scenarios._models import MODELS, build_model, model_inputs
 from shapecache.scenarios._size_loop import parse_sizes, size_loop
+from shapecache.testing.memory_cap import CapUnavailable, cap_cuda_memory, cap_data_segment
 
 # On the CPU, what a strategy may grow beyond the budget after its first size: the compiler's
 # transient memory while it builds (the cache makes room for a new entry before building it,
 # estimated by the last entry, so a build never runs beside a full budget), an entry larger
-# than that estimate, and the allocator's fragmentation. With the demo's defaults shapecache's
-# data segment peaked 119 MiB above its first size, 169 MiB under this limit (sampled every
-# 50 ms over 9 sizes); the per-size graphs reach the limit at the 4th or 5th size.
+# than that estimate, and the allocator's fragmentation. The demo's table prints each
+# strategy's growth since its first size, the figure this bounds.
 LIMIT_SLACK = 128 << 20
+CALL_REPEATS = 3
 
-DEMO_DEFAULTS = {"cpu": {"model": "res-convnet", "budget": "160MiB", "freezing": True},
-                 "cuda": {"model": "tiny-sd", "budget": None, "freezing": False}}
+DEFAULT_MODEL = {"cpu": "res-convnet", "cuda": "tiny-sd"}
+# The budget and freezing a model gets when the command line names none: on the CPU the
+# per-size graphs of a frozen model outgrow the budget at its 4th or 5th size.
+MODEL_DEFAULTS = {"res-convnet": {"budget": "160MiB", "freezing": True}}
 
 DEFAULT_SIZES = {"tiny-sd": "32x32,32x48,48x32,48x64,64x64",
                  "res-convnet": "64x64,64x96,96x96,96x128,128x128,128x160,160x160,160x192,192x192",
@@ -55,15 +53,15 @@ DEFAULT_SIZES = {"tiny-sd": "32x32,32x48,48x32,48x64,64x64",
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=MODELS, default=None,
-                        help="(default: res-convnet for the demo on the CPU, else tiny-sd)")
+                        help="(default: res-convnet on the CPU, tiny-sd on CUDA)")
     parser.add_argument("--sizes", type=_arguments.sizes, default=None,
                         help="HEIGHTxWIDTH,... in pixels (default: per model)")
     parser.add_argument("--order", choices=("given", "largest_first"), default="given")
     parser.add_argument("--budget", type=_arguments.budget, default=None,
-                        help="cache budget and memory limit, e.g. 20GiB (default: 160MiB for the demo on the CPU, "
+                        help="cache budget and memory limit, e.g. 20GiB (default: 160MiB for res-convnet, "
                              "else none)")
-    parser.add_argument("--freezing", action="store_true", default=None,
-                        help="compile with inductor's freezing (default: on for the demo on the CPU)")
+    parser.add_argument("--freezing", action=argparse.BooleanOptionalAction, default=None,
+                        help="compile with inductor's freezing (default: on for res-convnet)")
     parser.add_argument("--strategies", type=_arguments.strategies, default=["naive", "torch_compile", "shapecache"],
                         help="comma-separated, of: naive, torch_compile, shapecache (default: all)")
     parser.add_argument("--device", type=_arguments.device, default="cuda" if torch.cuda.is_available() else "cpu")
@@ -74,10 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def apply_defaults(args) -> None:
-    """Fills what the command line left unset: the demo's defaults per device, tiny-sd else."""
-    defaults = DEMO_DEFAULTS["cpu" if args.device == "cpu" else "cuda"] if args.command == "demo" else \
-        {"model": "tiny-sd", "budget": None, "freezing": False}
-    for name, value in defaults.items():
+    """Fills what the command line left unset: the model by `--device`, the rest by the model."""
+    if args.model is None:
+        args.model = DEFAULT_MODEL["cpu" if torch.device(args.device).type == "cpu" else "cuda"]
+    for name, value in {"budget": None, "freezing": False, **MODEL_DEFAULTS.get(args.model, {})}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
 
@@ -86,8 +84,7 @@ def run_child(args) -> dict:
     """One strategy in this process; prints its records as JSON."""
     device = torch.device(args.device)
     if device.type == "cuda" and args.budget:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes(args) / total), device)
+        cap_cuda_memory(budget_bytes(args), device)  # for the rest of this process
     model = build_model(args.model, device)
     sizes = args.sizes or parse_sizes(DEFAULT_SIZES[args.model])
     limit = {}
@@ -99,22 +96,18 @@ def run_child(args) -> dict:
 
     records = size_loop(model, sizes, order=args.order, strategy=args.child, budget=args.budget, batch=args.batch,
                         inputs=model_inputs(args.model, model, args.batch), freezing=args.freezing,
-                        repeats=3 if device.type == "cpu" else 1, after_first=limit_memory)
+                        repeats=CALL_REPEATS, after_first=limit_memory)
     return {"strategy": args.child, "records": [r.as_dict() for r in records], "limit": limit}
 
 
 def limit_data_segment(extra: int) -> dict:
-    """Caps this process's data segment (RLIMIT_DATA) at its present size plus `extra` bytes;
-    returns what was set, or why nothing was (see the module's docstring)."""
+    """Caps this process's data segment at its present size plus `extra` bytes, for the rest of
+    its life (shapecache.testing.memory_cap); returns what was set, or why nothing was."""
     try:
-        with open("/proc/self/status") as f:
-            data = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
-        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-        cap = data + extra if hard == resource.RLIM_INFINITY else min(hard, data + extra)
-        resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
-    except (OSError, ValueError, StopIteration, AttributeError) as error:
-        return {"set": False, "why": f"{type(error).__name__}: {error}"}
-    return {"set": True, "kind": "RLIMIT_DATA", "bytes": cap, "above_first_size": extra}
+        cap = cap_data_segment(extra)
+    except CapUnavailable as error:
+        return {"set": False, "why": str(error)}
+    return {"set": True, "kind": "RLIMIT_DATA", "bytes": cap.limit, "above_first_size": extra}
 
 
 def budget_bytes(args) -> int:
@@ -165,7 +158,7 @@ def run(args) -> dict:
         command = [sys.executable, "-m", "shapecache", "repro", "--child", strategy, "--model", args.model,
                    "--sizes", ",".join(f"{h}x{w}" for h, w in sizes), "--order", args.order, "--device", args.device,
                    "--batch", str(args.batch)] + (["--budget", args.budget] if args.budget else []) + \
-                  (["--freezing"] if args.freezing else [])
+                  ["--freezing" if args.freezing else "--no-freezing"]
         print(f"running {strategy}...", flush=True)
         proc = subprocess.run(command, capture_output=True, text=True)
         lines = proc.stdout.strip().splitlines()
@@ -181,6 +174,7 @@ def run(args) -> dict:
         print("memory limit: " + (f"RLIMIT_DATA at the size after the first size + the budget + "
                                   f"{format_bytes(LIMIT_SLACK)} of slack" if limits == {True} else
                                   "none could be set; verdicts compare memory growth with the budget"))
+    print(f"build s: a size's first call; call ms: the fastest of the {CALL_REPEATS} calls after it")
     naive_calls = {tuple(r["size"]): r["call_seconds"] for r in results.get("naive", {}).get("records", [])
                    if not r["error"]}
     for strategy, result in results.items():

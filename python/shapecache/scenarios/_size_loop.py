@@ -37,6 +37,7 @@ import shapecache as sc
 from shapecache import _timing
 from shapecache.scenarios._naive import naive_forward
 from shapecache.testing.memory import memory_figures
+from shapecache.testing.memory_cap import allocation_failure, out_of_memory
 
 STRATEGIES = ("naive", "torch_compile", "shapecache")
 ORDERS = ("given", "largest_first")
@@ -117,7 +118,7 @@ def size_loop(model_or_pipe, sizes: Sequence, order: str = "given", strategy: st
                 except (torch.OutOfMemoryError, MemoryError, RuntimeError) as error:
                     if not out_of_memory(error):
                         raise
-                    record.error = f"{type(error).__name__}: {_allocation_failure(error)}"
+                    record.error = f"{type(error).__name__}: {allocation_failure(error)}"
                 figures = memory_figures(device)
                 record.allocated, record.reserved, record.peak = figures.allocated, figures.reserved, figures.peak
                 if strategy == "shapecache":
@@ -130,30 +131,6 @@ def size_loop(model_or_pipe, sizes: Sequence, order: str = "given", strategy: st
     finally:
         undo()
     return records
-
-
-def out_of_memory(error: BaseException) -> bool:
-    """Whether `error` is a failed allocation: CUDA's OutOfMemoryError, Python's MemoryError, or
-    torch's CPU allocator failing (a RuntimeError from ``alloc_cpu.cpp``, "can't allocate memory"),
-    itself or as the cause of the error that wraps it (Dynamo raises a MemoryError from C++'s
-    std::bad_alloc as ``InternalTorchDynamoError: MemoryError: std::bad_alloc``)."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
-            return True
-        if isinstance(error, RuntimeError) and ("can't allocate memory" in str(error) or
-                                                "MemoryError: std::bad_alloc" in str(error)):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def _allocation_failure(error: BaseException) -> str:
-    text = str(error).strip()
-    if "DefaultCPUAllocator" in text:  # "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: ..."
-        text = text[text.index("DefaultCPUAllocator"):]
-    return text.splitlines()[0] if text else ""
 
 
 def _denoiser(pipe) -> torch.nn.Module:

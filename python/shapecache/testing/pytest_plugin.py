@@ -1,5 +1,13 @@
 """pytest plugin (registered as ``shapecache`` through the ``pytest11`` entry point).
 
+- marker ``memory_budget(budget, device=None)``: caps the test's memory on `device` (default:
+  CUDA where there is a device, else the CPU), from the start of its setup to the end of its
+  call (shapecache.testing.memory_cap): on CUDA the process's share of the device, as
+  ``vram_budget``; on the CPU the soft RLIMIT_DATA, at the data segment's size when the test
+  starts plus the budget, so that the budget is what the test may allocate (its fixtures
+  included). Skipped with the reason where no cap can be set. An allocation that fails
+  under the cap fails the test with MemoryBudgetExceeded, which names the budget and where
+  it was set, the failed allocation as its cause; the cap is lifted before pytest reports.
 - marker ``vram_budget(budget, device=None)``: caps the test's GPU memory with
   ``torch.cuda.set_per_process_memory_fraction`` (restored afterwards); the budget is bytes,
   a string such as "20GiB", or a fraction of the device's memory. Skips the test where there
@@ -20,7 +28,11 @@ import os
 
 import pytest
 
-_STASH = pytest.StashKey[tuple]()  # item -> (device, fraction before the test)
+_CAP = pytest.StashKey[tuple]()  # item -> (its MemoryCap, where the budget was set)
+
+
+class MemoryBudgetExceeded(Exception):
+    """A capped test ran out of its memory budget."""
 
 
 def pytest_addoption(parser):
@@ -31,6 +43,12 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "memory_budget(budget, device=None): cap the memory this test may allocate to budget (bytes or a string "
+        "such as '512MiB') on device (default: CUDA if available, else the CPU); on the CPU the soft RLIMIT_DATA "
+        "above the data segment at the test's start; skipped where no cap can be set",
+    )
     config.addinivalue_line(
         "markers",
         "vram_budget(budget, device=None): cap this test's GPU memory to budget (bytes, a string such as "
@@ -62,54 +80,114 @@ def pytest_report_header(config):
     return f"shapecache: vram budget {budget or 'none by default, per-test markers only'} (skipped without CUDA)"
 
 
-def _budget_for(item):
-    marker = item.get_closest_marker("vram_budget")
-    if marker is not None:
+def _requested(item):
+    """(budget, device, marker name, where it was set) of the cap this test asks for, or None.
+    `device` is None for a budget that applies to every test (GPU only, nothing elsewhere)."""
+    for name in ("memory_budget", "vram_budget"):
+        found = next(item.iter_markers_with_node(name), None)
+        if found is None:
+            continue
+        node, marker = found
         if not marker.args and "budget" not in marker.kwargs:
-            raise pytest.UsageError(f"{item.nodeid}: vram_budget(budget, device=None) needs a budget")
+            raise pytest.UsageError(f"{item.nodeid}: {name}(budget, device=None) needs a budget")
         budget = marker.kwargs.get("budget", marker.args[0] if marker.args else None)
         device = marker.kwargs.get("device", marker.args[1] if len(marker.args) > 1 else None)
-        return budget, device, "vram_budget"
+        return budget, device or "any", name, f"@pytest.mark.{name}({budget!r}) on {node.nodeid}"
     budget, source = _configured(item.config)
-    return (budget, "default", source) if budget else (None, None, None)
+    return (budget, None, "vram_budget", source) if budget else None
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item):
-    budget, device, source = _budget_for(item)
-    if budget is None:
+def _set_cap(item):
+    """Sets the cap `item` asks for and stashes it; skips the test where it cannot be set."""
+    requested = _requested(item)
+    if requested is None:
         return
+    budget, device, name, where = requested
     import torch
 
     from shapecache.budget import parse_budget
+    from shapecache.testing.memory_cap import CapUnavailable, cap_cuda_memory, cap_data_segment
 
-    parsed = parse_budget(budget, argument=source)  # bad values fail the test setup clearly
-    if not torch.cuda.is_available():
-        if device == "default":
-            return  # a budget for every test caps GPU memory where there is a GPU, and nothing else
-        pytest.skip("vram_budget needs a CUDA device")
-    if device in (None, "default"):
-        device = torch.device("cuda", torch.cuda.current_device())
+    parsed = parse_budget(budget, argument=name)  # bad values fail the test's setup clearly
+    if device is None:  # the budget for every test caps GPU memory where there is a GPU, and nothing else
+        if not torch.cuda.is_available():
+            return
+        device = "cuda"
+    if device == "any":
+        device = "cuda" if name == "vram_budget" or torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    total = torch.cuda.get_device_properties(device).total_memory
-    fraction = parsed.fraction if parsed.fraction is not None else parsed.bytes / total
-    if not 0 < fraction <= 1:
-        raise pytest.UsageError(f"vram_budget={budget!r} is more than {device}'s {total} bytes")
-    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    before = getter(device) if getter else 1.0
-    item.stash[_STASH] = (device, before)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    if device.type not in ("cuda", "cpu") or (name == "vram_budget" and device.type != "cuda"):
+        accepted = "a 'cuda' device" if name == "vram_budget" else "a 'cuda' or 'cpu' device"
+        raise pytest.UsageError(f"{item.nodeid}: {name}(device={str(device)!r}): expected {accepted}")
+    try:
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                pytest.skip(f"{name} needs a CUDA device")
+            cap = cap_cuda_memory(parsed.bytes_for(device), device)
+        else:
+            cap = cap_data_segment(parsed.bytes_for(device))
+    except CapUnavailable as error:
+        pytest.skip(f"{name}: no memory cap can be set here: {error}")
+    except ValueError as error:
+        raise pytest.UsageError(f"{item.nodeid}: {name}({budget!r}): {error}") from None
+    item.stash[_CAP] = (cap, where)
+
+
+def _lift_cap(item, error: BaseException | None = None) -> BaseException | None:
+    """Lifts `item`'s cap on the CPU (a GPU's stays for the teardown, as the fixtures' memory
+    does), so that pytest reports uncapped. Returns what to raise for `error`: a
+    MemoryBudgetExceeded when it is a failed allocation under a cap, else `error` itself."""
+    cap, where = item.stash.get(_CAP, (None, None))
+    if cap is None or not cap.in_force:
+        return error
+    if cap.device.type == "cpu":
+        cap.lift()
+    from shapecache.budget import format_bytes
+    from shapecache.testing.memory_cap import allocation_failure, out_of_memory
+
+    if error is None or not out_of_memory(error):
+        return error
+    return MemoryBudgetExceeded(
+        f"{item.nodeid} ran out of its memory budget of {format_bytes(cap.budget)} on {cap.device}, set by "
+        f"{where}: {cap.description}; the allocation that failed: {allocation_failure(error)}")
+
+
+def _raise_for(item, error: BaseException):
+    __tracebackhide__ = True
+    replaced = _lift_cap(item, error)
+    if replaced is error:
+        raise error
+    raise replaced from error
+
+
+# Both wrappers are the innermost (trylast): the cap is set after the other plugins' wrappers
+# began (a skip raised here reaches them as any setup's would) and lifted before they go on.
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_setup(item):
+    __tracebackhide__ = True
+    _set_cap(item)  # before the fixtures: what they allocate counts against the budget
+    try:
+        return (yield)
+    except BaseException as error:
+        _raise_for(item, error)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_call(item):
+    __tracebackhide__ = True
+    try:
+        result = yield
+    except BaseException as error:
+        _raise_for(item, error)
+    _lift_cap(item)
+    return result
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item):
-    saved = item.stash.get(_STASH, None)
-    if saved is None:
-        return
-    import torch
-
-    device, before = saved
-    torch.cuda.set_per_process_memory_fraction(before, device)
+    cap, _ = item.stash.get(_CAP, (None, None))
+    if cap is not None:
+        cap.lift()
 
 
 @pytest.fixture
