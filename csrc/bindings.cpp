@@ -46,7 +46,7 @@ void bind_core(py::module_& m) {
       .def_static("exact", &BucketPolicy::exact)
       .def_static("multiple_of", &BucketPolicy::multiple_of, py::arg("n"))
       .def_static("power_of_two", &BucketPolicy::power_of_two, py::arg("minimum") = 1)
-      .def_static("sizes", &BucketPolicy::explicit_sizes, py::arg("sizes"))
+      .def_static("one_of", &BucketPolicy::one_of, py::arg("sizes"))
       .def("bucket", &BucketPolicy::bucket, py::arg("size"))
       .def_property_readonly("pads", &BucketPolicy::pads)
       .def("__repr__", &BucketPolicy::describe);

@@ -3,7 +3,7 @@
 //   exact          every size is its own bucket; the call is bit-identical to an uncached one
 //   multiple_of(n) sizes round up to the next multiple of n
 //   power_of_two   sizes round up to the next power of two (at least `minimum`)
-//   sizes([...])   sizes round up to the next listed size; a size above the largest is an error
+//   one_of([...])  sizes round up to the next listed size; a size above the largest is an error
 //
 // Any policy but `exact` pads the input up to its bucket and crops outputs back (see
 // call_key.h for the crop rule). Padding the batch dimension is exact for inference; padding
@@ -23,7 +23,7 @@ namespace shapecache {
 
 class BucketPolicy {
  public:
-  enum class Kind : uint8_t { kExact, kMultipleOf, kPowerOfTwo, kExplicit };
+  enum class Kind : uint8_t { kExact, kMultipleOf, kPowerOfTwo, kOneOf };
 
   static BucketPolicy exact() { return BucketPolicy(Kind::kExact, 1, {}); }
 
@@ -42,16 +42,16 @@ class BucketPolicy {
     return BucketPolicy(Kind::kPowerOfTwo, minimum, {});
   }
 
-  static BucketPolicy explicit_sizes(std::vector<int64_t> sizes) {
+  static BucketPolicy one_of(std::vector<int64_t> sizes) {
     if (sizes.empty()) {
-      throw std::invalid_argument("sizes(...): expected at least one bucket size, got an empty list");
+      throw std::invalid_argument("one_of(...): expected at least one bucket size, got an empty list");
     }
     std::sort(sizes.begin(), sizes.end());
     sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
     if (sizes.front() < 1) {
-      throw std::invalid_argument("sizes(...): bucket sizes must be positive, got " + std::to_string(sizes.front()));
+      throw std::invalid_argument("one_of(...): bucket sizes must be positive, got " + std::to_string(sizes.front()));
     }
-    return BucketPolicy(Kind::kExplicit, 1, std::move(sizes));
+    return BucketPolicy(Kind::kOneOf, 1, std::move(sizes));
   }
 
   // The bucket that `size` falls into. Sizes of 0 stay 0 (empty tensors are never padded).
@@ -75,7 +75,7 @@ class BucketPolicy {
         }
         return b;
       }
-      case Kind::kExplicit: {
+      case Kind::kOneOf: {
         auto it = std::lower_bound(sizes_.begin(), sizes_.end(), size);
         if (it == sizes_.end()) {
           throw std::out_of_range("size " + std::to_string(size) + " is above the largest bucket of " + describe() +
@@ -109,8 +109,8 @@ class BucketPolicy {
       case Kind::kPowerOfTwo:
         out << "power_of_two(minimum=" << parameter_ << ")";
         break;
-      case Kind::kExplicit:
-        out << "sizes([";
+      case Kind::kOneOf:
+        out << "one_of([";
         for (size_t i = 0; i < sizes_.size(); ++i) out << (i ? ", " : "") << sizes_[i];
         out << "])";
         break;
@@ -124,7 +124,7 @@ class BucketPolicy {
 
   Kind kind_;
   int64_t parameter_;           // n of multiple_of, minimum of power_of_two
-  std::vector<int64_t> sizes_;  // sorted, unique, positive (explicit only)
+  std::vector<int64_t> sizes_;  // sorted, unique, positive (one_of only)
 };
 
 // The policies of one tensor argument, addressed by position and/or keyword name, so a

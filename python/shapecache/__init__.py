@@ -26,8 +26,8 @@ _PUBLIC = {
     "parse_budget": "shapecache.budget",
     "exact": "shapecache.buckets",
     "multiple_of": "shapecache.buckets",
+    "one_of": "shapecache.buckets",
     "power_of_two": "shapecache.buckets",
-    "sizes": "shapecache.buckets",
     "CachedFunction": "shapecache.cache",
     "cached": "shapecache.cache",
     "clear": "shapecache.cache",
@@ -43,7 +43,6 @@ _PUBLIC = {
     "tune_convs": "shapecache.ops",
     "encode_prompts": "shapecache.diffusers",
     "prewarm": "shapecache.diffusers",
-    "unwrap": "shapecache.diffusers",
     "wrap": "shapecache.diffusers",
 }
 _SUBPACKAGES = ("buckets", "budget", "cache", "diffusers", "ops", "scenarios", "statistics", "testing")
@@ -69,9 +68,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what __getattr__ gives, for type checkers and editors
-    from shapecache.buckets import exact, multiple_of, power_of_two, sizes  # noqa: F401
+    from shapecache.buckets import exact, multiple_of, one_of, power_of_two  # noqa: F401
     from shapecache.budget import Budget, parse_budget  # noqa: F401
     from shapecache.cache import CachedFunction, cached, clear, stats, uncached, wait  # noqa: F401
-    from shapecache.diffusers import encode_prompts, prewarm, unwrap, wrap  # noqa: F401
+    from shapecache.diffusers import encode_prompts, prewarm, wrap  # noqa: F401
     from shapecache.ops import TunedConvs, TuningDb, tune_convs  # noqa: F401
     from shapecache.statistics import CacheStats, DeviceStats, EntryStats, PipelineStats  # noqa: F401

@@ -66,14 +66,15 @@ def power_of_two(minimum: int = 1) -> BucketPolicy:
     return BucketPolicy.power_of_two(minimum)
 
 
-def sizes(bucket_sizes) -> BucketPolicy:
+def one_of(bucket_sizes) -> BucketPolicy:
     """Sizes round up to the next of `bucket_sizes`; a size above the largest is an error."""
     if isinstance(bucket_sizes, (str, bytes)) or not isinstance(bucket_sizes, Iterable):
-        raise TypeError(f"sizes(bucket_sizes={bucket_sizes!r}): expected a list of positive ints such as [512, 768, 1024]")
+        raise TypeError(f"one_of(bucket_sizes={bucket_sizes!r}): expected a list of positive ints such as "
+                        "[512, 768, 1024]")
     values = list(bucket_sizes)
     for index, v in enumerate(values):
-        _checks.positive_int(f"sizes(...)[{index}]", v)
-    return BucketPolicy.sizes(values)
+        _checks.positive_int(f"one_of(...)[{index}]", v)
+    return BucketPolicy.one_of(values)
 
 
 def positional_parameter_names(function: Callable, *, skip_first: bool = False) -> list[str]:
@@ -115,7 +116,7 @@ def resolve_buckets(function: Callable, buckets, *, skip_first: bool = False) ->
         if not isinstance(dims, Mapping) or not dims:
             raise TypeError(
                 f"buckets[{argument!r}]={dims!r}: expected a non-empty dict mapping a dimension (int) "
-                "to a policy (shapecache.multiple_of(n), power_of_two(), sizes([...]), exact())"
+                "to a policy (shapecache.multiple_of(n), power_of_two(), one_of([...]), exact())"
             )
         pairs = []
         for dim, policy in dims.items():
@@ -124,7 +125,7 @@ def resolve_buckets(function: Callable, buckets, *, skip_first: bool = False) ->
             if not isinstance(policy, BucketPolicy):
                 raise TypeError(
                     f"buckets[{argument!r}][{dim}]={policy!r}: expected a policy from shapecache.multiple_of(n), "
-                    "power_of_two(), sizes([...]) or exact()"
+                    "power_of_two(), one_of([...]) or exact()"
                 )
             pairs.append((dim, policy))
         resolved.append(_C.ArgumentBuckets(position, name, pairs))

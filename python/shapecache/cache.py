@@ -16,6 +16,7 @@ import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypedDict, TypeVar, Unpack, overload
 
 import torch
 
@@ -218,6 +219,26 @@ def make_cache(options: CacheOptions):
                          run_on_fake_tensors=call_on_fake_tensors, wake_build_worker=_build_workers.wake)
 
 
+_Wrapped = TypeVar("_Wrapped", bound=Callable)
+
+
+class CachedOptions(TypedDict, total=False):
+    """``cached``'s keyword options, as its overloads type them (see ``cached`` for each)."""
+
+    budget: int | float | str | None
+    backend: str
+    buckets: Mapping | None
+    max_entries: int | None
+    compile_options: Mapping | None
+    tune_convs: bool
+    build: str
+    disable: bool
+
+
+@overload
+def cached(function: None = None, /, **options: Unpack[CachedOptions]) -> Callable[[_Wrapped], _Wrapped]: ...
+@overload
+def cached(function: _Wrapped, /, **options: Unpack[CachedOptions]) -> _Wrapped: ...
 def cached(
     function=None,
     /,

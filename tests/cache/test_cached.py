@@ -189,12 +189,12 @@ def test_batch_padding_of_linear_layers_matches_to_rounding():
     with torch.no_grad():
         expected = mlp(x)
         sc.cached(mlp, buckets={"input": {0: sc.power_of_two()}})
-        torch.testing.assert_close(mlp(x), expected, rtol=1e-6, atol=1e-6)  # as the README says: rounding only
+        torch.testing.assert_close(mlp(x), expected, rtol=1e-6, atol=1e-6)  # as docs/buckets.md says: rounding only
     assert sc.stats(mlp)["entries"][0]["bucket"].startswith("input=(4, 10, 64)")
 
 
 def test_size_above_the_largest_bucket_is_a_clear_error_and_changes_nothing(conv_net):
-    sc.cached(conv_net, buckets={"x": {-1: sc.sizes([8, 16])}})
+    sc.cached(conv_net, buckets={"x": {-1: sc.one_of([8, 16])}})
     conv_net(inputs((8, 8)))
     before = sc.stats(conv_net)
     with pytest.raises(ValueError, match="argument 'x', dimension -1: size 24 is above the largest bucket"):

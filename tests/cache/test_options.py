@@ -96,9 +96,9 @@ def test_bad_buckets_raise_when_wrapping(conv_net, buckets, error, message):
 @pytest.mark.parametrize(
     "make, error, message",
     [
-        (lambda: sc.sizes(5), TypeError, r"sizes\(bucket_sizes=5\): expected a list of positive ints"),
-        (lambda: sc.sizes("512"), TypeError, r"sizes\(bucket_sizes='512'\)"),
-        (lambda: sc.sizes([512, 0]), ValueError, r"sizes\(...\)\[1\]=0: expected a positive int"),
+        (lambda: sc.one_of(5), TypeError, r"one_of\(bucket_sizes=5\): expected a list of positive ints"),
+        (lambda: sc.one_of("512"), TypeError, r"one_of\(bucket_sizes='512'\)"),
+        (lambda: sc.one_of([512, 0]), ValueError, r"one_of\(...\)\[1\]=0: expected a positive int"),
         (lambda: sc.multiple_of(2**63), ValueError, r"multiple_of\(n\)=9223372036854775808: expected a positive int of at most"),
         (lambda: sc.power_of_two(1.5), TypeError, r"power_of_two\(minimum\)=1.5 \(float\): expected a positive int"),
     ],
@@ -139,3 +139,22 @@ def test_wrapping_twice_or_wrapping_a_non_callable(conv_net):
         sc.cached(3)
     with pytest.raises(TypeError, match="stats: expected a function or module wrapped by shapecache.cached, or a pipeline wrapped by shapecache.wrap, got object"):
         sc.stats(object())
+
+
+def test_the_typed_options_of_cached_are_its_keyword_parameters():
+    import inspect
+    import typing
+
+    from shapecache.cache import CachedOptions
+
+    parameters = inspect.signature(sc.cached).parameters
+    keywords = {name for name, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert set(typing.get_type_hints(CachedOptions)) == keywords
+
+
+def test_wrap_takes_its_options_by_keyword_only():
+    import inspect
+
+    parameters = list(inspect.signature(sc.wrap).parameters.values())
+    assert [p.name for p in parameters if p.kind is not inspect.Parameter.KEYWORD_ONLY] == ["pipe", "sizes"]
+    assert parameters[[p.name for p in parameters].index("tune_convs")].default is False

@@ -21,14 +21,14 @@ def test_power_of_two_rounds_up_with_minimum():
 
 
 def test_explicit_sizes_sorted_and_deduplicated():
-    policy = sc.sizes([128, 64, 96, 64])
-    assert repr(policy) == "sizes([64, 96, 128])"
+    policy = sc.one_of([128, 64, 96, 64])
+    assert repr(policy) == "one_of([64, 96, 128])"
     assert [policy.bucket(n) for n in (1, 64, 65, 96, 100, 128)] == [64, 64, 96, 96, 128, 128]
 
 
 def test_explicit_sizes_error_above_largest():
-    with pytest.raises(IndexError, match="size 129 is above the largest bucket of sizes\\(\\[64, 128\\]\\)"):
-        sc.sizes([64, 128]).bucket(129)
+    with pytest.raises(IndexError, match="size 129 is above the largest bucket of one_of\\(\\[64, 128\\]\\)"):
+        sc.one_of([64, 128]).bucket(129)
 
 
 def test_empty_dimension_is_never_padded():
@@ -41,9 +41,9 @@ def test_empty_dimension_is_never_padded():
         (lambda: sc.multiple_of(0), ValueError),
         (lambda: sc.multiple_of(2.5), TypeError),
         (lambda: sc.power_of_two(minimum=-1), ValueError),
-        (lambda: sc.sizes([]), ValueError),
-        (lambda: sc.sizes([0, 4]), ValueError),
-        (lambda: sc.sizes(["8"]), TypeError),
+        (lambda: sc.one_of([]), ValueError),
+        (lambda: sc.one_of([0, 4]), ValueError),
+        (lambda: sc.one_of(["8"]), TypeError),
     ],
 )
 def test_bad_policies_raise(make, error):

@@ -10,7 +10,7 @@
 """
 
 from shapecache.diffusers._families import denoiser_inputs, unet_inputs
-from shapecache.diffusers._pipelines import prewarm, unwrap, wrap
+from shapecache.diffusers._pipelines import prewarm, wrap
 from shapecache.diffusers._prompts import encode_prompts
 
-__all__ = ["denoiser_inputs", "encode_prompts", "prewarm", "unet_inputs", "unwrap", "wrap"]
+__all__ = ["denoiser_inputs", "encode_prompts", "prewarm", "unet_inputs", "wrap"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import sys
 import time
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -80,11 +79,11 @@ class PipelineHolder(CacheHolder):
 def wrap(
     pipe,
     sizes: Iterable | None = None,
+    *,
     budget=None,
     backend: str = "auto",
-    tune_convs: bool | None = None,
+    tune_convs: bool = False,
     prewarm: bool = True,
-    *,
     max_entries: int | None = None,
     batch_size: int = 1,
     guidance: bool | None = None,
@@ -99,18 +98,18 @@ def wrap(
             allowed); built largest first when `prewarm` is true. See ``prewarm`` for
             `batch_size`, `guidance`, `text_length` and `progress`.
         budget, backend, max_entries: as for ``sc.cached``; the budget covers both components.
-        tune_convs: route both components' Conv2d layers through the tuned convolution
-            (None: no). Pre-warming then tunes every size's convolutions before the first call.
+        tune_convs: route both components' Conv2d layers through the tuned convolution.
+            Pre-warming then tunes every size's convolutions before the first call.
         build: as for ``sc.cached``. With "background", pre-warming queues each size's
             builds, largest first, and returns at once; ``sc.wait(pipe)`` waits for them.
             (CUDA graphs are captured inline: with them, pre-warming waits as inline does.)
     """
     family = family_of(pipe)
     if isinstance(holder_on(pipe), PipelineHolder):
-        raise ValueError(f"{type(pipe).__name__} is wrapped already; call shapecache.unwrap(pipe) first")
+        raise ValueError(f"{type(pipe).__name__} is wrapped already; call shapecache.uncached(pipe) first")
     options = CacheOptions.from_arguments(
         budget=budget, backend=backend, buckets=None, max_entries=max_entries, compile_options=None,
-        tune_convs=bool(tune_convs), build=build,
+        tune_convs=tune_convs, build=build,
     )
     checked_sizes = _check_sizes(pipe, family, sizes) if sizes is not None else []
     if disabled_by_environment():  # checked like any call, then left alone
@@ -130,13 +129,6 @@ def wrap(
     if prewarm and checked_sizes:
         _prewarm(pipe, checked_sizes, batch_size, guidance, text_length, progress)
     return pipe
-
-
-def unwrap(pipe):
-    """Deprecated: ``sc.uncached(pipe)`` undoes ``wrap``."""
-    warnings.warn("shapecache.unwrap(pipe) is deprecated; use shapecache.uncached(pipe)", DeprecationWarning,
-                  stacklevel=2)
-    return holder(pipe, "unwrap").uncache()
 
 
 def prewarm(pipe, sizes: Iterable, *, batch_size: int = 1, guidance: bool | None = None,
