@@ -16,7 +16,7 @@ def serve(*argv) -> dict:
 
 def test_serve_counts_add_up():
     sizes = [(16, 16), (16, 24), (24, 16), (32, 32)]
-    out = serve("--requests", "15", "--max-entries", "2", "--sizes", "16x16,16x24,24x16,32x32")
+    out = serve("--requests", "15", "--max-entries", "2", "--sizes", "16x16,16x24,24x16,32x32", "--backend", "eager")
     rows = out["sizes"]
     assert list(rows) == sizes
     requests = sum(r["requests"] for r in rows.values())
@@ -26,6 +26,16 @@ def test_serve_counts_add_up():
     assert len(out["held"]) == 2  # max_entries=2 holds two sizes at the end
     st = out["stats"]
     assert (st["hits"], st["misses"], st["evictions"]) == (hits, builds, builds - 2)
+
+
+def test_serve_on_the_cpu_compiles_by_default():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU's default")
+    out = serve("--requests", "2", "--sizes", "16x16")
+    assert out["stats"]["backend"] == "compile"
+    assert out["sizes"][(16, 16)]["builds"] == 1 and len(out["sizes"][(16, 16)]["hit_ms"]) == 1
 
 
 def test_a_usage_error_exits_with_status_2_and_argparses_message():
@@ -99,3 +109,17 @@ def test_a_strategy_that_fails_to_run_makes_the_command_exit_1(capsys):
 def test_gpu_check_without_a_gpu_says_so_and_exits_1(capsys):
     assert _cli.main(["gpu-check"]) == 1
     assert "no CUDA device is visible; nothing was checked" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["repro", "--device", "cpu"], ("res-convnet", "160MiB", True)),
+    (["demo", "--device", "cpu"], ("res-convnet", "160MiB", True)),
+    (["repro", "--device", "cpu", "--no-freezing", "--budget", "1GiB"], ("res-convnet", "1GiB", False)),
+    (["repro", "--device", "cpu", "--model", "tiny-sd"], ("tiny-sd", None, False)),
+])
+def test_repro_has_the_demos_defaults(argv, expected):
+    from shapecache.scenarios import _repro
+
+    args = _cli.parse_arguments(argv)
+    _repro.apply_defaults(args)
+    assert (args.model, args.budget, args.freezing) == expected
