@@ -46,16 +46,24 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--strategies", default=",".join(STRATEGIES + ["shapecache_tuned"]),
+                        help="comma-separated, of: " + ", ".join(STRATEGIES + ["shapecache_tuned"]) + " (default: all; "
+                             "shapecache is the reference of the ratios and always runs)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    chosen = args.strategies.split(",")
+    unknown = sorted(set(chosen) - set(STRATEGIES) - {"shapecache_tuned"})
+    if unknown:
+        parser.error(f"--strategies: unknown {unknown}; expected some of {STRATEGIES + ['shapecache_tuned']}")
 
     report = {}
     for model in args.models.split(","):
-        results = {s: run(s, model, args) for s in STRATEGIES}
-        with tempfile.TemporaryDirectory() as tmp:
-            env = {"SHAPECACHE_TUNING_DB": f"{tmp}/tuning.json"}
-            results["shapecache_tuned (cold)"] = run("shapecache_tuned", model, args, env)
-            results["shapecache_tuned (records)"] = run("shapecache_tuned", model, args, env)
+        results = {s: run(s, model, args) for s in STRATEGIES if s in chosen or s == "shapecache"}
+        if "shapecache_tuned" in chosen:
+            with tempfile.TemporaryDirectory() as tmp:
+                env = {"SHAPECACHE_TUNING_DB": f"{tmp}/tuning.json"}
+                results["shapecache_tuned (cold)"] = run("shapecache_tuned", model, args, env)
+                results["shapecache_tuned (records)"] = run("shapecache_tuned", model, args, env)
         report[model] = results
         reference = results["shapecache"]
         print(f"\n{model}: {next((r['device'] for r in results.values() if 'device' in r), '?')}, {args.dtype}, "

@@ -1,41 +1,79 @@
 """``python -m shapecache gpu-check``: the whole GPU path verified in one command, from a
 checkout of the repository on a machine with a CUDA device.
 
-Steps, each in a process of its own with a time limit: the tests marked ``cuda``; the graph
-memory benchmark (six sizes in the order that grows a pool most, a budget that forces a
-rebuild, the pool's peak against the largest size alone); the comparison with eager, per-size
-graphs and torch.compile; the SDXL-architecture out-of-memory loop. One report is written,
-as Markdown and JSON: each step's exit status, time and the end of its output.
+Steps (``plan``), each in a process group of its own under a time limit: the tests marked
+``cuda``; the graph memory benchmark (six sizes in the order that grows a pool most, a budget
+that forces a rebuild, the pool's peak against the largest size alone); the comparison with
+eager and per-size graphs; the SDXL-architecture out-of-memory loop. Strategies that compile a
+full-size UNet with inductor (cold compiles of minutes each) run only with
+``--with-compile``. Without it the limits add up to TOTAL_SECONDS, each about twice the step's
+expected time on one H100.
+
+A step that runs past its limit is stopped with its whole process group (the benchmarks' own
+children included), and so is anything a finished step left running: nothing holds the GPU
+after its step. The report, Markdown and JSON (each step's exit status, time and the end of
+its output), is rewritten after every step, so it exists whatever stops the check.
 Without a CUDA device it says so and exits with status 1.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+TOTAL_SECONDS = 600
+GRACE_SECONDS = 5  # between SIGTERM and SIGKILL for a step's process group
+OUTPUT_TAIL = 4000
 
-# (name, command, seconds allowed): about 7 minutes in all on an H100.
-STEPS = (
-    ("cuda tests", [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"], 240),
-    ("graph memory", [sys.executable, "benchmarks/cuda_graph_memory.py", "--calls", "5",
-                      "--json", "{out}/cuda_graph_memory.json"], 120),
-    ("comparison", [sys.executable, "benchmarks/comparison.py", "--models", "sd15",
-                    "--json", "{out}/comparison.json"], 150),
-    ("sdxl out-of-memory loop", [sys.executable, "-m", "shapecache", "repro", "--model", "sdxl", "--budget", "24GiB",
-                                 "--json", "{out}/repro_sdxl.json", "--plot", "{out}/repro_sdxl.png"], 150),
-)
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    command: tuple
+    seconds: float  # the step's time limit
+
+
+def plan(out: Path, with_compile: bool = False) -> list[Step]:
+    """The steps, with `{out}` in their commands replaced by `out`."""
+    python = sys.executable
+    graph_strategies = "eager,naive_graphs,shapecache,largest_alone"
+    compared = "eager,naive_graphs,shapecache"
+    repro = "naive,shapecache"
+    if with_compile:
+        graph_strategies += ",reduce_overhead,shapecache_compile"
+        compared += ",reduce_overhead,compile_dynamic,shapecache_compile,shapecache_tuned"
+        repro += ",torch_compile"
+    steps = [
+        Step("cuda tests", (python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"), 180),
+        Step("graph memory", (python, "benchmarks/cuda_graph_memory.py", "--calls", "5", "--strategies",
+                              graph_strategies, "--json", f"{out}/cuda_graph_memory.json"), 150),
+        Step("comparison", (python, "benchmarks/comparison.py", "--models", "sd15", "--calls", "5", "--strategies",
+                            compared, "--json", f"{out}/comparison.json"), 120),
+        Step("sdxl out-of-memory loop", (python, "-m", "shapecache", "repro", "--model", "sdxl", "--budget", "24GiB",
+                                         "--strategies", repro, "--json", f"{out}/repro_sdxl.json",
+                                         "--plot", f"{out}/repro_sdxl.png"), 150),
+    ]
+    if with_compile:  # cold inductor compiles of full-size UNets: minutes per strategy
+        steps = [Step(s.name, s.command, s.seconds * 4) for s in steps]
+    return steps
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--out", default="gpu-check", help="folder for the report (default %(default)s)")
+    parser.add_argument("--with-compile", action="store_true",
+                        help="also the strategies that compile full-size UNets with inductor (limits x4)")
 
 
 def run(args) -> int:
+    import torch
+
     if not torch.cuda.is_available():
         print("shapecache gpu-check: no CUDA device is visible; nothing was checked", file=sys.stderr)
         return 1
@@ -44,28 +82,84 @@ def run(args) -> int:
               file=sys.stderr)
         return 1
     out = Path(args.out)
+    header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    steps = plan(out, args.with_compile)
+    total = sum(s.seconds for s in steps)
+    report = run_steps(steps, out, header, total_seconds=total)
+    return 0 if all(s["status"] == 0 for s in report["steps"]) else 1
+
+
+def run_steps(steps: list[Step], out: Path, header: dict, total_seconds: float = TOTAL_SECONDS) -> dict:
+    """Runs `steps` in order, each within its limit and what is left of `total_seconds`; writes
+    the report after each. A step the total leaves no time for is reported as not run."""
     out.mkdir(parents=True, exist_ok=True)
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": []}
-    for name, command, limit in STEPS:
-        command = [part.replace("{out}", str(out)) for part in command]
-        start = time.monotonic()
+    report = {**header, "steps": []}
+    deadline = time.monotonic() + total_seconds
+    for step in steps:
+        left = deadline - time.monotonic()
+        if left <= 1:
+            report["steps"].append({"step": step.name, "command": " ".join(step.command), "status": "not run",
+                                    "seconds": 0.0, "limit": step.seconds,
+                                    "output_tail": f"the check's {total_seconds:.0f} s were spent"})
+        else:
+            status, seconds, output = run_step(step.command, min(step.seconds, left))
+            report["steps"].append({"step": step.name, "command": " ".join(step.command), "status": status,
+                                    "seconds": round(seconds, 1), "limit": step.seconds,
+                                    "output_tail": output[-OUTPUT_TAIL:]})
+        print(f"{step.name}: {report['steps'][-1]['status']} in {report['steps'][-1]['seconds']:.0f} s", flush=True)
+        write_report(report, out)
+    print(f"report: {out / 'report.md'}")
+    return report
+
+
+def run_step(command, seconds: float) -> tuple:
+    """(exit status or "timed out after N s", seconds, output) of `command` run in a process
+    group of its own; the group is stopped when the command ends or runs out of time."""
+    start = time.monotonic()
+    # Output goes to a file, not a pipe: a child left running would keep a pipe open.
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=limit)
-            status, output = done.returncode, done.stdout + done.stderr
-        except subprocess.TimeoutExpired as expired:
-            status = "timed out"
-            output = (expired.stdout or b"").decode(errors="replace") if isinstance(expired.stdout, bytes) else \
-                (expired.stdout or "")
-        seconds = time.monotonic() - start
-        report["steps"].append({"step": name, "command": " ".join(command), "status": status,
-                                "seconds": round(seconds, 1), "output_tail": output[-4000:]})
-        print(f"{name}: {status} in {seconds:.0f} s", flush=True)
+            status = process.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            status = f"timed out after {seconds:.0f} s"
+        finally:  # also on KeyboardInterrupt: nothing of the step outlives it
+            stop_group(process)
+        log.seek(0)
+        output = log.read().decode(errors="replace")
+    return status, time.monotonic() - start, output
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the process group `process` leads, SIGKILL to what is left after GRACE_SECONDS."""
+    group = process.pid  # start_new_session: the leader's pid is the group's id
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(group, sig)
+        except (ProcessLookupError, PermissionError):  # the group is gone
+            break
+        end = time.monotonic() + GRACE_SECONDS
+        while time.monotonic() < end and _group_alive(group):
+            process.poll()  # reaps the leader: a zombie is still a member of its group
+            time.sleep(0.05)
+        if not _group_alive(group):
+            break
+    process.wait()
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def write_report(report: dict, out: Path) -> None:
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    lines = [f"# shapecache gpu-check: {report['device']}, torch {report['torch']}", "",
-             "| step | status | seconds |", "|---|---|---|"]
-    lines += [f"| {s['step']} | {s['status']} | {s['seconds']} |" for s in report["steps"]]
+    lines = [f"# shapecache gpu-check: {report.get('device', '?')}, torch {report.get('torch', '?')}", "",
+             "| step | status | seconds | limit |", "|---|---|---|---|"]
+    lines += [f"| {s['step']} | {s['status']} | {s['seconds']} | {s['limit']} |" for s in report["steps"]]
     for s in report["steps"]:
         lines += ["", f"## {s['step']}", "", f"`{s['command']}`", "", "```", s["output_tail"].rstrip(), "```"]
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    print(f"report: {out / 'report.md'}")
-    return 0 if all(s["status"] == 0 for s in report["steps"]) else 1

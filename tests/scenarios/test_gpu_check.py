@@ -1,0 +1,80 @@
+"""`python -m shapecache gpu-check`'s runner, with steps that stand for the real ones: limits,
+process groups, the report. (The real steps need a CUDA device.)"""
+
+import json
+import os
+import sys
+import time
+
+from shapecache.scenarios import _gpu_check
+
+LEAVES_A_CHILD = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+open(sys.argv[1], "w").write(str(child.pid))
+print("started", child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie waits for its parent (init) to reap it
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def wait_gone(pid: int, seconds: float = 10) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if not alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_steps_run_in_order_a_late_one_is_stopped_with_its_children_and_the_report_is_written(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    steps = [
+        _gpu_check.Step("passes", (sys.executable, "-c", "print('fine')"), 30),
+        _gpu_check.Step("fails", (sys.executable, "-c", "import sys; print('broken'); sys.exit(3)"), 30),
+        _gpu_check.Step("too slow", (sys.executable, "-c", LEAVES_A_CHILD, str(pid_file)), 3),
+        _gpu_check.Step("after", (sys.executable, "-c", "print('still run')"), 30),
+    ]
+    started = time.monotonic()
+    report = _gpu_check.run_steps(steps, tmp_path / "out", {"device": "none", "torch": "x"}, total_seconds=60)
+    assert time.monotonic() - started < 30
+    statuses = [s["status"] for s in report["steps"]]
+    assert statuses == [0, 3, "timed out after 3 s", 0], statuses
+    assert "broken" in report["steps"][1]["output_tail"] and "started" in report["steps"][2]["output_tail"]
+    assert wait_gone(int(pid_file.read_text())), "the step's child outlived it"
+    written = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [s["status"] for s in written["steps"]] == statuses
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    assert "| too slow | timed out after 3 s |" in markdown and "## fails" in markdown
+
+
+def test_a_finished_step_leaves_nothing_running_and_the_total_limit_holds(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    leaves_and_exits = ("import subprocess, sys; child = subprocess.Popen([sys.executable, '-c', "
+                        "'import time; time.sleep(120)']); open(sys.argv[1], 'w').write(str(child.pid))")
+    steps = [_gpu_check.Step("leaves a child", (sys.executable, "-c", leaves_and_exits, str(pid_file)), 30),
+             _gpu_check.Step("sleeps", (sys.executable, "-c", "import time; time.sleep(60)"), 30),
+             _gpu_check.Step("no time left", (sys.executable, "-c", "print('never')"), 30)]
+    report = _gpu_check.run_steps(steps, tmp_path, {}, total_seconds=4)
+    assert wait_gone(int(pid_file.read_text()))
+    assert [s["status"] for s in report["steps"]][0] == 0
+    assert report["steps"][1]["status"].startswith("timed out after")
+    assert report["steps"][2]["status"] == "not run"
+
+
+def test_the_plan_fits_ten_minutes_and_compiles_only_when_asked(tmp_path):
+    steps = _gpu_check.plan(tmp_path)
+    assert sum(s.seconds for s in steps) <= _gpu_check.TOTAL_SECONDS
+    compiling = ("reduce_overhead", "shapecache_compile", "compile_dynamic", "torch_compile", "shapecache_tuned")
+    assert not [s.name for s in steps if any(c in " ".join(s.command) for c in compiling)]
+    with_compile = " ".join(" ".join(s.command) for s in _gpu_check.plan(tmp_path, with_compile=True))
+    assert all(c in with_compile for c in compiling)
+    assert all(str(tmp_path) in " ".join(s.command) for s in steps[1:])
