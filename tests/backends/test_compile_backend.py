@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_inductor_per_bucket_on_a_conv_net(conv_net):
-    sizes = SIZES[:3]
+    sizes = SIZES[:2]
     x = {s: torch.randn(1, 3, *s) for s in sizes}
     with torch.no_grad():
         expected = {s: conv_net(x[s]) for s in sizes}
@@ -22,8 +22,8 @@ def test_inductor_per_bucket_on_a_conv_net(conv_net):
             for s in sizes:
                 torch.testing.assert_close(conv_net(x[s]), expected[s], rtol=1e-5, atol=1e-5)
     st = sc.stats(conv_net)
-    assert [e["backend"] for e in st["entries"]] == ["compile"] * 3
-    assert st["hits"] == 3 and st["builds"] == 3
+    assert [e["backend"] for e in st["entries"]] == ["compile"] * 2
+    assert st["hits"] == 2 and st["builds"] == 2
 
 
 def test_more_buckets_than_dynamos_recompile_limit_all_compile():
@@ -195,13 +195,13 @@ MiB = 1 << 20
 
 def test_frozen_entries_are_charged_their_weights_and_eviction_gives_them_back():
     # Item 1: a frozen entry keeps a copy of the weights (inductor packs them for its kernels),
-    # and is charged at least 0.8 of them. Item 2: twenty builds cycling over six sizes with
-    # two entries kept end where the first two builds ended, within one entry's weights plus
+    # and is charged at least 0.8 of them. Item 2: twelve builds cycling twice over six sizes
+    # with two entries kept end where the first two builds ended, within one entry's weights plus
     # 4 MiB that torch keeps: measured, 0.4 MiB per new size (its compiled C++ kernels stay
     # loaded, oneDNN caches its primitives) and about 60 KiB per build (compiler caches).
-    measured = frozen_size_loop({"max_entries": 2}, 20)
+    measured = frozen_size_loop({"max_entries": 2}, 12)
     weights = measured["weights"]
-    assert measured["builds"] == 20 and measured["evictions"] == 18
+    assert measured["builds"] == 12 and measured["evictions"] == 10
     assert measured["backends"] == ["compile", "compile"]
     assert min(measured["entries"]) >= 0.8 * weights, (measured["entries"], weights)
     assert measured["resident"][-1] <= measured["resident"][1] + weights + 4 * MiB, [
@@ -329,7 +329,7 @@ def test_a_rebuilt_bucket_is_read_from_inductors_disk_cache_and_a_frozen_one_is_
     sc.clear(net)
     assert build(net, x) == "warm"  # what a second process finds: the graph read back, not compiled
     # Freezing prepacks convolution weights as mkldnn tensors, which inductor cannot pickle:
-    # its cache bypasses such graphs (the limit the README states with its numbers).
+    # its cache bypasses such graphs (the limit docs/backends.md states with its numbers).
     frozen = sc.cached(small_conv_net(), backend="compile", compile_options={"options": {"freezing": True}})
     assert build(frozen, x) == "not cached"
 
