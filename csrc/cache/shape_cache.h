@@ -1,7 +1,7 @@
 // ShapeCache: one budget domain. Holds the compiled entries of any number of cached
 // functions, one BudgetedLru per device, each under that device's byte budget.
 //
-// Threading: every method runs with the GIL held, and no Python code runs between reading
+// Threading (invariant 7): every method runs with the GIL held, and no Python code runs between reading
 // and updating the cache's state (entries that leave the cache are handed back to the
 // caller, whose scope destroys them). That makes the GIL the cache's lock. Creating a Python
 // object can run the garbage collector, whose callbacks run Python code and may release the

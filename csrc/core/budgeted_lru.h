@@ -4,7 +4,7 @@
 // Policy:
 //   - Every entry has the bytes it holds on its device; the cache may also be charged bytes
 //     held outside any entry (a shared graph pool, a workspace): `shared_bytes`.
-//   - Invariant, kept by `make_room`: after an insertion, entry bytes + shared bytes
+//   - Invariant 2 (README), kept by `make_room`: after an insertion, entry bytes + shared bytes
 //     <= budget and entry count <= max_entries.
 //   - An insertion that cannot fit even after evicting every unpinned entry is rejected
 //     and evicts nothing: a doomed insertion never costs the user entries they had.

@@ -21,7 +21,7 @@ import shapecache as sc
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
-# The README's rounding for compiled entries: inductor may reorder float sums.
+# Compiled entries round differently from eager (docs/backends.md): inductor may reorder float sums.
 CLOSE = {"rtol": 1e-4, "atol": 1e-5}
 
 

@@ -1,4 +1,4 @@
-"""What a compiled entry depends on, recorded into a ``_C.StateGuard`` when it is built and
+"""What a compiled entry depends on (invariant 5), recorded into a ``_C.StateGuard`` when it is built and
 checked in C++ before each of its calls (``csrc/cache/state_guard.h``).
 
 A compiled entry answers for the state it was built from. It depends on:
