@@ -1,6 +1,7 @@
 // _C._testing: what only tests use. The core's classes over plain values (the LRU over ints,
 // the pool lifecycle with Python callables for torch's calls), a call's key and crop, a
-// builder's handle outside a build, and fault injection into tuning.
+// builder's handle outside a build, the call modes a graph is recaptured under, one named
+// convolution algorithm run untuned, and fault injection into tuning.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -15,11 +16,14 @@
 #include <vector>
 
 #include "cache/build_handle.h"
+#include "cache/call_modes.h"
 #include "cache/call_key.h"
 #include "cache/shape_cache.h"
 #include "core/budgeted_lru.h"
 #include "core/pool_generations.h"
+#include "ops/conv2d.h"
 #include "ops/conv_tuner.h"
+#include "ops/workspace_arena.h"
 
 namespace py = pybind11;
 using namespace shapecache;
@@ -67,6 +71,13 @@ void bind_pool_generations(py::module_& m) {
           py::arg("device_end"), py::arg("device_release"), py::arg("host_end"), py::arg("host_release"))
       .def("graph_released", [](PoolGenerations& pool, PoolId id) { pool.graph_released(id); })
       .def_property_readonly("live_graphs", &PoolGenerations::live_graphs)
+      .def("ids",
+           [](const PoolGenerations& pool, bool in_use) {
+             py::list out;
+             for (const PoolId& id : pool.ids(in_use)) out.append(py::make_tuple(id.first, id.second));
+             return out;
+           },
+           py::arg("in_use"))
       .def_property_readonly("generations", [](const PoolGenerations& pool) {
         py::list out;
         for (const Generation& g : pool.generations()) {
@@ -184,6 +195,39 @@ void bind_testing(py::module_& m) {
         return BuildHandle(cache, device, /*run_call=*/false);
       },
       py::arg("cache"), py::arg("device"), "A BuildHandle on `device` of `cache`, as a builder gets one.");
+
+  // The modes a CUDA graph is recaptured under (call_modes.h), readable and usable on any device.
+  py::class_<CallModes>(m, "CallModes")
+      .def_static(
+          "of_this_thread", [](const std::string& device_type) { return CallModes::of_this_thread(c10::Device(device_type).type()); },
+          py::arg("device_type"))
+      .def_readonly("grad", &CallModes::grad)
+      .def_readonly("inference", &CallModes::inference)
+      .def_readonly("autocast", &CallModes::autocast)
+      .def_property_readonly("autocast_dtype",
+                             [](const CallModes& m) {
+                               return py::reinterpret_borrow<py::object>(
+                                   reinterpret_cast<PyObject*>(torch::getTHPDtype(m.autocast_dtype)));
+                             })
+      .def(
+          "run",
+          [](const CallModes& modes, const py::function& function) {
+            CallModesScope scope(modes);
+            return function();
+          },
+          py::arg("function"), "Calls `function()` under these modes; the thread's own come back after.");
+
+  m.def(
+      "conv2d_algorithm",
+      [](const std::string& algorithm, const at::Tensor& input, const at::Tensor& weight,
+         const std::optional<at::Tensor>& bias, std::vector<int64_t> stride, std::vector<int64_t> padding,
+         std::vector<int64_t> dilation, int64_t groups) {
+        return ConvTuner::instance().run_named(make_conv_args(input, weight, bias, stride, padding, dilation, groups),
+                                               algorithm);
+      },
+      py::arg("algorithm"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("stride"),
+      py::arg("padding"), py::arg("dilation"), py::arg("groups"), "Runs one named algorithm (no tuning).");
+  m.def("workspace_leases_on_this_thread", &WorkspaceArena::leases_on_this_thread);
 
   m.def("tuning_fail_candidate", [](std::string name) { ConvTuner::instance().fail_candidate_for_tests(std::move(name)); },
         "Fault injection for tests: tuning makes the named candidate fail ('' for none).");

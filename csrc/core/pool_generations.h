@@ -71,6 +71,11 @@ class PoolGenerations {
     int64_t graphs = 0;      // live graphs captured into it, a capture underway included
     bool recording = false;  // a capture into it is underway
     bool retired = false;    // its count returned to 0, or a capture into it failed: never begun again
+
+    // Graphs may still be captured into it or replayed from it, so its blocks are the cache's.
+    // Otherwise they are nobody's, and wait for the allocator's cache to be emptied. A retired
+    // generation is still in use while a graph captured before a failed capture lives in it.
+    bool in_use() const { return !retired || graphs > 0; }
   };
 
   // Runs one capture into the current generation (or a fresh one) and returns the id the
@@ -142,6 +147,16 @@ class PoolGenerations {
   // Every generation opened so far, oldest first (retired ones stay listed: the allocator may
   // still hold their blocks until it frees them).
   const std::vector<Generation>& generations() const { return generations_; }
+
+  // The ids of the generations in use (Generation::in_use), or of the others. The two lists
+  // together name every generation, each once.
+  std::vector<PoolId> ids(bool in_use) const {
+    std::vector<PoolId> out;
+    for (const Generation& g : generations_) {
+      if (g.in_use() == in_use) out.push_back(g.id);
+    }
+    return out;
+  }
 
   int64_t live_graphs() const {
     int64_t n = 0;

@@ -185,6 +185,17 @@ class PoolLifecycle(RuleBasedStateMachine):
         generations = self.pool.generations
         assert all(g["retired"] for g in generations[:-1])
 
+    @invariant()
+    def the_pool_figures_count_every_live_graphs_generation_and_no_idle_one(self):
+        # DeviceGraphs.pool_bytes charges the segments of ids(in_use=True): every generation a
+        # live graph replays from (a failed capture retires a generation that may still hold
+        # graphs) and the open one; the others' blocks wait for the allocator's cache to empty.
+        in_use, idle = self.pool.ids(True), self.pool.ids(False)
+        assert sorted(in_use + idle) == sorted(tuple(g["id"]) for g in self.pool.generations)
+        assert not set(in_use) & set(idle)
+        assert {tuple(graph.pool) for graph in self.live} <= set(in_use)
+        assert all(g["graphs"] == 0 and g["retired"] for g in self.pool.generations if tuple(g["id"]) in idle)
+
 
 TestPoolLifecycle = PoolLifecycle.TestCase
 TestPoolLifecycle.settings = settings(max_examples=300, stateful_step_count=30, deadline=None)

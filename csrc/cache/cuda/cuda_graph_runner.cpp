@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <map>
 #include <unordered_map>
 #include <unordered_set>
@@ -73,13 +74,13 @@ DeviceGraphs& DeviceGraphs::of(c10::DeviceIndex device) {
   return *graphs;
 }
 
-int64_t DeviceGraphs::pool_bytes() const {
-  const std::vector<PoolGenerations::Generation>& ours = generations.generations();
+int64_t DeviceGraphs::pool_bytes(bool in_use) const {
+  const std::vector<PoolId> ids = generations.ids(in_use);
   int64_t bytes = 0;
   for (const auto& segment : c10::cuda::CUDACachingAllocator::snapshot().segments) {
     if (segment.device != device) continue;
-    for (const auto& generation : ours) {
-      if (segment.owner_private_pool_id == generation.id) bytes += static_cast<int64_t>(segment.total_size);
+    if (std::find(ids.begin(), ids.end(), segment.owner_private_pool_id) != ids.end()) {
+      bytes += static_cast<int64_t>(segment.total_size);
     }
   }
   return bytes;
@@ -140,7 +141,10 @@ void CudaGraphRunner::capture_graph(const py::object& owner) {
   // The allocators' calls the clean-up of a failed capture needs (see pool_generations.h).
   const CaptureSteps steps{
       [] { return at::cuda::graph_pool_handle(); },
-      [raw](const PoolId& id) { raw->capture_begin(id); },
+      // Thread-local mode: another thread's CUDA calls (an eager model, an allocation) do not
+      // invalidate this capture, as they would in the default global mode; what must not run
+      // beside a capture of this device (its replays and captures) takes turns on its lock.
+      [raw](const PoolId& id) { raw->capture_begin(id, cudaStreamCaptureModeThreadLocal); },
       [&] { outputs = function_(*call_args, **static_kwargs_); },
       [raw] { raw->capture_end(); },
       [raw] { return raw->ended(); },
@@ -155,6 +159,11 @@ void CudaGraphRunner::capture_graph(const py::object& owner) {
     auto lock = lock_device(graphs);
     order_after(caller, graphs.stream, graphs.caller_done);
     c10::cuda::CUDAStreamGuard stream_guard(graphs.stream);
+    // cuBLAS and cuBLASLt keep a workspace per (this thread's handle, stream), allocated from
+    // the caching allocator the first time the pair is used: made now, outside the capture,
+    // rather than inside it, where it would land in the generation's pool for good.
+    at::cuda::getCurrentCUDABlasHandle();
+    at::cuda::getCUDABlasLtWorkspace();
     // On failure the allocators are clean and the error propagates; `graph` is destroyed on
     // the way out (counted as released only if its capture ended).
     const uint64_t leases_before = WorkspaceArena::leases_on_this_thread();
@@ -253,8 +262,9 @@ void bind_cuda_graphs(py::module_& m) {
         py::arg("kwargs"), py::arg("parameter_names"), py::arg("guard"),
         "Captures one call as a CUDA graph in its device's shared pool (warm the function up first).");
   m.def(
-      "cuda_graph_pool_bytes", [](c10::Device device) { return DeviceGraphs::of(device.index()).pool_bytes(); },
-      py::arg("device"));
+      "cuda_graph_pool_bytes",
+      [](c10::Device device, bool in_use) { return DeviceGraphs::of(device.index()).pool_bytes(in_use); },
+      py::arg("device"), py::arg("in_use") = true);
 }
 
 }  // namespace shapecache

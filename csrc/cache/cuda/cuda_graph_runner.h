@@ -49,9 +49,11 @@ namespace py = pybind11;
 struct DeviceGraphs {
   static DeviceGraphs& of(c10::DeviceIndex device);
 
-  // Bytes the allocator holds in this device's graph pool now, every generation's (a retired
-  // one holds blocks until the allocator's cache is emptied).
-  int64_t pool_bytes() const;
+  // Bytes the allocator holds now in the pools of this device's generations in use (what the
+  // graphs hold: the figure charged to the budget), or with in_use=false, of the others: a
+  // generation no graph uses holds its blocks until the allocator's cache is emptied
+  // (release_device_memory empties it after every rebuild and eviction).
+  int64_t pool_bytes(bool in_use = true) const;
 
   const c10::DeviceIndex device;
   PoolGenerations generations;   // guarded by `mutex`
