@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/bucket_policy.h"
+#include "cache/cache_figures.h"
 #include "cache/call_modes.h"
 #include "core/budgeted_lru.h"
 #include "core/pool_generations.h"
@@ -63,27 +64,6 @@ void bind_core(py::module_& m) {
 
 void bind_cache(py::module_& m) {
   py::register_exception<UnkeyableArgument>(m, "UnkeyableArgument", PyExc_TypeError);
-
-  // The modes a CUDA graph is recaptured under (call_modes.h), readable and usable on any device.
-  py::class_<CallModes>(m, "CallModes")
-      .def_static(
-          "of_this_thread", [](const std::string& device_type) { return CallModes::of_this_thread(c10::Device(device_type).type()); },
-          py::arg("device_type"))
-      .def_readonly("grad", &CallModes::grad)
-      .def_readonly("inference", &CallModes::inference)
-      .def_readonly("autocast", &CallModes::autocast)
-      .def_property_readonly("autocast_dtype",
-                             [](const CallModes& m) {
-                               return py::reinterpret_borrow<py::object>(
-                                   reinterpret_cast<PyObject*>(torch::getTHPDtype(m.autocast_dtype)));
-                             })
-      .def(
-          "run",
-          [](const CallModes& modes, const py::function& function) {
-            CallModesScope scope(modes);
-            return function();
-          },
-          py::arg("function"), "Calls `function()` under these modes; the thread's own come back after.");
 
   py::class_<ShapeCache, std::shared_ptr<ShapeCache>>(m, "ShapeCache")
       .def(py::init([](py::object budget_for_device, std::optional<int64_t> max_entries,
@@ -182,9 +162,13 @@ void bind_cache(py::module_& m) {
       },
       "The devices whose workers have builds waiting.");
   {
-    py::list names;
-    FunctionCounters{}.for_each([&](const char* name, int64_t) { names.append(name); });
-    m.attr("FUNCTION_COUNTERS") = py::tuple(names);
+    py::list counters, device_figures, entry_figures;
+    FunctionCounters{}.for_each([&](const char* name, int64_t) { counters.append(name); });
+    DeviceFigures{}.for_each([&](const char* name, int64_t, bool) { device_figures.append(name); });
+    EntryFigures{}.for_each([&](const char* name, const auto&) { entry_figures.append(name); });
+    m.attr("FUNCTION_COUNTERS") = py::tuple(counters);
+    m.attr("DEVICE_FIGURES") = py::tuple(device_figures);
+    m.attr("ENTRY_FIGURES") = py::tuple(entry_figures);
   }
 
   py::class_<EntryRunner, std::shared_ptr<EntryRunner>>(m, "EntryRunner")
@@ -262,16 +246,6 @@ void bind_tuning(py::module_& m) {
       },
       py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"), py::arg("dilation"),
       py::arg("groups"), "Times every algorithm for this problem and records the fastest that fits.");
-  m.def(
-      "conv2d_algorithm",
-      [](const std::string& algorithm, const at::Tensor& input, const at::Tensor& weight,
-         const std::optional<at::Tensor>& bias, std::vector<int64_t> stride, std::vector<int64_t> padding,
-         std::vector<int64_t> dilation, int64_t groups) {
-        return ConvTuner::instance().run_named(make_conv_args(input, weight, bias, stride, padding, dilation, groups),
-                                               algorithm);
-      },
-      py::arg("algorithm"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("stride"),
-      py::arg("padding"), py::arg("dilation"), py::arg("groups"), "Runs one named algorithm (no tuning).");
   m.def("tuning_load", [](const py::list& records) {
     std::vector<TuningRecord> parsed;
     for (py::handle r : records) parsed.push_back(record_from_dict(py::reinterpret_borrow<py::dict>(r)));
@@ -293,7 +267,6 @@ void bind_tuning(py::module_& m) {
     return d;
   });
   m.def("tuning_clear", [] { ConvTuner::instance().clear(); });
-  m.def("tuning_set_enabled", [](bool enabled) { ConvTuner::instance().set_enabled(enabled); });
   m.def("tuning_environment", [](c10::Device device) { return ConvTuner::instance().environment(device); });
   m.def("record_key", [](const py::dict& record) {  // the identity of a record's problem, for merging files
     const TuningRecord r = record_from_dict(record);
@@ -308,7 +281,6 @@ void bind_tuning(py::module_& m) {
     d["generation"] = arena.generation();
     return d;
   });
-  m.def("workspace_leases_on_this_thread", &WorkspaceArena::leases_on_this_thread);
   m.def(
       "set_workspace_cap",
       [](c10::Device device, std::optional<int64_t> bytes) {

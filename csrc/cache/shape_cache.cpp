@@ -1,6 +1,7 @@
 #include "cache/shape_cache.h"
 
 #include "cache/build_handle.h"
+#include "cache/cache_figures.h"
 
 #include <torch/csrc/Device.h>
 
@@ -143,20 +144,12 @@ std::vector<EntryLru::Evicted> ShapeCache::set_shared_bytes(const c10::Device& d
 
 namespace {
 
-// A device's figures and entries, copied out of the cache before any Python object is made.
-struct EntryFigures {
-  uint64_t id;
-  std::string bucket, backend;
-  int64_t bytes, hits;
-  double build_seconds, last_use;
-  bool pinned;
-};
-
-struct DeviceFigures {
+// A device's figures and its entries', copied out of the cache before any Python object is made.
+struct DeviceListing {
   std::string name;
-  int64_t budget, bytes, entry_bytes, pool_bytes, workspace_bytes, peak_bytes, entries, evictions, rejections,
-      pool_rebuilds;
-  std::vector<EntryFigures> listed;
+  int64_t budget;
+  DeviceFigures figures;
+  std::vector<EntryFigures> entries;
 };
 
 py::object bytes_or_none(int64_t bytes) {
@@ -166,71 +159,54 @@ py::object bytes_or_none(int64_t bytes) {
 }  // namespace
 
 py::dict ShapeCache::stats(std::optional<uint64_t> function_id) const {
-  std::vector<DeviceFigures> devices;
+  std::vector<DeviceListing> devices;
   devices.reserve(device_order_.size());
   for (const c10::Device& device : device_order_) {
     const DeviceCache& cache = devices_.at(device);
     const EntryLru& lru = *cache.lru;
     const LruCounters& c = lru.counters();
-    DeviceFigures f{device.str(), lru.budget_bytes(), lru.total_bytes(), lru.entry_bytes(), cache.shared.pool,
-                    cache.shared.workspace, c.peak_bytes, lru.size(), c.evictions, c.rejections, cache.pool_rebuilds,
-                    {}};
+    DeviceListing listing{device.str(), lru.budget_bytes(), {}, {}};
+    DeviceFigures& f = listing.figures;
+    f.bytes = lru.total_bytes();
+    f.entry_bytes = lru.entry_bytes();
+    f.pool_bytes = cache.shared.pool;
+    f.workspace_bytes = cache.shared.workspace;
+    f.peak_bytes = c.peak_bytes;
+    f.entries = static_cast<int64_t>(lru.size());
+    f.evictions = c.evictions;
+    f.rejections = c.rejections;
+    f.pool_rebuilds = cache.pool_rebuilds;
     lru.for_each([&](const ShapeKey&, const Entry& entry, int64_t bytes, int pins) {
       if (function_id && entry.function_id != *function_id) return;
-      f.listed.push_back(EntryFigures{entry.id, entry.bucket, entry.backend, bytes, entry.hits, entry.build_seconds,
-                                      entry.last_use, pins > 0});
+      listing.entries.push_back(EntryFigures{entry.id, entry.bucket, listing.name, entry.backend, bytes, entry.hits,
+                                             entry.build_seconds, entry.last_use, pins > 0});
     });
-    devices.push_back(std::move(f));
+    devices.push_back(std::move(listing));
   }
 
   // From here on Python objects are made; the cache is not read again.
-  int64_t entry_bytes = 0, pool_bytes = 0, workspace_bytes = 0, evictions = 0, rejections = 0, peak_bytes = 0,
-          pool_rebuilds = 0;
+  py::dict out;
+  DeviceFigures totals;
   py::list entries;
   py::dict per_device;
-  for (const DeviceFigures& f : devices) {
+  for (const DeviceListing& listing : devices) {
     py::dict figures;
-    figures["budget"] = bytes_or_none(f.budget);
-    figures["bytes"] = f.bytes;
-    figures["entry_bytes"] = f.entry_bytes;
-    figures["pool_bytes"] = f.pool_bytes;
-    figures["workspace_bytes"] = f.workspace_bytes;
-    figures["peak_bytes"] = f.peak_bytes;
-    figures["entries"] = f.entries;
-    figures["evictions"] = f.evictions;
-    figures["rejections"] = f.rejections;
-    figures["pool_rebuilds"] = f.pool_rebuilds;
-    per_device[py::str(f.name)] = figures;
-    entry_bytes += f.entry_bytes;
-    pool_bytes += f.pool_bytes;
-    workspace_bytes += f.workspace_bytes;
-    evictions += f.evictions;
-    rejections += f.rejections;
-    peak_bytes += f.peak_bytes;
-    pool_rebuilds += f.pool_rebuilds;
-    for (const EntryFigures& e : f.listed) {
+    figures["budget"] = bytes_or_none(listing.budget);
+    listing.figures.for_each([&](const char* name, int64_t value, bool) { figures[name] = value; });
+    per_device[py::str(listing.name)] = figures;
+#define SHAPECACHE_FIGURE_SUM(name, summed, what) \
+  if (summed) totals.name += listing.figures.name;
+    SHAPECACHE_DEVICE_FIGURES(SHAPECACHE_FIGURE_SUM)
+#undef SHAPECACHE_FIGURE_SUM
+    for (const EntryFigures& e : listing.entries) {
       py::dict d;
-      d["id"] = e.id;
-      d["bucket"] = e.bucket;
-      d["device"] = f.name;
-      d["backend"] = e.backend;
-      d["bytes"] = e.bytes;
-      d["hits"] = e.hits;
-      d["build_seconds"] = e.build_seconds;
-      d["last_use"] = e.last_use;
-      d["pinned"] = e.pinned;
+      e.for_each([&](const char* name, const auto& value) { d[name] = value; });
       entries.append(d);
     }
   }
-  py::dict out;
-  out["bytes"] = entry_bytes + pool_bytes + workspace_bytes;
-  out["entry_bytes"] = entry_bytes;
-  out["pool_bytes"] = pool_bytes;
-  out["workspace_bytes"] = workspace_bytes;
-  out["peak_bytes"] = peak_bytes;
-  out["evictions"] = evictions;
-  out["rejections"] = rejections;
-  out["pool_rebuilds"] = pool_rebuilds;
+  totals.for_each([&](const char* name, int64_t value, bool summed) {
+    if (summed) out[name] = value;
+  });
   out["max_entries"] = bytes_or_none(max_entries_);
   out["devices"] = per_device;
   out["entries"] = entries;

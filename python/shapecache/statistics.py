@@ -11,38 +11,43 @@ from typing import TypedDict
 
 
 class EntryStats(TypedDict):
-    """One compiled entry: one bucket of one cached function on one device."""
+    """One compiled entry: one bucket of one cached function on one device. The keys, in this
+    order and with what each is, are defined in ``csrc/cache/cache_figures.h``
+    (``_C.ENTRY_FIGURES``); a test checks that the two lists agree."""
 
-    id: int  # unique in the process
-    bucket: str  # the key, readable: argument shapes, dtypes, devices, values
+    id: int
+    bucket: str
     device: str
-    backend: str  # what built it: "eager", "compile", "cuda_graph", "compile+cuda_graph"
-    bytes: int  # device memory the entry holds, charged to the budget
-    hits: int  # calls served after the build
-    build_seconds: float  # wall time of the build, its first call included
-    last_use: float  # unix time of the last call
-    pinned: bool  # running now: never evicted while so
+    backend: str
+    bytes: int
+    hits: int
+    build_seconds: float
+    last_use: float
+    pinned: bool
 
 
 class DeviceStats(TypedDict):
-    """A cache's figures on one device."""
+    """A cache's figures on one device: its budget, then the figures defined, in this order and
+    with what each is, in ``csrc/cache/cache_figures.h`` (``_C.DEVICE_FIGURES``); a test
+    checks that the two lists agree."""
 
     budget: int | None  # bytes; None: no byte limit
-    bytes: int  # entry_bytes + pool_bytes + workspace_bytes
+    bytes: int
     entry_bytes: int
-    pool_bytes: int  # the device's CUDA graph pool
-    workspace_bytes: int  # the tuned convolutions' workspace arena
-    peak_bytes: int  # the highest `bytes` ever accounted
+    pool_bytes: int
+    workspace_bytes: int
+    peak_bytes: int
     entries: int
     evictions: int
-    rejections: int  # entries that could not fit and were not kept
-    pool_rebuilds: int  # times every graph of the device was captured again, largest first
+    rejections: int
+    pool_rebuilds: int
 
 
 class CacheStats(TypedDict):
-    """``sc.stats`` of a cached function or module. The counters (``calls`` to ``busy_misses``)
-    are defined, with what each counts, in ``csrc/cache/function_counters.h``
-    (``_C.FUNCTION_COUNTERS``); a test checks that the two lists agree."""
+    """``sc.stats`` of a cached function or module: the function's counters (``calls`` to
+    ``busy_misses``, defined in ``csrc/cache/function_counters.h``), then the device figures
+    summed over devices (``bytes`` to ``pool_rebuilds``, ``csrc/cache/cache_figures.h``). A
+    test checks that these lists agree with the C++ ones."""
 
     calls: int
     hits: int
@@ -55,14 +60,14 @@ class CacheStats(TypedDict):
     invalidations: int
     busy_misses: int
     pending_builds: int  # background builds of this function waiting or running now
-    evictions: int
-    rejections: int
-    pool_rebuilds: int
-    bytes: int  # entry_bytes + pool_bytes + workspace_bytes, over every device
+    bytes: int
     entry_bytes: int
     pool_bytes: int
     workspace_bytes: int
     peak_bytes: int
+    evictions: int
+    rejections: int
+    pool_rebuilds: int
     budget: int | None  # bytes on the device used first; None before the first call
     max_entries: int | None
     backend: str  # the backend asked for ("auto", "eager", ...); each entry says what built it

@@ -133,12 +133,20 @@ def test_stats_keys_are_the_typed_definition(conv_net):
     assert set(st["entries"][0]) == set(sc.EntryStats.__annotations__)
 
 
-def test_the_counters_are_defined_once_in_cpp_and_typed_in_the_same_order():
+def test_the_counters_and_figures_are_defined_once_in_cpp_and_typed_in_the_same_order(conv_net):
+    # A counter or figure added to one list only (C++ or the TypedDicts) fails here, and one
+    # added to both but left out of the dicts fails test_stats_keys_are_the_typed_definition.
     from shapecache._extension import _C
 
-    counters = list(_C.FUNCTION_COUNTERS)
+    counters, figures = list(_C.FUNCTION_COUNTERS), list(_C.DEVICE_FIGURES)
     assert counters[:2] == ["calls", "hits"] and len(counters) == len(set(counters))
-    assert list(sc.CacheStats.__annotations__)[:len(counters)] == counters
+    assert list(sc.DeviceStats.__annotations__) == ["budget", *figures]
+    assert list(sc.EntryStats.__annotations__) == list(_C.ENTRY_FIGURES)
+    sc.cached(conv_net, backend="eager")
+    conv_net(torch.ones(1, 3, 8, 8))
+    st = sc.stats(conv_net)
+    totals = [key for key in st if key in figures and isinstance(st[key], int)]  # summed over devices (entries: a list)
+    assert list(sc.CacheStats.__annotations__)[:len(counters) + 1 + len(totals)] == [*counters, "pending_builds", *totals]
 
 
 def test_pipeline_stats_keys_are_the_typed_definition():
@@ -150,3 +158,13 @@ def test_pipeline_stats_keys_are_the_typed_definition():
     assert set(st) == set(sc.PipelineStats.__annotations__) | set(sc.CacheStats.__annotations__)
     assert all(set(c) == set(sc.CacheStats.__annotations__) for c in st["components"].values())
     assert set(st["prewarmed"][0]) == {"size", "batch", "seconds", "bytes", "inductor_cache"}
+
+
+def test_every_test_module_that_imports_hypothesis_is_left_out_where_it_is_missing():
+    import re
+
+    tests = Path(__file__).parents[1]
+    importing = {str(p.relative_to(tests)) for p in tests.rglob("test_*.py")
+                 if re.search(r"^(from|import) hypothesis", p.read_text(), flags=re.MULTILINE)}
+    listed = set(re.findall(r'"([\w/]+\.py)"', (tests / "conftest.py").read_text()))
+    assert importing == listed
