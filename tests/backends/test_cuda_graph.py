@@ -2,7 +2,9 @@
 On a GPU (tests marked cuda): equality with eager, six image sizes under a budget, out of
 memory recovery, stale weights, device placement."""
 
+import gc
 import re
+import sys
 
 import pytest
 import torch
@@ -95,7 +97,7 @@ def test_pool_over_budget_counts_what_evictions_cannot_free():
 
 
 def sd15_unet(dtype):
-    from diffusers import UNet2DConditionModel
+    UNet2DConditionModel = pytest.importorskip("diffusers").UNet2DConditionModel
 
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -108,6 +110,22 @@ def unet_call(size, dtype, seed=0):
     return ((torch.randn(2, 4, h, w, device="cuda", dtype=dtype, generator=g), torch.tensor(500, device="cuda")),
             {"encoder_hidden_states": torch.randn(2, 77, 768, device="cuda", dtype=dtype, generator=g),
              "return_dict": False})
+
+
+@pytest.fixture(autouse=True)
+def released_graphs():
+    """Each test starts with no graph of an earlier one alive and the allocator's cache empty:
+    a failed test's graphs live on through sys.last_traceback, and would keep its pool
+    generation (and its figures) for the next test."""
+    yield
+    if not torch.cuda.is_available():
+        return
+    sys.last_type = sys.last_value = sys.last_traceback = None
+    if hasattr(sys, "last_exc"):
+        sys.last_exc = None
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
 
 @pytest.fixture
@@ -151,8 +169,9 @@ def test_service_sizes_under_a_budget_that_fits_fewer_graphs_than_sizes():
         probe(*unet_call(largest, dtype)[0], **unet_call(largest, dtype)[1])
         st = sc.stats(unet)
         one_graph = st["entries"][0]["bytes"]
-        shared = st["pool_bytes"] + st["workspace_bytes"]
+        shared = st["pool_bytes"] + st["workspace_bytes"]  # the live generation's pool alone
         sc.uncached(unet)
+        torch.cuda.empty_cache()
         budget = shared + int(2.5 * one_graph)  # the shared pool and two graphs of their own
         sc.cached(unet, backend="cuda_graph", budget=budget)
         for size in SERVICE_SIZES[::-1] + SERVICE_SIZES:
@@ -171,6 +190,7 @@ def test_a_pool_grown_smallest_first_past_the_budget_is_rebuilt_largest_first():
     sizes = sorted(SERVICE_SIZES, key=lambda s: s[0] * s[1])  # the order that grows the pool most
     largest = sizes[-1]
     with torch.no_grad():
+        torch.cuda.empty_cache()
         sc.cached(unet, backend="cuda_graph")
         expected = unet(*unet_call(largest, dtype)[0], **unet_call(largest, dtype)[1])[0].clone()
         alone = sc.stats(unet)
@@ -196,8 +216,9 @@ def test_out_of_memory_while_capturing_evicts_and_retries():
     dtype = torch.float16
     unet = sd15_unet(dtype)
     small, large = (512, 512), (1024, 1024)
+    total = torch.cuda.get_device_properties(0).total_memory
     with torch.no_grad():
-        # Measured, not guessed: the large bucket's peak built alone, and what the small one holds.
+        # Measured, not guessed: what building the large bucket alone adds to the reserved memory.
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         baseline = torch.cuda.memory_reserved()
@@ -205,18 +226,20 @@ def test_out_of_memory_while_capturing_evicts_and_retries():
         torch.cuda.reset_peak_memory_stats()
         unet(*unet_call(large, dtype)[0], **unet_call(large, dtype)[1])
         torch.cuda.synchronize()
-        large_alone = torch.cuda.max_memory_reserved()
+        large_needs = torch.cuda.max_memory_reserved() - baseline
         sc.uncached(unet)
+        gc.collect()
         torch.cuda.empty_cache()
         sc.cached(unet, backend="cuda_graph")
         unet(*unet_call(small, dtype)[0], **unet_call(small, dtype)[1])
         torch.cuda.synchronize()
         small_held = torch.cuda.memory_reserved() - baseline
-        total = torch.cuda.get_device_properties(0).total_memory
-        # Cap the allocator where the large bucket fits alone but not beside half of what the
-        # small one holds: it is built only once the small one is evicted and released.
-        cap = large_alone + small_held // 2
-        assert small_held > 0 and cap < total
+        # The shortage is made here, not hoped for: the cap leaves 70% of what the large build
+        # needs above what is reserved now. Even with every block of the small graph's pool
+        # reused, the first capture runs out of memory; evicting the small graph gives back
+        # what it held, and the build either fits then or the call runs uncached.
+        cap = torch.cuda.memory_reserved() + int(0.7 * large_needs)
+        assert small_held > 0 and small_held < 0.3 * large_needs and cap < total, (small_held, large_needs)
         torch.cuda.set_per_process_memory_fraction(cap / total)
         try:
             out = unet(*unet_call(large, dtype)[0], **unet_call(large, dtype)[1])[0]
@@ -224,7 +247,7 @@ def test_out_of_memory_while_capturing_evicts_and_retries():
             torch.cuda.set_per_process_memory_fraction(1.0)
     st = sc.stats(unet)
     assert torch.isfinite(out).all()
-    assert st["oom_retries"] + st["fallbacks"] >= 1  # recovered, by a rebuilt entry or an uncached call
+    assert st["oom_retries"] >= 1 and st["evictions"] >= 1  # the first capture did run out of memory
 
 
 @pytest.mark.cuda
@@ -334,6 +357,10 @@ def test_two_threads_call_one_graph_cached_module():
     for t in threads:
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads) and failures == []
+    # Every bucket was captured (a capture in global mode fails when the other thread calls
+    # CUDA meanwhile, and its bucket then runs eager, which the answers above would not show).
+    st = sc.stats(net)
+    assert sorted(e["backend"] for e in st["entries"]) == ["cuda_graph"] * 3 and st["fallbacks"] == 0
 
 
 @pytest.mark.cuda
@@ -372,7 +399,7 @@ def test_a_growing_workspace_leaves_graphs_without_tuned_convolutions_valid():
         hungriest = max((c for c in candidates if c["microseconds"] is not None), key=lambda c: c["workspace_bytes"])
         before = _C.workspace_stats(device)
         assert hungriest["workspace_bytes"] > before["bytes"], "no candidate needs more workspace than the arena holds"
-        _C.conv2d_algorithm(hungriest["algorithm"], *conv)
+        _C._testing.conv2d_algorithm(hungriest["algorithm"], *conv)
         assert _C.workspace_stats(device)["generation"] > before["generation"]
         torch.testing.assert_close(net(x), expected)
     st = sc.stats(net)
