@@ -73,11 +73,6 @@ class BudgetedLru {
     return &it->second->value;
   }
 
-  // The entry for `key`, or nullptr; neither counts nor reorders.
-  Value* peek(const Key& key) {
-    auto it = index_.find(key);
-    return it == index_.end() ? nullptr : &it->second->value;
-  }
   bool contains(const Key& key) const { return index_.count(key) != 0; }
 
   void pin(const Key& key) { ++node(key).pins; }

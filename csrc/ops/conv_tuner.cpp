@@ -118,11 +118,9 @@ at::Tensor ConvTuner::run(const ConvArgs& args) {
   const ConvProblem problem = problem_of(args);
   int slot = -1;
   int64_t workspace_bytes = 0;
-  bool enabled = false;
   bool verified = false;
   {
     std::lock_guard<std::mutex> guard(mutex_);
-    enabled = enabled_;
     if (const TuningRecord* record = table_.find(problem)) {
       slot = record->slot;
       workspace_bytes = record->workspace_bytes;
@@ -144,8 +142,8 @@ at::Tensor ConvTuner::run(const ConvArgs& args) {
     }
   }
   if (slot < 0) {
-    const bool tune_now = enabled && !(hooks.capturing && hooks.capturing(device));
-    if (!tune_now) return hooks.algorithms.front().run(args, at::Tensor());
+    // Tuning runs outside graph capture (it synchronises and times): a capture runs the default.
+    if (hooks.capturing && hooks.capturing(device)) return hooks.algorithms.front().run(args, at::Tensor());
     const TuningRecord record = tune(args).record;
     slot = record.slot;
     workspace_bytes = record.workspace_bytes;
@@ -278,11 +276,6 @@ void ConvTuner::clear() {
 void ConvTuner::fail_candidate_for_tests(std::string name) {
   std::lock_guard<std::mutex> guard(mutex_);
   failing_candidate_ = std::move(name);
-}
-
-void ConvTuner::set_enabled(bool enabled) {
-  std::lock_guard<std::mutex> guard(mutex_);
-  enabled_ = enabled;
 }
 
 }  // namespace shapecache

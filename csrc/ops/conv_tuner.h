@@ -97,7 +97,6 @@ class ConvTuner {
   TunerStats stats();
   void clear();  // forget every record (tests, and a corrupt file set aside)
 
-  void set_enabled(bool enabled);  // false: problems without a record run the default, untuned
   // Fault injection for tests: tuning makes the candidate of this name fail ("" for none).
   void fail_candidate_for_tests(std::string name);
 
@@ -107,7 +106,6 @@ class ConvTuner {
 
   std::mutex mutex_;  // guards everything below; held while tuning
   TuningTable table_;
-  bool enabled_ = true;
   std::string failing_candidate_;  // see fail_candidate_for_tests
 };
 

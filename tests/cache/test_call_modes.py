@@ -12,7 +12,7 @@ def test_a_recapture_runs_under_the_modes_recorded_at_build_whatever_the_trigger
     # modes recorded under no_grad and bfloat16 autocast come back inside `run` whatever the
     # calling thread has set, and the caller's come back after, also when the function raises.
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        recorded = _C.CallModes.of_this_thread("cpu")
+        recorded = _C._testing.CallModes.of_this_thread("cpu")
     assert (recorded.grad, recorded.inference, recorded.autocast, recorded.autocast_dtype) == \
         (False, False, True, torch.bfloat16)
     linear = torch.nn.Linear(4, 4)
@@ -34,6 +34,6 @@ def test_a_recapture_runs_under_the_modes_recorded_at_build_whatever_the_trigger
                 recorded.run(lambda: (_ for _ in ()).throw(ValueError("inside")))
             assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
     with torch.inference_mode():
-        inference = _C.CallModes.of_this_thread("cpu")
+        inference = _C._testing.CallModes.of_this_thread("cpu")
     assert (inference.grad, inference.inference) == (False, True)
     assert inference.run(lambda: torch.is_inference_mode_enabled() and not torch.is_grad_enabled())

@@ -44,7 +44,7 @@ def test_every_algorithm_and_the_tuned_op_match_f_conv2d(problem, dtype, channel
     expected = F.conv2d(x, w, b, stride, padding, dilation, groups)
     layout = torch.channels_last if channels_last else torch.contiguous_format
     for algorithm in ALGORITHMS:
-        out = _C.conv2d_algorithm(algorithm, x, w, b, stride, padding, dilation, groups)
+        out = _C._testing.conv2d_algorithm(algorithm, x, w, b, stride, padding, dilation, groups)
         torch.testing.assert_close(out, expected, **TOLERANCES[dtype], msg=lambda m: f"{algorithm}: {m}")
         assert out.is_contiguous(memory_format=layout), algorithm
     tuned = torch.ops.shapecache.conv2d(x, w, b, stride, padding, dilation, groups)
@@ -88,7 +88,7 @@ def test_bad_arguments_name_what_was_received():
     with pytest.raises(RuntimeError, match=r"bias should have shape \(2,\), got \[3\]"):
         torch.ops.shapecache.conv2d(x, torch.randn(2, 4, 3, 3), torch.randn(3), [1, 1], [0, 0], [1, 1], 1)
     with pytest.raises(RuntimeError, match=r"no algorithm 'winograd' on cpu; there are: aten aten_channels_last"):
-        _C.conv2d_algorithm("winograd", x, torch.randn(2, 4, 3, 3), None, [1, 1], [0, 0], [1, 1], 1)
+        _C._testing.conv2d_algorithm("winograd", x, torch.randn(2, 4, 3, 3), None, [1, 1], [0, 0], [1, 1], 1)
 
 
 def test_tuner_picks_the_measured_fastest_that_fits():
@@ -119,12 +119,12 @@ def test_leases_are_counted_per_thread_so_a_capture_knows_whether_its_kernels_to
     x, w = torch.randn(1, 8, 12, 12), torch.randn(4, 8, 3, 3)
 
     def leases_around(run):
-        before = _C.workspace_leases_on_this_thread()
+        before = _C._testing.workspace_leases_on_this_thread()
         run()
-        return _C.workspace_leases_on_this_thread() - before
+        return _C._testing.workspace_leases_on_this_thread() - before
 
     def im2col():
-        _C.conv2d_algorithm("im2col_gemm", x, w, None, [1, 1], [1, 1], [1, 1], 1)
+        _C._testing.conv2d_algorithm("im2col_gemm", x, w, None, [1, 1], [1, 1], [1, 1], 1)
 
     assert leases_around(im2col) == 1
     assert leases_around(lambda: F.conv2d(x, w, padding=1)) == 0  # no tuned convolution
@@ -152,7 +152,7 @@ def test_the_arena_only_grows_within_its_cap(workspace_cap):
         # A 1x1 convolution of one channel over a 1 x W image: im2col needs exactly 4 * W bytes.
         width = (start + extra_bytes) // 4
         x, w = torch.randn(1, 1, 1, width), torch.randn(2, 1, 1, 1)
-        out = _C.conv2d_algorithm("im2col_gemm", x, w, None, [1, 1], [0, 0], [1, 1], 1)
+        out = _C._testing.conv2d_algorithm("im2col_gemm", x, w, None, [1, 1], [0, 0], [1, 1], 1)
         torch.testing.assert_close(out, F.conv2d(x, w), rtol=1e-5, atol=1e-5)
         return _C.workspace_stats(CPU)
 
