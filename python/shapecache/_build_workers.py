@@ -58,8 +58,8 @@ def on_a_worker() -> bool:
 def _serve(device: torch.device, name: str) -> None:
     # A worker ends when its queue is empty: a thread that ran torch's CPU kernels keeps an
     # OpenMP thread pool of its own for as long as it lives, and with more pool threads than
-    # cores, OpenMP stops spinning between parallel regions, which made every compiled call of
-    # the serving threads half again slower after an idle moment.
+    # cores, OpenMP stops spinning between parallel regions, which slows every compiled call of
+    # the serving threads after an idle moment (docs/background-builds.md).
     ident = threading.get_ident()
     _worker_threads.add(ident)
     _lower_priority()
@@ -83,9 +83,9 @@ def _serve(device: torch.device, name: str) -> None:
 @contextlib.contextmanager
 def _objects_before_frozen():
     """Keeps the objects that exist before a build out of the garbage collector's full
-    collections until it ends. A full collection holds the GIL while it walks every object (a
-    quarter of a second with torch, inductor and a model loaded on these machines), and a build
-    makes several, its own and the automatic ones: each stopped the threads that serve. Frozen,
+    collections until it ends. A full collection holds the GIL while it walks every object
+    (with torch, inductor and a model loaded, long enough to be seen in a serving thread's
+    latency; docs/background-builds.md), and a build makes several, its own and the automatic ones: each stopped the threads that serve. Frozen,
     they walk the build's new objects only. Garbage from before waits for the end of the build.
     Left alone when someone else froze objects (a server that forks keeps them frozen)."""
     freeze = gc.get_freeze_count() == 0

@@ -14,7 +14,7 @@ run on fake tensors (sizes that depend on values, operators without a fake kerne
 guessed at: its calls that need padding run uncached, with one warning.
 Padding the batch dimension keeps each sample's values for models whose samples do not
 interact (any inference model without batch statistics), up to rounding: the larger batch may
-run other kernels, about 1e-7 relative in float32. Padding spatial dimensions changes outputs
+run other kernels (docs/buckets.md gives the tolerance). Padding spatial dimensions changes outputs
 near the border for convolutions and attention: use it only where that is acceptable.
 """
 

@@ -3,10 +3,10 @@
 Resident anonymous memory (Linux's RssAnon) is what a container's memory limit and the
 out-of-memory killer count: heap pages, tensors and Python objects that have been written to.
 Chosen over the C library's heap in use, which counts address space that was reserved but never
-touched: MKL packs each Linear weight of a frozen graph into a buffer 5 to 22 times the weight's
-size and writes about an eighth of it, so a UNet of 49 MiB of weights had frozen entries of
-about 520 MiB of heap and 81 to 96 MiB resident. Chosen over torch's CPU allocator statistics, which are off
-unless enabled and miss what inductor's compiled modules keep outside tensors. Files mapped
+touched (MKL packs each Linear weight of a frozen graph into a buffer several times the
+weight's size and writes a small part of it; docs/budgets.md has the figures). Chosen over
+torch's CPU allocator statistics, which are off unless enabled and miss what inductor's
+compiled modules keep outside tensors. Files mapped
 into memory (loaded libraries, compiled kernels) are not anonymous and are not counted.
 
 The figure is the process's, so two things are done to make it an entry's alone:
@@ -14,10 +14,8 @@ The figure is the process's, so two things are done to make it an entry's alone:
   (``return_free_memory``): what the build freed, and what entries evicted earlier freed, leave
   the figure. glibc otherwise keeps them resident: it raises its mmap threshold to the largest
   block freed, so after the first large frees, tensors come from the heap and their pages stay
-  on free. Measured on a 54 MiB conv net under a 160 MiB budget, 7 sizes: 754 MiB resident
-  without it, 560 MiB with it.
-- The compiler's one-time start-up (its modules, caches and runtime, 70 to 140 MiB resident)
-  happens before the first measured build, in a build of a small graph (exported.warm_up);
+  on free.
+- The compiler's one-time start-up (its modules, caches and runtime) happens before the first measured build, in a build of a small graph (exported.warm_up);
   otherwise the first entry of a process is charged it and may be taken for larger than the
   whole budget.
 Allocations by other threads during a build are still charged to it. Where /proc/self/status
