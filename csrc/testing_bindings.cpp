@@ -53,7 +53,7 @@ void bind_pool_generations(py::module_& m) {
           "capture",
           [](PoolGenerations& pool, py::function open_pool, py::function begin, py::function body, py::function end,
              py::function ended, py::function device_end, py::function device_release, py::function host_end,
-             py::function host_release) {
+             py::function host_release, py::function reset, bool reset_releases_failed_capture) {
             auto id_call = [](py::function f) { return [f](const PoolId& id) { f(py::make_tuple(id.first, id.second)); }; };
             CaptureSteps steps{
                 [open_pool] { return open_pool().cast<PoolId>(); },
@@ -63,12 +63,15 @@ void bind_pool_generations(py::module_& m) {
                 [ended] { return ended().cast<bool>(); },
                 PoolAllocatorCalls{id_call(device_end), id_call(device_release)},
                 PoolAllocatorCalls{id_call(host_end), id_call(host_release)},
+                [reset] { reset(); },
+                reset_releases_failed_capture,
             };
             const PoolId id = pool.capture(steps);
             return py::make_tuple(id.first, id.second);
           },
           py::arg("open_pool"), py::arg("begin"), py::arg("body"), py::arg("end"), py::arg("ended"),
-          py::arg("device_end"), py::arg("device_release"), py::arg("host_end"), py::arg("host_release"))
+          py::arg("device_end"), py::arg("device_release"), py::arg("host_end"), py::arg("host_release"),
+          py::arg("reset"), py::arg("reset_releases_failed_capture"))
       .def("graph_released", [](PoolGenerations& pool, PoolId id) { pool.graph_released(id); })
       .def_property_readonly("live_graphs", &PoolGenerations::live_graphs)
       .def("ids",

@@ -22,15 +22,21 @@
 //      host, then checks the graph. A throw leaves the steps before it done, and the graph
 //      then never releases the pool (reset() releases it only for a capture that ended).
 //   A7 A graph whose capture ended releases the pool on both allocators when destroyed.
+//   A8 Newer torch (2.14 on; torch's main since its #190348): reset(), which the destructor
+//      runs, also cleans up a capture that did not end, once both allocators' begins ran
+//      (A5): it ends recording where it still runs, then releases the pool on both. Before
+//      those begins ran it does nothing. On 2.11 to 2.13 reset() does nothing for such a
+//      capture.
 //
 // What follows, and what this class guarantees:
 //   G1 No generation is begun after its use count reached 0 (A1): a retired generation is
 //      never captured into again; a fresh id is opened instead.
 //   G2 No two captures record into one generation (A2): captures of a device are
 //      serialised by its caller; a capture into a recording generation is refused here.
-//   G3 A capture that fails is cleaned up on both allocators (A5, A6): recording is ended
-//      where it was begun, the reference taken is released where the graph will not
-//      release it, and the generation retires.
+//   G3 A capture that fails is cleaned up on both allocators (A5, A6, A8), once: recording
+//      is ended where it was begun, the reference taken is released where the graph will not
+//      release it, and the generation retires. Where reset() cleans up (A8) it runs first,
+//      and only what it left is ended and released here.
 //   G4 Every live graph's generation is counted: a generation retires only when its count
 //      of graphs (this class's view of the allocators' use count) returns to 0.
 #pragma once
@@ -62,6 +68,8 @@ struct CaptureSteps {
   std::function<bool()> ended;                   // whether the capture ended (the graph then releases the pool)
   PoolAllocatorCalls device;
   PoolAllocatorCalls host;
+  std::function<void()> reset;                   // CUDAGraph::reset(), run on a capture that did not end
+  bool reset_releases_failed_capture = false;    // A8: torch's reset() cleans up a capture that did not end
 };
 
 class PoolGenerations {
@@ -90,9 +98,8 @@ class PoolGenerations {
     try {
       steps.begin(id);
     } catch (...) {
-      for (const PoolAllocatorCalls* calls : {&steps.device, &steps.host}) {
-        if (try_call(calls->end_recording, id)) try_call(calls->release, id);
-      }
+      if (steps.reset_releases_failed_capture) try_reset(steps);
+      release_where_recording(steps, id);
       retire(find(id));
       throw;
     }
@@ -186,9 +193,15 @@ class PoolGenerations {
   // reference is released on both allocators (the graph will never release it), and the
   // generation retires.
   void abandon(const CaptureSteps& steps, const PoolId& id) {
-    for (const PoolAllocatorCalls* calls : {&steps.device, &steps.host}) {
-      try_call(calls->end_recording, id);
-      try_call(calls->release, id);
+    if (steps.reset_releases_failed_capture) {
+      // A8: reset() ends recording and releases on both (both begins ran: the capture began).
+      try_reset(steps);
+      release_where_recording(steps, id);
+    } else {
+      for (const PoolAllocatorCalls* calls : {&steps.device, &steps.host}) {
+        try_call(calls->end_recording, id);
+        try_call(calls->release, id);
+      }
     }
     Generation& generation = find(id);
     generation.recording = false;
@@ -197,6 +210,22 @@ class PoolGenerations {
   }
 
   static void retire(Generation& generation) { generation.retired = true; }
+
+  // Ends recording on each allocator where it still runs, and there releases the reference the
+  // begin took: an allocator whose begin never ran, or whose recording reset() ended (and
+  // released, A8), is left alone.
+  static void release_where_recording(const CaptureSteps& steps, const PoolId& id) {
+    for (const PoolAllocatorCalls* calls : {&steps.device, &steps.host}) {
+      if (try_call(calls->end_recording, id)) try_call(calls->release, id);
+    }
+  }
+
+  static void try_reset(const CaptureSteps& steps) {
+    try {
+      steps.reset();
+    } catch (...) {
+    }
+  }
 
   static bool try_call(const std::function<void(const PoolId&)>& call, const PoolId& id) {
     try {

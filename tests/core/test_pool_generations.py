@@ -3,7 +3,8 @@ torch's allocators.
 
 The model is what torch 2.11 to 2.13 do with a pool id, in c10/cuda/CUDACachingAllocator.cpp and
 the CachingHostAllocator (the same rules for both), and the order of the steps in
-ATen/cuda/CUDAGraph.cpp's capture_begin, capture_end and reset. Where torch asserts, the model
+ATen/cuda/CUDAGraph.cpp's capture_begin, capture_end and reset; and, as a second model, torch's
+newer reset() (main since its #190348), which also ends and releases a capture that failed. Where torch asserts, the model
 records a violation instead of aborting, and the test fails on it. Random sequences of captures
 (failing at any step), releases and rebuilds must never incref a dead pool, leave a pool
 recording, or lose count of a live graph.
@@ -64,13 +65,18 @@ STEPS = ("device_begin", "host_begin", "stream_begin", "body", "stream_end", "gr
 
 
 class GraphModel:
-    """torch's CUDAGraph: capture_begin, capture_end and reset, step by step, failing where told."""
+    """torch's CUDAGraph: capture_begin, capture_end and reset, step by step, failing where told.
+    With `reset_releases_failed_capture`, reset() is torch main's: once both allocators' begins
+    ran (allocated_pool_), it ends recording where it still runs and releases the pool, whether
+    or not the capture ended, and can be called again."""
 
-    def __init__(self, device, host, fail_at):
+    def __init__(self, device, host, fail_at, reset_releases_failed_capture=False):
         self.device, self.host, self.fail_at = device, host, fail_at
+        self.reset_releases_failed_capture = reset_releases_failed_capture
         self.pool = None
         self.ended = False
         self.destroyed = False
+        self.allocated_pool = self.capturing_to_pool = False  # torch main's flags
 
     def _step(self, name):
         if self.fail_at == name:
@@ -82,23 +88,36 @@ class GraphModel:
         self.device.begin(pool)
         self._step("host_begin")
         self.host.begin(pool)
+        self.allocated_pool = self.capturing_to_pool = True
         self._step("stream_begin")
 
     def capture_end(self):
         self._step("stream_end")
         self.device.end(self.pool)
         self.host.end(self.pool)
+        self.capturing_to_pool = False
         self._step("graph_check")
         self.ended = True
 
-    def reset(self):  # the destructor: releases only a capture that ended
-        if self.ended and not self.destroyed:
+    def reset(self):
+        if self.reset_releases_failed_capture:
+            if self.allocated_pool:
+                if self.capturing_to_pool:
+                    self.device.end(self.pool)
+                    self.host.end(self.pool)
+                    self.capturing_to_pool = False
+                self.device.release(self.pool)
+                self.host.release(self.pool)
+                self.allocated_pool = self.ended = False
+        elif self.ended and not self.destroyed:  # 2.11 to 2.13: releases only a capture that ended
             self.device.release(self.pool)
             self.host.release(self.pool)
         self.destroyed = True
 
 
 class PoolLifecycle(RuleBasedStateMachine):
+    RESET_RELEASES_FAILED_CAPTURE = False  # the torch modelled: 2.11 to 2.13
+
     def __init__(self):
         super().__init__()
         self.device = AllocatorModel("device")
@@ -112,7 +131,7 @@ class PoolLifecycle(RuleBasedStateMachine):
         return (0, self.next_id)
 
     def capture(self, fail_at):
-        graph = GraphModel(self.device, self.host, fail_at)
+        graph = GraphModel(self.device, self.host, fail_at, self.RESET_RELEASES_FAILED_CAPTURE)
 
         def body():
             if fail_at == "body":
@@ -122,6 +141,7 @@ class PoolLifecycle(RuleBasedStateMachine):
             pool = self.pool.capture(
                 self.open_pool, graph.capture_begin, body, graph.capture_end, lambda: graph.ended,
                 self.device.end, self.device.release, self.host.end, self.host.release,
+                graph.reset, self.RESET_RELEASES_FAILED_CAPTURE,
             )
         except Injected:
             assert fail_at is not None
@@ -201,6 +221,14 @@ TestPoolLifecycle = PoolLifecycle.TestCase
 TestPoolLifecycle.settings = settings(max_examples=300, stateful_step_count=30, deadline=None)
 
 
+class PoolLifecycleOnNewerTorch(PoolLifecycle):
+    RESET_RELEASES_FAILED_CAPTURE = True
+
+
+TestPoolLifecycleOnNewerTorch = PoolLifecycleOnNewerTorch.TestCase
+TestPoolLifecycleOnNewerTorch.settings = settings(max_examples=300, stateful_step_count=30, deadline=None)
+
+
 def test_capture_after_every_graph_is_released_opens_a_fresh_pool():
     machine = PoolLifecycle()
     machine.capture(None)
@@ -232,13 +260,14 @@ def test_a_second_capture_while_one_records_is_refused_before_touching_the_alloc
         try:
             machine.pool.capture(machine.open_pool, lambda pool: machine.device.begin(tuple(pool)), lambda: None,
                                  lambda: None, lambda: False, machine.device.end, machine.device.release,
-                                 machine.host.end, machine.host.release)
+                                 machine.host.end, machine.host.release, lambda: None, False)
         except RuntimeError as error:
             inner_error.append(str(error))
 
     graph = GraphModel(machine.device, machine.host, None)
     machine.pool.capture(machine.open_pool, graph.capture_begin, body, graph.capture_end, lambda: graph.ended,
-                         machine.device.end, machine.device.release, machine.host.end, machine.host.release)
+                         machine.device.end, machine.device.release, machine.host.end, machine.host.release,
+                         graph.reset, False)
     assert inner_error and "a capture is underway in this pool already" in inner_error[0]
     assert machine.device.use_count[graph.pool] == 1  # the refused capture took no reference
 
@@ -330,7 +359,7 @@ class GraphDevice:
         try:
             self.generations.capture(self.open_pool, graph.capture_begin, body, graph.capture_end,
                                      lambda: graph.ended, self.allocator.end, self.allocator.release,
-                                     self.host.end, self.host.release)
+                                     self.host.end, self.host.release, graph.reset, False)
         except BaseException:
             self.drop(graph)
             raise

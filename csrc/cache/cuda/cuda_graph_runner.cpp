@@ -3,8 +3,10 @@
 #include <ATen/core/CachingHostAllocator.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <map>
@@ -16,6 +18,11 @@
 
 namespace shapecache {
 namespace {
+
+// pool_generations.h, A8: from torch 2.14 on, CUDAGraph::reset() cleans up a capture that did
+// not end (ends recording, releases the pool); before, the caller must.
+constexpr bool kResetReleasesFailedCapture =
+    TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 14);
 
 // `later` waits, on the GPU, for what `earlier` has queued so far. `event` is one of the
 // device's two events; recording it again is safe once `block` has been queued, since a
@@ -56,14 +63,39 @@ py::object strong(const py::object& weak_or_none) {
 
 PoolGraph::~PoolGraph() {
   const bool ended = capture_ended_;
-  reset();  // releases the pool on both allocators when the capture ended (the base's destructor then does nothing)
-  if (ended) {
-    auto lock = lock_device(graphs_);
-    graphs_.generations.graph_released(mempool_id_);
+  auto lock = lock_device(graphs_);  // no capture or replay of the device meanwhile
+  try {
+    reset_keeping_workspaces();  // releases the pool when the capture ended (the base's destructor then does nothing)
+  } catch (const std::exception& e) {
+    TORCH_WARN("shapecache: cleaning up a CUDA graph failed: ", e.what());
   }
+  if (ended) graphs_.generations.graph_released(mempool_id_);
 }
 
-DeviceGraphs::DeviceGraphs(c10::DeviceIndex index) : device(index), stream(c10::cuda::getStreamFromPool(false, index)) {}
+void PoolGraph::reset_keeping_workspaces() {
+  // torch's reset() (2.13 on) also frees the cuBLAS workspaces kept for its capture stream,
+  // which is every graph's of the device, and which the live ones replay into. Pointed at a
+  // stream no work ever runs on, it frees none of them.
+  capture_stream_ = graphs_.idle_stream;
+  reset();
+}
+
+namespace {
+
+// A stream of shapecache's own: a pooled stream (getStreamFromPool) may be handed to other
+// code too, whose work would then be recorded into a capture. Never destroyed, like the
+// registry that holds it.
+c10::cuda::CUDAStream own_stream(c10::DeviceIndex device) {
+  c10::cuda::CUDAGuard guard(device);
+  cudaStream_t raw = nullptr;
+  C10_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));
+  return c10::cuda::getStreamFromExternal(raw, device);
+}
+
+}  // namespace
+
+DeviceGraphs::DeviceGraphs(c10::DeviceIndex index)
+    : device(index), stream(own_stream(index)), idle_stream(own_stream(index)) {}
 
 DeviceGraphs& DeviceGraphs::of(c10::DeviceIndex device) {
   static std::mutex registry_mutex;
@@ -154,6 +186,8 @@ void CudaGraphRunner::capture_graph(const py::object& owner) {
       PoolAllocatorCalls{
           [](const PoolId& id) { at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(id); },
           [](const PoolId& id) { at::getHostAllocator(at::kCUDA)->release_pool(id); }},
+      [raw] { raw->reset_keeping_workspaces(); },
+      kResetReleasesFailedCapture,
   };
   {
     auto lock = lock_device(graphs);

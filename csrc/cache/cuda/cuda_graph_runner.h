@@ -57,7 +57,8 @@ struct DeviceGraphs {
 
   const c10::DeviceIndex device;
   PoolGenerations generations;   // guarded by `mutex`
-  c10::cuda::CUDAStream stream;  // every capture and every replay of the device
+  c10::cuda::CUDAStream stream;       // every capture and every replay of the device; shapecache's own
+  c10::cuda::CUDAStream idle_stream;  // no work runs on it: what a destroyed graph names as its capture stream
   // One capture or replay at a time; guards the events and `generations` too. Recursive: the
   // function being captured may call another cached function of the device (which then fails
   // to replay inside a capture with an error, instead of waiting forever on this lock). Taken
@@ -71,13 +72,16 @@ struct DeviceGraphs {
 };
 
 // at::cuda::CUDAGraph that tells its device's pool generations when it is gone. Its
-// destructor releases the pool through reset() first (torch does so only for a capture that
-// ended: a failed one was cleaned up by PoolGenerations::capture, and is not counted).
+// destructor, under the device's lock, releases the pool through reset() first (torch does so
+// only for a capture that ended: a failed one was cleaned up by PoolGenerations::capture, and
+// is not counted).
 class PoolGraph final : public at::cuda::CUDAGraph {
  public:
   explicit PoolGraph(DeviceGraphs& graphs) : graphs_(graphs) {}
   ~PoolGraph();  // CUDAGraph's destructor is not virtual: a PoolGraph is only ever owned as one
   bool ended() const { return capture_ended_; }
+  // CUDAGraph::reset(), leaving the cuBLAS workspaces of the device's capture stream alone.
+  void reset_keeping_workspaces();
 
  private:
   DeviceGraphs& graphs_;
