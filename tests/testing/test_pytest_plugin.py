@@ -84,6 +84,58 @@ def test_vram_monitor_records_steps_and_checks_a_ceiling(pytester):
     pytester.runpytest().assert_outcomes(passed=1)
 
 
+def test_a_monitors_peak_counts_from_its_own_start_not_from_earlier_tests(pytester):
+    pytester.makepyfile(
+        """
+        import torch
+
+        def test_a_large_allocation_first():
+            block = torch.ones(512 * 2**20 // 4)  # 512 MiB, touched, then freed
+            del block
+
+        def test_a_small_loop_after_it(vram_monitor):
+            vram_monitor.record("start")
+            vram_monitor.assert_below("400MiB")  # this process's resident size before the first test, with room
+        """
+    )
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=2)
+
+
+def test_a_budget_of_none_is_a_usage_error(pytester):
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.memory_budget(None)
+        def test_capped():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert result.ret != 0
+    assert "memory_budget(budget=None): expected a budget" in result.stdout.str() + result.stderr.str()
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="the CPU cap applies where there is no GPU")
+def test_a_thread_that_cannot_start_under_the_cap_fails_as_out_of_budget(pytester):
+    pytester.makepyfile(
+        """
+        import threading
+
+        import pytest
+
+        @pytest.mark.memory_budget("32MiB", device="cpu")
+        def test_threads():
+            threads = [threading.Thread(target=threading.Event().wait, args=(1,)) for _ in range(16)]
+            for thread in threads:  # 8 MiB of stack each: the fifth cannot start
+                thread.start()
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*MemoryBudgetExceeded*32.0 MiB*device='cpu'*"])
+
+
 @pytest.mark.cuda
 def test_vram_budget_caps_and_restores(pytester):
     pytester.makepyfile(
@@ -160,7 +212,7 @@ def test_memory_budget_fails_a_test_that_outgrows_it_on_the_cpu_and_nothing_afte
     result.assert_outcomes(failed=2, passed=2)
     result.stdout.fnmatch_lines([
         "*MemoryBudgetExceeded: test_cap.py::test_capped ran out of its memory budget of 64.0 MiB on cpu, set by "
-        "@pytest.mark.memory_budget('64MiB') on test_cap.py::test_capped: RLIMIT_DATA soft limit * the data "
+        "@pytest.mark.memory_budget('64MiB', device='cpu') on test_cap.py::test_capped: RLIMIT_DATA soft limit * the data "
         "segment's * when the cap was set + 64.0 MiB; the allocation that failed: DefaultCPUAllocator: can't "
         "allocate memory*",
     ])

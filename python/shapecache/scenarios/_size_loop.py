@@ -19,7 +19,7 @@ set it, process-wide: Dynamo reads that flag when it traces, and only then treat
 constants (a per-call ``options={"freezing": True}`` reaches inductor after weights became
 graph inputs, and freezes nothing). shapecache gets it as a compile option of its own builds.
 
-Each size gets a record: build seconds (its first call), call seconds (its second call),
+Each size gets a record: build seconds (its first call), call seconds (the fastest of the calls after the first),
 allocated / reserved / peak bytes after it (shapecache.testing.memory), the cache's evictions and
 fallbacks (shapecache only), and the error that ended the loop, if any: like the reported
 processes, the loop stops at the first out-of-memory error.

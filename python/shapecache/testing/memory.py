@@ -2,7 +2,8 @@
 
 On CUDA: the caching allocator's allocated, reserved and peak-allocated bytes. On the CPU:
 the process's resident memory (allocated and reserved alike) and its peak resident size, so
-that the same tests and scenarios run, with real numbers, where there is no GPU.
+that the same tests and scenarios run, with real numbers, where there is no GPU. A monitor
+counts the peak from its own start (reset_peak), not from the process's.
 """
 
 from __future__ import annotations
@@ -34,8 +35,36 @@ def memory_figures(device) -> MemoryFigures:
     if device.type == "cpu":
         with open("/proc/self/statm") as f:
             resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        return MemoryFigures(resident, resident, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        return MemoryFigures(resident, resident, max(resident, _peak_resident()))
     raise ValueError(f"device={device!r}: memory figures are read on 'cuda' and 'cpu' devices")
+
+
+def reset_peak(device) -> bool:
+    """Starts the device's peak figure anew from what is held now; False where it cannot be
+    (the CPU's peak then stays the process's since its start)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:  # Linux: writing 5 to clear_refs resets the peak resident size (VmHWM) to the current one
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_resident() -> int:
+    """VmHWM, the peak resident size since the process started or reset_peak; ru_maxrss where
+    /proc cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class VramMonitor:
@@ -54,6 +83,7 @@ class VramMonitor:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        reset_peak(self.device)  # the peak of this monitor's steps, not of what ran before it
         self.steps: list[dict] = []
 
     def record(self, label=None) -> MemoryFigures:

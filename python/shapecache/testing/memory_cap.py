@@ -104,18 +104,22 @@ def cap_cuda_memory(budget: int, device) -> MemoryCap:
                      lambda: torch.cuda.set_per_process_memory_fraction(before, device))
 
 
+# What a failed allocation says where it is no MemoryError: torch's CPU allocator, Dynamo
+# wrapping std::bad_alloc, a thread whose stack cannot be mapped under the cap, oneDNN.
+_ALLOCATION_FAILURES = ("can't allocate memory", "MemoryError: std::bad_alloc", "can't start new thread",
+                        "could not create a primitive")
+
+
 def out_of_memory(error: BaseException | None) -> bool:
     """Whether `error` is a failed allocation: CUDA's OutOfMemoryError, Python's MemoryError, or
-    torch's CPU allocator failing (a RuntimeError from ``alloc_cpu.cpp``, "can't allocate memory"),
-    itself or as the cause of the error that wraps it (Dynamo raises a MemoryError from C++'s
+    a RuntimeError saying so (_ALLOCATION_FAILURES), itself or as the cause of the error that wraps it (Dynamo raises a MemoryError from C++'s
     std::bad_alloc as ``InternalTorchDynamoError: MemoryError: std::bad_alloc``)."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
             return True
-        if isinstance(error, RuntimeError) and ("can't allocate memory" in str(error) or
-                                                "MemoryError: std::bad_alloc" in str(error)):
+        if isinstance(error, RuntimeError) and any(text in str(error) for text in _ALLOCATION_FAILURES):
             return True
         error = error.__cause__ or error.__context__
     return False

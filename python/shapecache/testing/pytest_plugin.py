@@ -92,7 +92,11 @@ def _requested(item):
             raise pytest.UsageError(f"{item.nodeid}: {name}(budget, device=None) needs a budget")
         budget = marker.kwargs.get("budget", marker.args[0] if marker.args else None)
         device = marker.kwargs.get("device", marker.args[1] if len(marker.args) > 1 else None)
-        return budget, device or "any", name, f"@pytest.mark.{name}({budget!r}) on {node.nodeid}"
+        if budget is None:
+            raise pytest.UsageError(f"{item.nodeid}: {name}(budget=None): expected a budget such as '512MiB', "
+                                    "a number of bytes or a fraction of the device's memory")
+        spelled = f"{budget!r}" if device is None else f"{budget!r}, device={device!r}"
+        return budget, device or "any", name, f"@pytest.mark.{name}({spelled}) on {node.nodeid}"
     budget, source = _configured(item.config)
     return (budget, None, "vram_budget", source) if budget else None
 
