@@ -19,15 +19,44 @@ macro(append_cmake_prefix_path PKG EXPR)
   list(APPEND CMAKE_PREFIX_PATH "${_prefix}")
 endmacro()
 
-# find_cudnn(): sets CUDNN_INCLUDE_DIR and CUDNN_LIBRARY (-NOTFOUND when absent). Looks where
-# pip installs cuDNN for torch (the nvidia-cudnn-cu* package), then CUDNN_ROOT, then the toolkit.
-function(find_cudnn)
+# find_cuda_paths(CUDA_VERSION): sets CUDA_PATHS_<KEY> for each KEY that cmake/cuda_paths.py
+# prints (INCLUDE_DIRS, CUDART, CUDNN_INCLUDE_DIR, CUDNN_LIBRARY, MISSING, SEARCHED).
+function(find_cuda_paths CUDA_VERSION)
   execute_process(
-    COMMAND "${Python_EXECUTABLE}" -c "import nvidia.cudnn as m; print(list(m.__path__)[0], end='')"
-    OUTPUT_VARIABLE pip_cudnn
-    ERROR_QUIET)
-  find_path(CUDNN_INCLUDE_DIR cudnn.h
-    HINTS "${pip_cudnn}/include" "$ENV{CUDNN_ROOT}/include" ${CUDAToolkit_INCLUDE_DIRS})
-  find_library(CUDNN_LIBRARY NAMES cudnn libcudnn.so.9
-    HINTS "${pip_cudnn}/lib" "$ENV{CUDNN_ROOT}/lib" "$ENV{CUDNN_ROOT}/lib64" ${CUDAToolkit_LIBRARY_DIR})
+    COMMAND "${Python_EXECUTABLE}" "${PROJECT_SOURCE_DIR}/cmake/cuda_paths.py" --cuda-version "${CUDA_VERSION}"
+    OUTPUT_VARIABLE lines
+    ERROR_VARIABLE stderr
+    RESULT_VARIABLE status)
+  if(NOT status EQUAL 0)
+    message(FATAL_ERROR "cmake/cuda_paths.py failed: ${stderr}")
+  endif()
+  string(REPLACE "\n" ";" lines "${lines}")
+  foreach(line IN LISTS lines)
+    if(line MATCHES "^([A-Z_]+)=(.*)$")
+      string(REPLACE "|" ";" value "${CMAKE_MATCH_2}")
+      set(CUDA_PATHS_${CMAKE_MATCH_1} "${value}" PARENT_SCOPE)
+    endif()
+  endforeach()
 endfunction()
+
+# torch_from_python(WITH_CUDA): sets TORCH_LIBRARIES and TORCH_PYTHON_LIBRARY, and adds torch's
+# include folders and ABI flag, from what the installed torch reports (torch.utils.cpp_extension);
+# with WITH_CUDA, torch's CUDA libraries too.
+macro(torch_from_python WITH_CUDA)
+  run_python(_torch_includes "';'.join(__import__('torch.utils.cpp_extension').utils.cpp_extension.include_paths())"
+             "Failed to query torch's include folders")
+  run_python(_torch_lib "__import__('os').path.join(__import__('torch').__path__[0], 'lib')" "Failed to locate torch")
+  run_python(_torch_abi "int(__import__('torch').compiled_with_cxx11_abi())" "Failed to query torch's ABI")
+  include_directories(SYSTEM ${_torch_includes})
+  add_compile_definitions(_GLIBCXX_USE_CXX11_ABI=${_torch_abi})
+  set(_torch_names c10 torch torch_cpu)
+  if(${WITH_CUDA})
+    list(APPEND _torch_names c10_cuda torch_cuda)
+  endif()
+  set(TORCH_LIBRARIES "")
+  foreach(_name IN LISTS _torch_names)
+    find_library(_torch_library_${_name} ${_name} PATHS "${_torch_lib}" REQUIRED NO_DEFAULT_PATH)
+    list(APPEND TORCH_LIBRARIES "${_torch_library_${_name}}")
+  endforeach()
+  find_library(TORCH_PYTHON_LIBRARY torch_python PATHS "${_torch_lib}" REQUIRED NO_DEFAULT_PATH)
+endmacro()
