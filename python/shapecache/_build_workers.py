@@ -85,7 +85,8 @@ def _objects_before_frozen():
     """Keeps the objects that exist before a build out of the garbage collector's full
     collections until it ends. A full collection holds the GIL while it walks every object
     (with torch, inductor and a model loaded, long enough to be seen in a serving thread's
-    latency; docs/background-builds.md), and a build makes several, its own and the automatic ones: each stopped the threads that serve. Frozen,
+    latency; docs/background-builds.md), and a build makes several, its own and the automatic
+    ones: each stopped the threads that serve. Frozen,
     they walk the build's new objects only. Garbage from before waits for the end of the build.
     Left alone when someone else froze objects (a server that forks keeps them frozen)."""
     freeze = gc.get_freeze_count() == 0

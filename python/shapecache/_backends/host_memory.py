@@ -15,7 +15,8 @@ The figure is the process's, so two things are done to make it an entry's alone:
   the figure. glibc otherwise keeps them resident: it raises its mmap threshold to the largest
   block freed, so after the first large frees, tensors come from the heap and their pages stay
   on free.
-- The compiler's one-time start-up (its modules, caches and runtime) happens before the first measured build, in a build of a small graph (exported.warm_up);
+- The compiler's one-time start-up (its modules, caches and runtime) happens before the first
+  measured build, in a build of a small graph (exported.warm_up);
   otherwise the first entry of a process is charged it and may be taken for larger than the
   whole budget.
 Allocations by other threads during a build are still charged to it. Where /proc/self/status

@@ -112,7 +112,8 @@ _ALLOCATION_FAILURES = ("can't allocate memory", "MemoryError: std::bad_alloc", 
 
 def out_of_memory(error: BaseException | None) -> bool:
     """Whether `error` is a failed allocation: CUDA's OutOfMemoryError, Python's MemoryError, or
-    a RuntimeError saying so (_ALLOCATION_FAILURES), itself or as the cause of the error that wraps it (Dynamo raises a MemoryError from C++'s
+    a RuntimeError saying so (_ALLOCATION_FAILURES), itself or as the cause of the error that
+    wraps it (Dynamo raises a MemoryError from C++'s
     std::bad_alloc as ``InternalTorchDynamoError: MemoryError: std::bad_alloc``)."""
     seen = set()
     while error is not None and id(error) not in seen:
