@@ -1,11 +1,11 @@
 """Where the CUDA headers and libraries that shapecache builds against are.
 
 shapecache compiles no .cu file, so it needs no CUDA compiler: only the headers that ATen's
-CUDA headers include (the runtime's with its crt/ folder, cuBLAS's, cuBLASLt's, cuSPARSE's,
-cuSOLVER's), the CUDA runtime library, and optionally cuDNN. torch's CUDA build depends on
-packages holding all of them but crt/: from CUDA 13 on that is nvidia-cuda-crt (before, part
-of nvidia-cuda-nvcc-cu12), a package of headers that a machine without a toolkit installs
-beside torch. Each is looked for in a CUDA toolkit of torch's CUDA
+CUDA headers include (the runtime's with its crt/ folder, CCCL's nv/target, cuBLAS's,
+cuBLASLt's, cuSPARSE's, cuSOLVER's), the CUDA runtime library, and optionally cuDNN. torch's
+CUDA build depends on packages holding all of them but crt/ and nv/target: from CUDA 13 on
+those are nvidia-cuda-crt and nvidia-cuda-cccl, packages of headers that a machine without a
+toolkit installs beside torch (the build's warning names them). Each is looked for in a CUDA toolkit of torch's CUDA
 major version first (CUDAToolkit_ROOT, CUDA_HOME, CUDA_PATH, nvcc's, /usr/local/cuda), then
 in the nvidia-* packages that torch's CUDA build depends on (pip installs them as
 site-packages/nvidia/<name>/{include,lib}), so that a machine with a driver and torch, and
@@ -27,12 +27,14 @@ import shutil
 import sys
 from pathlib import Path
 
-REQUIRED_HEADERS = ("cuda_runtime_api.h", "crt/host_config.h", "cublas_v2.h", "cublasLt.h", "cusparse.h", "cusolverDn.h")
+REQUIRED_HEADERS = ("cuda_runtime_api.h", "crt/host_config.h", "nv/target", "cublas_v2.h", "cublasLt.h", "cusparse.h",
+                    "cusolverDn.h")
 
 # The pip package that supplies each required file, by CUDA major version ({minor}: torch's).
 PACKAGES = {
     "cuda_runtime_api.h": {12: "nvidia-cuda-runtime-cu12==12.{minor}.*", 13: "nvidia-cuda-runtime==13.{minor}.*"},
     "crt/host_config.h": {12: "nvidia-cuda-nvcc-cu12==12.{minor}.*", 13: "nvidia-cuda-crt==13.{minor}.*"},
+    "nv/target": {12: "nvidia-cuda-cccl-cu12==12.{minor}.*", 13: "nvidia-cuda-cccl==13.{minor}.*"},
     "cublas_v2.h": {12: "nvidia-cublas-cu12", 13: "nvidia-cublas"},
     "cublasLt.h": {12: "nvidia-cublas-cu12", 13: "nvidia-cublas"},
     "cusparse.h": {12: "nvidia-cusparse-cu12", 13: "nvidia-cusparse"},

@@ -4,8 +4,8 @@
 # after torch. By default any CUDA toolkit is hidden (a private mount namespace, as root) so
 # that the CUDA code must build from torch's own nvidia-* packages, as on a machine with a
 # driver and no toolkit; --with-toolkit leaves it visible. It builds twice: first with torch's
-# packages alone, where the CUDA runtime's crt/ headers are missing, which must give a CPU-only
-# build and a warning naming the package to install; then with that package.
+# packages alone, where CUDA 13's crt/ and CCCL headers are missing, which must give a CPU-only
+# build and a warning naming the packages to install; then with those packages.
 #
 #   scripts/check_cuda_build.sh [--with-toolkit] [--wheels DIR] [--venv DIR]
 #
@@ -71,9 +71,10 @@ log="$(mktemp)"
 pip install --no-build-isolation --no-deps -v -C build-dir="$(mktemp -d)" "$root" > "$log" 2>&1 || { tail -n 60 "$log"; exit 1; }
 grep -E -A4 "CMake Warning" "$log" | sed 's/^ *//' | grep -v '^$' || true
 python -c "import shapecache._build_info as i; assert not i.WITH_CUDA; print('WITH_CUDA:', i.WITH_CUDA)"
-# CUDA 13's runtime headers include crt/, which is a package of its own (cmake/cuda_paths.py).
-step "installing the CUDA C runtime headers: nvidia-cuda-crt==$cuda.*"
-pip install -q ${wheels:+--find-links "$wheels"} "nvidia-cuda-crt==$cuda.*"
+# What the warning named (cmake/cuda_paths.py): on CUDA 13, the crt/ and CCCL headers.
+mapfile -t needed < <(python "$root/cmake/cuda_paths.py" --cuda-version "$cuda" | sed -n 's/^INSTALL=//p' | tr '|' '\n' | grep .)
+step "installing what it named: ${needed[*]}"
+pip install -q ${wheels:+--find-links "$wheels"} "${needed[@]}"
 step "building shapecache (--no-build-isolation)"
 log="$(mktemp)"
 if ! pip install --no-build-isolation --no-deps -v -C build-dir="$(mktemp -d)" "$root" > "$log" 2>&1; then

@@ -5,7 +5,7 @@ cuDNN in nvidia/cudnn)."""
 import importlib.util
 from pathlib import Path
 
-HEADERS = ("cuda_runtime_api.h", "crt/host_config.h", "cublas_v2.h", "cublasLt.h", "cusparse.h", "cusolverDn.h")
+HEADERS = ("cuda_runtime_api.h", "crt/host_config.h", "nv/target", "cublas_v2.h", "cublasLt.h", "cusparse.h", "cusolverDn.h")
 
 
 def load():
@@ -65,17 +65,19 @@ def test_what_is_missing_is_named_with_the_packages_that_supply_it(tmp_path):
     cuda_paths = load()
     runtime_only = tree(tmp_path / "nvidia" / "cuda_runtime", ["cuda_runtime_api.h"], [])
     found = cuda_paths.locate("12.8", [], [runtime_only])
-    assert found["MISSING"] == ["crt/host_config.h", "cublas_v2.h", "cublasLt.h", "cusparse.h", "cusolverDn.h", "libcudart.so"]
-    assert found["INSTALL"] == ["nvidia-cuda-nvcc-cu12==12.8.*", "nvidia-cublas-cu12", "nvidia-cusparse-cu12",
-                                "nvidia-cusolver-cu12", "nvidia-cuda-runtime-cu12==12.8.*"]
+    assert found["MISSING"] == ["crt/host_config.h", "nv/target", "cublas_v2.h", "cublasLt.h", "cusparse.h", "cusolverDn.h",
+                                "libcudart.so"]
+    assert found["INSTALL"] == ["nvidia-cuda-nvcc-cu12==12.8.*", "nvidia-cuda-cccl-cu12==12.8.*", "nvidia-cublas-cu12",
+                                "nvidia-cusparse-cu12", "nvidia-cusolver-cu12", "nvidia-cuda-runtime-cu12==12.8.*"]
 
 
-def test_torchs_cuda_13_packages_lack_only_the_crt_headers(tmp_path):
-    # torch 2.13+cu130's dependencies, as installed: everything but crt/, which nvidia-cuda-crt holds.
+def test_torchs_cuda_13_packages_lack_only_the_crt_and_cccl_headers(tmp_path):
+    # torch 2.13+cu130's dependencies, as installed: everything but crt/ and nv/target.
     cuda_paths = load()
-    cu13 = tree(tmp_path / "nvidia" / "cu13", [h for h in HEADERS if not h.startswith("crt/")], ["libcudart.so.13"])
+    cu13 = tree(tmp_path / "nvidia" / "cu13", [h for h in HEADERS if not h.startswith(("crt/", "nv/"))], ["libcudart.so.13"])
     found = cuda_paths.locate("13.0", [], [cu13])
-    assert (found["MISSING"], found["INSTALL"]) == (["crt/host_config.h"], ["nvidia-cuda-crt==13.0.*"])
+    assert found["MISSING"] == ["crt/host_config.h", "nv/target"]
+    assert found["INSTALL"] == ["nvidia-cuda-crt==13.0.*", "nvidia-cuda-cccl==13.0.*"]
 
 
 def test_the_command_prints_what_cmake_reads(tmp_path):
