@@ -40,7 +40,7 @@ void order_after(const c10::cuda::CUDAStream& earlier, const c10::cuda::CUDAStre
 std::unique_lock<std::recursive_mutex> lock_device(DeviceGraphs& graphs) {
   std::unique_lock<std::recursive_mutex> lock(graphs.mutex, std::defer_lock);
   if (lock.try_lock()) return lock;
-  if (PyGILState_Check()) {
+  if (Py_IsInitialized() && PyGILState_Check()) {
     py::gil_scoped_release released;
     lock.lock();
   } else {
@@ -65,7 +65,13 @@ PoolGraph::~PoolGraph() {
   const bool ended = capture_ended_;
   auto lock = lock_device(graphs_);  // no capture or replay of the device meanwhile
   try {
-    reset_keeping_workspaces();  // releases the pool when the capture ended (the base's destructor then does nothing)
+    // Releases the pool when the capture ended (the base's destructor then does nothing). A
+    // capture that did not end keeps its own stream: newer torch's reset() ends it there.
+    if (ended) {
+      reset_keeping_workspaces();
+    } else {
+      reset();
+    }
   } catch (const std::exception& e) {
     TORCH_WARN("shapecache: cleaning up a CUDA graph failed: ", e.what());
   }
@@ -186,7 +192,7 @@ void CudaGraphRunner::capture_graph(const py::object& owner) {
       PoolAllocatorCalls{
           [](const PoolId& id) { at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(id); },
           [](const PoolId& id) { at::getHostAllocator(at::kCUDA)->release_pool(id); }},
-      [raw] { raw->reset_keeping_workspaces(); },
+      [raw] { raw->reset(); },  // a capture that did not end: newer torch ends it on its stream (A8)
       kResetReleasesFailedCapture,
   };
   {
