@@ -42,6 +42,12 @@ void bind_testing(py::module_& m);
 
 namespace {
 
+py::list device_list(const std::vector<c10::Device>& devices) {
+  py::list list;
+  for (const c10::Device& d : devices) list.append(py::reinterpret_steal<py::object>(THPDevice_New(d)));
+  return list;
+}
+
 void bind_core(py::module_& m) {
   py::class_<BucketPolicy>(m, "BucketPolicy")
       .def_static("exact", &BucketPolicy::exact)
@@ -144,23 +150,18 @@ void bind_cache(py::module_& m) {
       .def("count_pool_rebuild", &BuildHandle::count_pool_rebuild);
 
   m.def("run_next_build", [](c10::Device device) { return BuildQueue::instance().run_next(device); },
-        py::arg("device"), "Runs the oldest background build queued for `device`; False when none waits.");
+        py::arg("device"), "Runs the oldest ready background build queued for `device`; False when none is ready.");
   m.def("pending_builds", [] { return BuildQueue::instance().pending(); },
         "Background builds waiting or running, on every device.");
   m.def("cancel_all_builds", [] { return BuildQueue::instance().cancel_all().size(); },
         "Drops every waiting background build (at interpreter exit); the running ones end as they do.");
   m.def("forget_parents_builds", [] { return BuildQueue::instance().forget_parents_builds().size(); },
         "In a forked child: drops the builds its parent had queued or was running.");
-  m.def(
-      "devices_with_waiting_builds",
-      [] {
-        py::list devices;
-        for (const c10::Device& d : BuildQueue::instance().waiting_devices()) {
-          devices.append(py::reinterpret_steal<py::object>(THPDevice_New(d)));
-        }
-        return devices;
-      },
-      "The devices whose workers have builds waiting.");
+  m.def("devices_with_ready_builds", [] { return device_list(BuildQueue::instance().ready_devices()); },
+        "The devices whose workers have builds that may start.");
+  m.def("make_all_builds_ready", [] { return device_list(BuildQueue::instance().make_all_ready()); },
+        "Lets every waiting build start, also those whose calls have not returned (sc.wait); "
+        "returns the devices with builds waiting.");
   {
     py::list counters, device_figures, entry_figures;
     FunctionCounters{}.for_each([&](const char* name, int64_t) { counters.append(name); });

@@ -1,5 +1,7 @@
 #include "cache/build_queue.h"
 
+#include <algorithm>
+
 #include "cache/shape_cache.h"
 #include "cache/shape_dispatcher.h"
 
@@ -29,9 +31,11 @@ bool BuildQueue::push(BuildJob job) {
 
 bool BuildQueue::run_next(const c10::Device& device) {
   auto found = waiting_.find(device);
-  if (found == waiting_.end() || found->second.empty()) return false;
-  BuildJob job = std::move(found->second.front());
-  found->second.pop_front();
+  if (found == waiting_.end()) return false;
+  auto next = std::find_if(found->second.begin(), found->second.end(), [](const BuildJob& j) { return j.ready; });
+  if (next == found->second.end()) return false;
+  BuildJob job = std::move(*next);
+  found->second.erase(next);
   running_[device] = Running{job.function_id, job.key, job.dispatcher.cast<ShapeDispatcher&>().cache()};
   // Cleared on every way out; the job's objects are released after, still with the GIL.
   struct Ended {
@@ -75,10 +79,27 @@ std::vector<BuildJob> BuildQueue::cancel(uint64_t function_id, const c10::Device
   return cancelled;
 }
 
-std::vector<c10::Device> BuildQueue::waiting_devices() const {
+void BuildQueue::make_ready(uint64_t function_id, const c10::Device& device, const ShapeKey& key) {
+  auto found = waiting_.find(device);
+  if (found == waiting_.end()) return;
+  for (BuildJob& job : found->second) {
+    if (job.function_id == function_id && job.key == key) job.ready = true;
+  }
+}
+
+std::vector<c10::Device> BuildQueue::make_all_ready() {
+  std::vector<c10::Device> devices;
+  for (auto& [device, jobs] : waiting_) {
+    for (BuildJob& job : jobs) job.ready = true;
+    if (!jobs.empty()) devices.push_back(device);
+  }
+  return devices;
+}
+
+std::vector<c10::Device> BuildQueue::ready_devices() const {
   std::vector<c10::Device> devices;
   for (const auto& [device, jobs] : waiting_) {
-    if (!jobs.empty()) devices.push_back(device);
+    if (std::any_of(jobs.begin(), jobs.end(), [](const BuildJob& j) { return j.ready; })) devices.push_back(device);
   }
   return devices;
 }

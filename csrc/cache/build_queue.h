@@ -46,6 +46,10 @@ struct BuildJob {
   // The caller's grad, inference and autocast modes, which the key holds: the build runs
   // under them on the worker's thread, whose own modes are its defaults.
   CallModes modes;
+  // Whether a worker may start it: once the call that queued it has returned (or at once, for
+  // queue_build). Started while its call runs, the build would compete with that call for the
+  // cores, and would read state the call has not finished updating (BatchNorm's statistics).
+  bool ready = false;
 };
 
 class BuildQueue {
@@ -60,8 +64,14 @@ class BuildQueue {
   // False (and nothing queued) when the device's queue is full.
   bool push(BuildJob job);
 
-  // Runs the oldest job of `device` (ShapeDispatcher::run_background_build); false when none waits.
+  // Runs the oldest ready job of `device` (ShapeDispatcher::run_background_build); false when
+  // none is ready.
   bool run_next(const c10::Device& device);
+
+  // The call that queued a bucket's job has returned: the job may start.
+  void make_ready(uint64_t function_id, const c10::Device& device, const ShapeKey& key);
+  // Every waiting job may start (sc.wait asks for them now); returns the devices with jobs.
+  std::vector<c10::Device> make_all_ready();
 
   // Removes the waiting jobs of a function and returns them (the caller ends their build marks).
   std::vector<BuildJob> cancel(uint64_t function_id);
@@ -70,8 +80,8 @@ class BuildQueue {
   // Removes every waiting job (at interpreter exit).
   std::vector<BuildJob> cancel_all();
 
-  // Devices with jobs waiting.
-  std::vector<c10::Device> waiting_devices() const;
+  // Devices with ready jobs waiting.
+  std::vector<c10::Device> ready_devices() const;
 
   // Builds of a function waiting or running.
   int64_t pending(uint64_t function_id) const;

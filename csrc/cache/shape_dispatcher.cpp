@@ -274,19 +274,20 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
     out = call_python(function_.ptr(), call_args.ptr(), call_kwargs);
   } else if (builds_in_background(key.device)) {
     // The build is queued for the device's worker (unless it is queued or running already);
-    // this call, and the bucket's calls until the entry is in, run uncached. The worker is
-    // woken when this call has returned, so that the build does not compete with the call
-    // that asked for it.
-    switch (queue(key, call_args, call_kwargs)) {
+    // this call, and the bucket's calls until the entry is in, run uncached. The job is ready
+    // once this call has returned (BuildJob::ready): a worker busy with other builds does not
+    // start it while the call that asked for it runs.
+    switch (queue(key, call_args, call_kwargs, /*ready=*/false)) {
       case Queued::kQueued:
         ++counters_.misses;
         try {
           out = call_python(function_.ptr(), call_args.ptr(), call_kwargs);
-        } catch (py::error_already_set&) {
+        } catch (...) {
           // A call that fails by itself builds nothing, as inline (its own error propagates).
           auto cancelled = BuildQueue::instance().cancel(id_, key.device, key.key);
           throw;
         }
+        BuildQueue::instance().make_ready(id_, key.device, key.key);
         cache_->wake_build_worker(key.device);
         break;
       case Queued::kBusy:
@@ -465,7 +466,8 @@ bool ShapeDispatcher::builds_in_background(const c10::Device& device) {
   return background;
 }
 
-ShapeDispatcher::Queued ShapeDispatcher::queue(const CallKey& key, const py::tuple& call_args, PyObject* call_kwargs) {
+ShapeDispatcher::Queued ShapeDispatcher::queue(const CallKey& key, const py::tuple& call_args, PyObject* call_kwargs,
+                                               bool ready) {
   if (!cache_->begin_build(key.device, key.key)) return Queued::kBusy;
   BuildJob job;
   job.dispatcher = py::cast(this, py::return_value_policy::reference);
@@ -476,11 +478,12 @@ ShapeDispatcher::Queued ShapeDispatcher::queue(const CallKey& key, const py::tup
   job.kwargs = copy_containers(py::reinterpret_borrow<py::dict>(call_kwargs)).cast<py::dict>();
   job.generation = generation_;
   job.modes = CallModes::of_this_thread(key.device.type());
+  job.ready = ready;
   if (!BuildQueue::instance().push(std::move(job))) {
     cache_->end_build(key.device, key.key);
     return Queued::kFull;
   }
-  return Queued::kQueued;  // the caller wakes the worker
+  return Queued::kQueued;  // the caller wakes the worker once the job is ready
 }
 
 bool ShapeDispatcher::queue_build(const py::args& args, const py::kwargs& kwargs) {
@@ -496,7 +499,9 @@ bool ShapeDispatcher::queue_build(const py::args& args, const py::kwargs& kwargs
     auto stale = lru.erase(key.key);
   }
   py::tuple call_args = with_owner(self, key.padded ? key.args : static_cast<const py::tuple&>(args));
-  if (queue(key, call_args, key.padded ? key.kwargs.ptr() : kwargs.ptr()) != Queued::kQueued) return false;
+  if (queue(key, call_args, key.padded ? key.kwargs.ptr() : kwargs.ptr(), /*ready=*/true) != Queued::kQueued) {
+    return false;
+  }
   cache_->wake_build_worker(key.device);  // no call counts it: it is not a miss of a call
   return true;
 }

@@ -101,7 +101,7 @@ class ShapeDispatcher {
   bool builds_in_background(const c10::Device& device);
   // Marks the bucket as building and queues its build (the caller wakes the worker).
   enum class Queued { kQueued, kBusy, kFull };  // queued; being built already; the queue is full
-  Queued queue(const CallKey& key, const py::tuple& call_args, PyObject* call_kwargs);
+  Queued queue(const CallKey& key, const py::tuple& call_args, PyObject* call_kwargs, bool ready);
   // After an entry's first run when its builder did not run the call (a background build):
   // if that run changed what the entry reads, the bucket runs uncached from now on.
   void check_after_first_run(const CallKey& key);

@@ -73,7 +73,7 @@ def _serve(device: torch.device, name: str) -> None:
                 sys.excepthook(*sys.exc_info())
                 continue
             with _lock:  # a build queued from here on starts another worker
-                if _C.devices_with_waiting_builds().count(device) == 0:
+                if _C.devices_with_ready_builds().count(device) == 0:
                     _leaving[name] = True
                     return
     finally:
@@ -114,9 +114,9 @@ def wait(dispatchers, timeout: float | None) -> bool:
     False when `timeout` seconds passed first."""
     if on_a_worker():
         raise RuntimeError("shapecache.wait was called from a background build, which would wait for itself")
-    # A build queued by a call that has not returned yet (this wait may be inside it) waits for
-    # a wake that comes when that call returns: wake its worker now.
-    for device in _C.devices_with_waiting_builds():
+    # A build queued by a call that has not returned yet (this wait may be inside it) is ready
+    # when that call returns: it is asked for now.
+    for device in _C.make_all_builds_ready():
         wake(device)
     deadline = None if timeout is None else time.monotonic() + timeout
     while any(d.pending_builds for d in dispatchers):

@@ -6,6 +6,7 @@ compiler that takes minutes; one builds with the real compile backend.
 """
 
 import threading
+import time
 import warnings
 
 import pytest
@@ -328,6 +329,28 @@ def test_wait_inside_the_call_that_queued_the_build_returns_when_it_is_built():
     f = background(function, builder)
     f(torch.ones(1))
     assert results == [True]
+
+
+def test_a_busy_worker_does_not_start_a_build_while_the_call_that_queued_it_runs():
+    builder = GatedBuilder(Counted())
+    builder.gate.clear()
+    built_during_the_call = []
+
+    def function(x):
+        if x.shape[0] == 2:  # the worker is busy with size 1: free it, and give it time to look
+            builder.gate.set()
+            deadline = time.monotonic() + 0.5
+            while time.monotonic() < deadline and builder.sizes != [1, 2]:
+                time.sleep(0.01)
+            built_during_the_call.append(list(builder.sizes))
+        return x * 2
+
+    f = background(function, builder)
+    f(torch.ones(1))
+    assert builder.started.wait(WAIT)  # size 1 is building, held at the gate
+    f(torch.ones(2))
+    assert built_during_the_call == [[1]]  # size 2's build waited for its call to return
+    assert wait(f) and builder.sizes == [1, 2]
 
 
 def test_an_entry_whose_first_run_updates_what_it_reads_is_given_up_not_rebuilt_per_call():
