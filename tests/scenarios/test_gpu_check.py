@@ -3,6 +3,7 @@ process groups, the report. (The real steps need a CUDA device.)"""
 
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -63,7 +64,9 @@ def test_a_finished_step_leaves_nothing_running_and_the_total_limit_holds(tmp_pa
     steps = [_gpu_check.Step("leaves a child", (sys.executable, "-c", leaves_and_exits, str(pid_file)), 30),
              _gpu_check.Step("sleeps", (sys.executable, "-c", "import time; time.sleep(60)"), 30),
              _gpu_check.Step("no time left", (sys.executable, "-c", "print('never')"), 30)]
-    report = _gpu_check.run_steps(steps, tmp_path, {}, total_seconds=4)
+    started = time.monotonic()
+    report = _gpu_check.run_steps(steps, tmp_path, {}, total_seconds=4 + _gpu_check.STOP_SECONDS)
+    assert time.monotonic() - started < 4 + _gpu_check.STOP_SECONDS
     assert wait_gone(int(pid_file.read_text()))
     assert [s["status"] for s in report["steps"]][0] == 0
     assert report["steps"][1]["status"].startswith("timed out after")
@@ -72,9 +75,31 @@ def test_a_finished_step_leaves_nothing_running_and_the_total_limit_holds(tmp_pa
 
 def test_the_plan_fits_ten_minutes_and_compiles_only_when_asked(tmp_path):
     steps = _gpu_check.plan(tmp_path)
-    assert sum(s.seconds for s in steps) <= _gpu_check.TOTAL_SECONDS
+    startup = 30  # importing torch and finding the device
+    assert sum(s.seconds + _gpu_check.STOP_SECONDS for s in steps) + startup <= _gpu_check.TOTAL_SECONDS
     compiling = ("reduce_overhead", "shapecache_compile", "compile_dynamic", "torch_compile", "shapecache_tuned")
     assert not [s.name for s in steps if any(c in " ".join(s.command) for c in compiling)]
     with_compile = " ".join(" ".join(s.command) for s in _gpu_check.plan(tmp_path, with_compile=True))
     assert all(c in with_compile for c in compiling)
     assert all(str(tmp_path) in " ".join(s.command) for s in steps[1:])
+
+
+RUNS_A_LONG_STEP = """
+import signal, sys
+from pathlib import Path
+from shapecache.scenarios import _gpu_check
+signal.signal(signal.SIGTERM, _gpu_check._exit_on_sigterm)  # as run() sets it
+step = _gpu_check.Step("long", (sys.executable, "-c", sys.argv[2], sys.argv[1] + "/child.pid"), 60)
+_gpu_check.run_steps([step], Path(sys.argv[1]), {})
+"""
+
+
+def test_sigterm_to_the_check_stops_the_running_step_and_its_children(tmp_path):
+    check = subprocess.Popen([sys.executable, "-c", RUNS_A_LONG_STEP, str(tmp_path), LEAVES_A_CHILD])
+    pid_file = tmp_path / "child.pid"
+    end = time.monotonic() + 30
+    while time.monotonic() < end and not (pid_file.exists() and pid_file.read_text()):
+        time.sleep(0.05)
+    check.terminate()
+    assert check.wait(timeout=30) == 128 + 15
+    assert wait_gone(int(pid_file.read_text())), "the running step's child outlived the check"

@@ -291,7 +291,33 @@ int64_t CudaGraphRunner::static_input_bytes() const {
   return bytes;
 }
 
+namespace {
+
+// A device's capture and replay lock, held by Python code that must not run beside a capture:
+// a device-wide synchronisation, torch.cuda.mem_get_info's figures taken around one, or
+// empty_cache's cudaFree (which synchronises the device) on another thread would wait on, or
+// break, a capture in progress. Entered and exited on one thread, as `with` does.
+class DeviceLockScope {
+ public:
+  explicit DeviceLockScope(c10::Device device) : graphs_(DeviceGraphs::of(device.index())) {}
+  void enter() { lock_ = lock_device(graphs_); }
+  void exit() {
+    if (lock_.owns_lock()) lock_.unlock();
+  }
+
+ private:
+  DeviceGraphs& graphs_;
+  std::unique_lock<std::recursive_mutex> lock_;
+};
+
+}  // namespace
+
 void bind_cuda_graphs(py::module_& m) {
+  py::class_<DeviceLockScope>(m, "cuda_device_lock",
+                              "with _C.cuda_device_lock(device): no capture or replay of the device runs meanwhile.")
+      .def(py::init<c10::Device>(), py::arg("device"))
+      .def("__enter__", &DeviceLockScope::enter)
+      .def("__exit__", [](DeviceLockScope& scope, const py::args&) { scope.exit(); });
   py::class_<CudaGraphRunner, EntryRunner, std::shared_ptr<CudaGraphRunner>>(m, "CudaGraphRunner")
       .def_property_readonly("static_input_bytes", &CudaGraphRunner::static_input_bytes)
       .def_property_readonly("captured", &CudaGraphRunner::captured)

@@ -19,6 +19,7 @@ go, and captures them all again, largest first, under the budget rule.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import warnings
 
@@ -41,13 +42,20 @@ def release_device_memory(handle) -> None:
 
         return_free_memory()
     if device.type == "cuda":
-        with torch.cuda.device(device):
+        with device_lock(device), torch.cuda.device(device):
             torch.cuda.empty_cache()
-        host_empty_cache = getattr(torch._C, "_host_emptyCache", None)  # CUDA builds of torch have it
-        if host_empty_cache is not None:
-            host_empty_cache()
+            host_empty_cache = getattr(torch._C, "_host_emptyCache", None)  # CUDA builds of torch have it
+            if host_empty_cache is not None:
+                host_empty_cache()
         if _C.has_cuda_graphs:
             charge_shared_bytes(handle)
+
+
+def device_lock(device):
+    """The device's capture and replay lock (_C.cuda_device_lock), for what must not run beside
+    another thread's capture: synchronising the device, or freeing its memory (cudaFree
+    synchronises). No lock is needed where the build has no CUDA graphs."""
+    return _C.cuda_device_lock(device) if _C.has_cuda_graphs else contextlib.nullcontext()
 
 
 def charge_shared_bytes(handle) -> None:
@@ -61,13 +69,17 @@ def measured_capture(capture, handle) -> tuple:
     """Runs `capture() -> runner`; returns (runner, the entry's own bytes) and charges the
     pool as it is afterwards through `handle`."""
     device = handle.device
-    torch.cuda.synchronize(device)
-    free_before, _ = torch.cuda.mem_get_info(device)
-    reserved_before = torch.cuda.memory_reserved(device)
-    runner = capture()
-    torch.cuda.synchronize(device)
-    free_after, _ = torch.cuda.mem_get_info(device)
-    reserved_after = torch.cuda.memory_reserved(device)
+    # Under the device's lock from the first figure to the last: another thread's capture or
+    # replay between them would be counted as this one's (and a synchronisation beside a
+    # capture breaks it). The lock is recursive: capture() takes it again.
+    with device_lock(device):
+        torch.cuda.synchronize(device)
+        free_before, _ = torch.cuda.mem_get_info(device)
+        reserved_before = torch.cuda.memory_reserved(device)
+        runner = capture()
+        torch.cuda.synchronize(device)
+        free_after, _ = torch.cuda.mem_get_info(device)
+        reserved_after = torch.cuda.memory_reserved(device)
     unseen = max(0, (free_before - free_after) - (reserved_after - reserved_before))
     charge_shared_bytes(handle)
     return runner, runner.static_input_bytes + unseen

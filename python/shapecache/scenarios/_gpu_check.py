@@ -6,13 +6,15 @@ Steps (``plan``), each in a process group of its own under a time limit: the tes
 that forces a rebuild, the pool's peak against the largest size alone); the comparison with
 eager and per-size graphs; the SDXL-architecture out-of-memory loop. Strategies that compile a
 full-size UNet with inductor (cold compiles of minutes each) run only with
-``--with-compile``. Without it the limits add up to TOTAL_SECONDS, each about twice the step's
-expected time on one H100.
+``--with-compile``. Without it the whole check, from the command's start to its report, ends
+within TOTAL_SECONDS: the steps' limits (each about twice the step's expected time on one
+H100) and the time to stop each step's group add up to less.
 
 A step that runs past its limit is stopped with its whole process group (the benchmarks' own
 children included), and so is anything a finished step left running: nothing holds the GPU
-after its step. The report, Markdown and JSON (each step's exit status, time and the end of
-its output), is rewritten after every step, so it exists whatever stops the check.
+after its step. SIGTERM to the check itself stops the running step's group the same way. The
+report, Markdown and JSON (each step's exit status, time and the end of its output), is
+rewritten after every step, so it exists whatever stops the check.
 Without a CUDA device it says so and exits with status 1.
 """
 
@@ -30,6 +32,7 @@ from pathlib import Path
 
 TOTAL_SECONDS = 600
 GRACE_SECONDS = 5  # between SIGTERM and SIGKILL for a step's process group
+STOP_SECONDS = 2 * GRACE_SECONDS  # the longest a step's group takes to stop (stop_group)
 OUTPUT_TAIL = 4000
 
 
@@ -51,14 +54,14 @@ def plan(out: Path, with_compile: bool = False) -> list[Step]:
         compared += ",reduce_overhead,compile_dynamic,shapecache_compile,shapecache_tuned"
         repro += ",torch_compile"
     steps = [
-        Step("cuda tests", (python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"), 180),
+        Step("cuda tests", (python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"), 160),
         Step("graph memory", (python, "benchmarks/cuda_graph_memory.py", "--calls", "5", "--strategies",
-                              graph_strategies, "--json", f"{out}/cuda_graph_memory.json"), 150),
+                              graph_strategies, "--json", f"{out}/cuda_graph_memory.json"), 130),
         Step("comparison", (python, "benchmarks/comparison.py", "--models", "sd15", "--calls", "5", "--strategies",
-                            compared, "--json", f"{out}/comparison.json"), 120),
+                            compared, "--json", f"{out}/comparison.json"), 105),
         Step("sdxl out-of-memory loop", (python, "-m", "shapecache", "repro", "--model", "sdxl", "--budget", "24GiB",
                                          "--strategies", repro, "--json", f"{out}/repro_sdxl.json",
-                                         "--plot", f"{out}/repro_sdxl.png"), 150),
+                                         "--plot", f"{out}/repro_sdxl.png"), 135),
     ]
     if with_compile:  # cold inductor compiles of full-size UNets: minutes per strategy
         steps = [Step(s.name, s.command, s.seconds * 4) for s in steps]
@@ -72,6 +75,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    started = time.monotonic()
     import torch
 
     if not torch.cuda.is_available():
@@ -84,19 +88,30 @@ def run(args) -> int:
     out = Path(args.out)
     header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     steps = plan(out, args.with_compile)
-    total = sum(s.seconds for s in steps)
-    report = run_steps(steps, out, header, total_seconds=total)
+    total = TOTAL_SECONDS if not args.with_compile else sum(s.seconds + STOP_SECONDS for s in steps)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        report = run_steps(steps, out, header, total_seconds=total - (time.monotonic() - started))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0 if all(s["status"] == 0 for s in report["steps"]) else 1
 
 
+def _exit_on_sigterm(signum, frame):
+    # Unwinds through run_step's `finally`, which stops the running step's group.
+    raise SystemExit(128 + signum)
+
+
 def run_steps(steps: list[Step], out: Path, header: dict, total_seconds: float = TOTAL_SECONDS) -> dict:
-    """Runs `steps` in order, each within its limit and what is left of `total_seconds`; writes
-    the report after each. A step the total leaves no time for is reported as not run."""
+    """Runs `steps` in order; writes the report after each. Each step runs within its limit and
+    within what is left of `total_seconds` once the time to stop its group is kept aside, so the
+    whole ends within `total_seconds`. A step the total leaves no time for is reported as not
+    run."""
     out.mkdir(parents=True, exist_ok=True)
     report = {**header, "steps": []}
     deadline = time.monotonic() + total_seconds
     for step in steps:
-        left = deadline - time.monotonic()
+        left = deadline - time.monotonic() - STOP_SECONDS
         if left <= 1:
             report["steps"].append({"step": step.name, "command": " ".join(step.command), "status": "not run",
                                     "seconds": 0.0, "limit": step.seconds,
