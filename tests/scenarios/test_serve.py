@@ -116,6 +116,7 @@ def test_gpu_check_without_a_gpu_says_so_and_exits_1(capsys):
     (["demo", "--device", "cpu"], ("res-convnet", "160MiB", True)),
     (["repro", "--device", "cpu", "--no-freezing", "--budget", "1GiB"], ("res-convnet", "1GiB", False)),
     (["repro", "--device", "cpu", "--model", "tiny-sd"], ("tiny-sd", None, False)),
+    (["repro", "--device", "cpu", "--model", "sdxl"], ("sdxl", "24GiB", False)),
 ])
 def test_repro_has_the_demos_defaults(argv, expected):
     from shapecache.scenarios import _repro

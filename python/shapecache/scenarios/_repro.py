@@ -2,7 +2,9 @@
 and one picture. ``python -m shapecache demo`` is the same command, which also exits with 1 when
 the run did not show that the per-size graphs outgrow the limit while shapecache completes.
 Their defaults are the same: on the CPU, a residual conv net with 54 MiB of weights compiled
-with inductor's freezing under a budget of 160 MiB; on CUDA, the tiny pipeline.
+with inductor's freezing under a budget of 160 MiB; on CUDA, an SDXL-architecture UNet (random
+weights, fp16) at five sizes from 1024x1024 to 1536x1536 under a budget of 24 GiB, or 60% of
+the device's memory where that is less.
 
 Each strategy runs the size loop (shapecache.scenarios) in a process of its own, so that one
 strategy's memory does not count against the next, under the same memory cap
@@ -26,7 +28,7 @@ import sys
 
 import torch
 
-from shapecache.budget import format_bytes, parse_budget
+from shapecache.budget import device_memory_bytes, format_bytes, parse_budget
 from shapecache.scenarios import _arguments
 from shapecache.scenarios._models import MODELS, build_model, model_inputs
 from shapecache.scenarios._size_loop import parse_sizes, size_loop
@@ -40,11 +42,15 @@ from shapecache.testing.memory_cap import CapUnavailable, cap_cuda_memory, cap_d
 LIMIT_SLACK = 128 << 20
 CALL_REPEATS = 3
 
-DEFAULT_MODEL = {"cpu": "res-convnet", "cuda": "tiny-sd"}
-# The budget and freezing a model gets when the command line names none: on the CPU each
-# per-size graph of a frozen model keeps its own copy of the weights, so the per-size
-# strategies outgrow the budget within a few sizes while shapecache stays under it.
-MODEL_DEFAULTS = {"res-convnet": {"budget": "160MiB", "freezing": True}}
+DEFAULT_MODEL = {"cpu": "res-convnet", "cuda": "sdxl"}
+# The budget and freezing a model gets when the command line names none, chosen so that the
+# per-size strategies outgrow the budget within a few sizes while shapecache stays under it:
+# on the CPU each per-size graph of a frozen model keeps its own copy of the weights; on CUDA
+# each per-size graph keeps a pool of its own as large as its size needs.
+MODEL_DEFAULTS = {"res-convnet": {"budget": "160MiB", "freezing": True}, "sdxl": {"budget": "24GiB"}}
+# A default budget on CUDA is at most this share of the device's memory: the cap must leave
+# room for the CUDA context and for other processes' memory.
+DEVICE_SHARE = 0.6
 
 DEFAULT_SIZES = {"tiny-sd": "32x32,32x48,48x32,48x64,64x64",
                  "res-convnet": "64x64,64x96,96x96,96x128,128x128,128x160,160x160,160x192,192x192",
@@ -54,13 +60,13 @@ DEFAULT_SIZES = {"tiny-sd": "32x32,32x48,48x32,48x64,64x64",
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=MODELS, default=None,
-                        help="(default: res-convnet on the CPU, tiny-sd on CUDA)")
+                        help="(default: res-convnet on the CPU, sdxl on CUDA)")
     parser.add_argument("--sizes", type=_arguments.sizes, default=None,
                         help="HEIGHTxWIDTH,... in pixels (default: per model)")
     parser.add_argument("--order", choices=("given", "largest_first"), default="given")
     parser.add_argument("--budget", type=_arguments.budget, default=None,
                         help="cache budget and memory limit, e.g. 20GiB (default: 160MiB for res-convnet, "
-                             "else none)")
+                             "24GiB or 60%% of the device's memory for sdxl, else none)")
     parser.add_argument("--freezing", action=argparse.BooleanOptionalAction, default=None,
                         help="compile with inductor's freezing (default: on for res-convnet)")
     parser.add_argument("--strategies", type=_arguments.strategies, default=["naive", "torch_compile", "shapecache"],
@@ -76,9 +82,14 @@ def apply_defaults(args) -> None:
     """Fills what the command line left unset: the model by `--device`, the rest by the model."""
     if args.model is None:
         args.model = DEFAULT_MODEL["cpu" if torch.device(args.device).type == "cpu" else "cuda"]
+    budget_given = args.budget is not None
     for name, value in {"budget": None, "freezing": False, **MODEL_DEFAULTS.get(args.model, {})}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    device = torch.device(args.device)
+    if not budget_given and args.budget and device.type == "cuda":
+        if budget_bytes(args) > device_memory_bytes(device) * DEVICE_SHARE:
+            args.budget = f"{DEVICE_SHARE:.0%}"
 
 
 def run_child(args) -> dict:
