@@ -18,8 +18,10 @@ def test_markers_are_registered_with_their_signatures(pytester):
 def test_report_header_names_the_budget(pytester):
     pytester.makepyfile("def test_nothing():\n    assert True\n")
     result = pytester.runpytest("--vram-budget", "12GiB")
-    result.stdout.fnmatch_lines(["shapecache: vram budget 12GiB (skipped without CUDA)"])
+    result.stdout.fnmatch_lines(["shapecache: every test's GPU memory capped at 12GiB (--vram-budget; none without CUDA)"])
     result.assert_outcomes(passed=1)
+    result = pytester.runpytest()
+    result.stdout.fnmatch_lines(["shapecache: no memory cap on every test; memory_budget caps a test on CUDA or the CPU"])
 
 
 def test_the_plugin_loads_neither_torch_nor_the_extension_for_tests_that_do_not_use_it(pytester):

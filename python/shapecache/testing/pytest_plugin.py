@@ -76,8 +76,10 @@ def _configured(config) -> tuple:
 
 
 def pytest_report_header(config):
-    budget, _ = _configured(config)
-    return f"shapecache: vram budget {budget or 'none by default, per-test markers only'} (skipped without CUDA)"
+    budget, source = _configured(config)
+    if budget is None:
+        return "shapecache: no memory cap on every test; memory_budget caps a test on CUDA or the CPU"
+    return f"shapecache: every test's GPU memory capped at {budget} ({source}; none without CUDA)"
 
 
 def _requested(item):
