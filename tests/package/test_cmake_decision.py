@@ -1,0 +1,72 @@
+"""CMakeLists.txt's CUDA decision, by configure-only runs: SHAPECACHE_TORCH_CUDA stands for a
+CUDA torch's version, CUDAToolkit_ROOT points at a fake toolkit tree, and
+SHAPECACHE_DECISION_ONLY ends the run after the decision. (cmake/cuda_paths.py's own choices are
+tested in test_cuda_paths.py; this checks what the build does with them.)"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).parents[2]
+HEADERS = ("cuda_runtime_api.h", "crt/host_config.h", "nv/target", "cublas_v2.h", "cublasLt.h", "cusparse.h", "cusolverDn.h")
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake on PATH")]
+
+
+def toolkit(root: Path, headers, version=12080) -> Path:
+    """A CUDA toolkit's layout: include/ with `headers` and cuda.h's version, lib64/libcudart.so."""
+    for header in (*headers, "cuda.h"):
+        (root / "include" / header).parent.mkdir(parents=True, exist_ok=True)
+        (root / "include" / header).write_text("")
+    (root / "include" / "cuda.h").write_text(f"#define CUDA_VERSION {version}\n")
+    (root / "lib64").mkdir(parents=True, exist_ok=True)
+    (root / "lib64" / "libcudart.so").write_text("")
+    return root
+
+
+def configure(tmp_path: Path, *definitions: str, toolkit_root: Path | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDAToolkit_ROOT", "CUDA_HOME", "CUDA_PATH")}
+    if toolkit_root is not None:
+        env["CUDAToolkit_ROOT"] = str(toolkit_root)
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    result = subprocess.run(["cmake", "-S", str(ROOT), "-B", str(tmp_path / "build"), *generator,
+                             f"-DPython_EXECUTABLE={sys.executable}", "-DSHAPECACHE_DECISION_ONLY=ON", *definitions],
+                            capture_output=True, text=True, env=env, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    return " ".join(output.split())  # CMake wraps its warnings' lines
+
+
+def test_a_cuda_torch_with_the_headers_found_builds_the_cuda_code(tmp_path):
+    found = toolkit(tmp_path / "cuda-12.8", HEADERS)
+    output = configure(tmp_path, "-DSHAPECACHE_TORCH_CUDA=12.8", toolkit_root=found)
+    assert f"CUDA headers {found / 'include'}" in output
+    assert "torch CUDA '12.8', CUDA code ON" in output
+    assert "were not found" not in output  # a warning that cuDNN is not found may come: it is optional
+
+
+def test_missing_headers_give_a_cpu_only_build_and_a_warning_naming_the_packages(tmp_path):
+    partial = toolkit(tmp_path / "cuda-12.8", ["cuda_runtime_api.h", "cublas_v2.h"])
+    output = configure(tmp_path, "-DSHAPECACHE_TORCH_CUDA=12.8", toolkit_root=partial)
+    assert "torch has CUDA 12.8 but crt/host_config.h;nv/target" in output
+    assert "nvidia-cuda-nvcc-cu12==12.8.*" in output and "nvidia-cuda-cccl-cu12==12.8.*" in output
+    assert "torch CUDA '12.8', CUDA code OFF" in output
+
+
+def test_cpu_only_is_honoured_even_where_everything_is_found(tmp_path):
+    found = toolkit(tmp_path / "cuda-12.8", HEADERS)
+    output = configure(tmp_path, "-DSHAPECACHE_TORCH_CUDA=12.8", "-DSHAPECACHE_CPU_ONLY=ON", toolkit_root=found)
+    assert "SHAPECACHE_CPU_ONLY is set: building without CUDA code" in output
+    assert "CUDA code OFF" in output and "CUDA headers" not in output
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="the installed torch has CUDA")
+def test_the_installed_cpu_torch_builds_no_cuda_code_and_warns_of_nothing(tmp_path):
+    output = configure(tmp_path)
+    assert "torch CUDA '', CUDA code OFF" in output and "CMake Warning" not in output
