@@ -223,6 +223,18 @@ def test_memory_budget_fails_a_test_that_outgrows_it_on_the_cpu_and_nothing_afte
     result.stdout.no_fnmatch_line("*INTERNALERROR*")
 
 
+def test_memory_budget_caps_each_pytest_xdist_worker_on_its_own(pytester):
+    pytest.importorskip("xdist")
+    pytester.makepyfile(test_cap=CAPPED_THEN_UNCAPPED)
+    # Each test in a worker of its own where it can: the capped ones fail there, and the
+    # uncapped one, in whichever worker, finds its process's limit restored.
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--dist", "load", "-ra")
+    result.assert_outcomes(failed=2, passed=2)
+    result.stdout.fnmatch_lines(["*MemoryBudgetExceeded: test_cap.py::test_capped ran out of its memory budget*"])
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+    result.stdout.no_fnmatch_line("*worker*crashed*")
+
+
 def test_memory_budget_is_skipped_with_the_reason_where_no_cap_can_be_set(pytester):
     pytester.makeconftest("""
 import resource
