@@ -101,5 +101,13 @@ def test_sigterm_to_the_check_stops_the_running_step_and_its_children(tmp_path):
     while time.monotonic() < end and not (pid_file.exists() and pid_file.read_text()):
         time.sleep(0.05)
     check.terminate()
+    check.terminate()  # a second SIGTERM does not cut the stopping short
     assert check.wait(timeout=30) == 128 + 15
     assert wait_gone(int(pid_file.read_text())), "the running step's child outlived the check"
+
+
+def test_the_checks_time_counts_from_the_process_start():
+    script = "import time; time.sleep(1.5); from shapecache.scenarios import _gpu_check; " \
+             "print(_gpu_check.seconds_since_process_start())"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert 1.5 <= float(out) < 30

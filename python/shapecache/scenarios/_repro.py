@@ -43,11 +43,17 @@ LIMIT_SLACK = 128 << 20
 CALL_REPEATS = 3
 
 DEFAULT_MODEL = {"cpu": "res-convnet", "cuda": "sdxl"}
-# The budget and freezing a model gets when the command line names none, chosen so that the
-# per-size strategies outgrow the budget within a few sizes while shapecache stays under it:
-# on the CPU each per-size graph of a frozen model keeps its own copy of the weights; on CUDA
-# each per-size graph keeps a pool of its own as large as its size needs.
-MODEL_DEFAULTS = {"res-convnet": {"budget": "160MiB", "freezing": True}, "sdxl": {"budget": "24GiB"}}
+# The budget and freezing a model gets on a kind of device when the command line names none,
+# chosen so that the per-size strategies outgrow the budget within a few sizes while
+# shapecache stays under it: on the CPU each per-size graph of a frozen model keeps its own
+# copy of the weights; on CUDA each per-size graph keeps a pool of its own as large as its
+# size needs.
+MODEL_DEFAULTS = {("res-convnet", "cpu"): {"budget": "160MiB", "freezing": True},
+                  ("res-convnet", "cuda"): {"budget": "160MiB", "freezing": True},
+                  ("sdxl", "cuda"): {"budget": "24GiB"}}
+# The strategies run by default. On CUDA torch_compile (reduce-overhead) compiles the full
+# UNet cold, minutes per run: it runs when asked for.
+DEFAULT_STRATEGIES = {"cpu": ["naive", "torch_compile", "shapecache"], "cuda": ["naive", "shapecache"]}
 # A default budget on CUDA is at most this share of the device's memory: the cap must leave
 # room for the CUDA context and for other processes' memory.
 DEVICE_SHARE = 0.6
@@ -69,8 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "24GiB or 60%% of the device's memory for sdxl, else none)")
     parser.add_argument("--freezing", action=argparse.BooleanOptionalAction, default=None,
                         help="compile with inductor's freezing (default: on for res-convnet)")
-    parser.add_argument("--strategies", type=_arguments.strategies, default=["naive", "torch_compile", "shapecache"],
-                        help="comma-separated, of: naive, torch_compile, shapecache (default: all)")
+    parser.add_argument("--strategies", type=_arguments.strategies, default=None,
+                        help="comma-separated, of: naive, torch_compile, shapecache (default: all on the CPU, "
+                             "naive,shapecache on CUDA)")
     parser.add_argument("--device", type=_arguments.device, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=_arguments.positive_int, default=1)
     parser.add_argument("--plot", default=None, help="write the memory plot to this PNG")
@@ -79,14 +86,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def apply_defaults(args) -> None:
-    """Fills what the command line left unset: the model by `--device`, the rest by the model."""
+    """Fills what the command line left unset: the model and strategies by `--device`, the rest
+    by the model and the device."""
+    device = torch.device(args.device)
+    kind = "cpu" if device.type == "cpu" else "cuda"
     if args.model is None:
-        args.model = DEFAULT_MODEL["cpu" if torch.device(args.device).type == "cpu" else "cuda"]
+        args.model = DEFAULT_MODEL[kind]
+    if args.strategies is None:
+        args.strategies = DEFAULT_STRATEGIES[kind]
     budget_given = args.budget is not None
-    for name, value in {"budget": None, "freezing": False, **MODEL_DEFAULTS.get(args.model, {})}.items():
+    for name, value in {"budget": None, "freezing": False, **MODEL_DEFAULTS.get((args.model, kind), {})}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    device = torch.device(args.device)
     if not budget_given and args.budget and device.type == "cuda":
         if budget_bytes(args) > device_memory_bytes(device) * DEVICE_SHARE:
             args.budget = f"{DEVICE_SHARE:.0%}"
