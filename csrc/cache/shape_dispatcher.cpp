@@ -282,6 +282,7 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
         ++counters_.misses;
         try {
           out = call_python(function_.ptr(), call_args.ptr(), call_kwargs);
+          if (key.padded) out = crop(self, args, kwargs, *plan, out);  // part of the call: it may run it unpadded
         } catch (...) {
           // A call that fails by itself builds nothing, as inline (its own error propagates).
           auto cancelled = BuildQueue::instance().cancel(id_, key.device, key.key);
@@ -289,7 +290,7 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
         }
         BuildQueue::instance().make_ready(id_, key.device, key.key);
         cache_->wake_build_worker(key.device);
-        break;
+        return out;
       case Queued::kBusy:
         ++counters_.busy_misses;
         out = call_python(function_.ptr(), call_args.ptr(), call_kwargs);

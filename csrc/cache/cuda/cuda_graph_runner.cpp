@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <map>
+#include <stdexcept>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -112,8 +113,13 @@ DeviceGraphs& DeviceGraphs::of(c10::DeviceIndex device) {
   return *graphs;
 }
 
-int64_t DeviceGraphs::pool_bytes(bool in_use) const {
-  const std::vector<PoolId> ids = generations.ids(in_use);
+int64_t DeviceGraphs::pool_bytes(bool in_use) {
+  // `generations` changes under the lock, also where no GIL is held (~PoolGraph).
+  std::vector<PoolId> ids;
+  {
+    auto lock = lock_device(*this);
+    ids = generations.ids(in_use);
+  }
   int64_t bytes = 0;
   for (const auto& segment : c10::cuda::CUDACachingAllocator::snapshot().segments) {
     if (segment.device != device) continue;
@@ -300,7 +306,11 @@ namespace {
 class DeviceLockScope {
  public:
   explicit DeviceLockScope(c10::Device device) : graphs_(DeviceGraphs::of(device.index())) {}
-  void enter() { lock_ = lock_device(graphs_); }
+  void enter() {
+    // One hold per object: a second enter would replace (and so release) the first.
+    if (lock_.owns_lock()) throw std::runtime_error("cuda_device_lock: already entered; use one object per `with`");
+    lock_ = lock_device(graphs_);
+  }
   void exit() {
     if (lock_.owns_lock()) lock_.unlock();
   }

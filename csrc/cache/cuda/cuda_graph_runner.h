@@ -53,7 +53,7 @@ struct DeviceGraphs {
   // graphs hold: the figure charged to the budget), or with in_use=false, of the others: a
   // generation no graph uses holds its blocks until the allocator's cache is emptied
   // (release_device_memory empties it after every rebuild and eviction).
-  int64_t pool_bytes(bool in_use = true) const;
+  int64_t pool_bytes(bool in_use = true);  // takes the device's lock
 
   const c10::DeviceIndex device;
   PoolGenerations generations;   // guarded by `mutex`
