@@ -53,6 +53,41 @@ class BuildGuard {
   const ShapeKey& key_;
 };
 
+// The cached calls running on this thread, and the background builds that calls inside them
+// queued: those are ready once the outermost cached call returns (BuildJob::ready), since the
+// call that asked for them is, for the caller, still running. Touched with the GIL held only.
+struct BuildToMakeReady {
+  uint64_t function_id;
+  c10::Device device;
+  ShapeKey key;
+  std::shared_ptr<ShapeCache> cache;
+};
+struct CachedCallsOnThisThread {
+  int running = 0;
+  std::vector<BuildToMakeReady> deferred;
+};
+thread_local CachedCallsOnThisThread cached_calls;
+
+class CachedCall {
+ public:
+  CachedCall() { ++cached_calls.running; }
+  ~CachedCall() { --cached_calls.running; }
+  CachedCall(const CachedCall&) = delete;
+  CachedCall& operator=(const CachedCall&) = delete;
+  bool outermost() const { return cached_calls.running == 1; }
+};
+
+void make_ready_and_wake(const BuildToMakeReady& build) {
+  BuildQueue::instance().make_ready(build.function_id, build.device, build.key);
+  build.cache->wake_build_worker(build.device);
+}
+
+void make_deferred_builds_ready() {
+  std::vector<BuildToMakeReady> deferred = std::move(cached_calls.deferred);
+  cached_calls.deferred.clear();
+  for (const BuildToMakeReady& build : deferred) make_ready_and_wake(build);
+}
+
 // torch.OutOfMemoryError, looked up once.
 const py::object& out_of_memory_type() {
   PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> storage;
@@ -221,6 +256,20 @@ CallContext ShapeDispatcher::context_of(const py::object& self) const {
 }
 
 py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs) {
+  CachedCall running;
+  if (!running.outermost()) return call_here(args, kwargs);
+  py::object out;
+  try {
+    out = call_here(args, kwargs);
+  } catch (...) {
+    make_deferred_builds_ready();  // the calls that queued them succeeded
+    throw;
+  }
+  make_deferred_builds_ready();
+  return out;
+}
+
+py::object ShapeDispatcher::call_here(const py::args& args, const py::kwargs& kwargs) {
   RecursionAllowance allowance;
   if (transparent_here()) return call_python(function_.ptr(), with_owner(owner(), args).ptr(), kwargs.ptr());
   ++counters_.calls;
@@ -275,8 +324,8 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
   } else if (builds_in_background(key.device)) {
     // The build is queued for the device's worker (unless it is queued or running already);
     // this call, and the bucket's calls until the entry is in, run uncached. The job is ready
-    // once this call has returned (BuildJob::ready): a worker busy with other builds does not
-    // start it while the call that asked for it runs.
+    // once this call, and any cached call it runs inside, has returned (BuildJob::ready): a
+    // worker busy with other builds does not start it while the call that asked for it runs.
     switch (queue(key, call_args, call_kwargs, /*ready=*/false)) {
       case Queued::kQueued:
         ++counters_.misses;
@@ -288,8 +337,11 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
           auto cancelled = BuildQueue::instance().cancel(id_, key.device, key.key);
           throw;
         }
-        BuildQueue::instance().make_ready(id_, key.device, key.key);
-        cache_->wake_build_worker(key.device);
+        if (cached_calls.running > 1) {
+          cached_calls.deferred.push_back({id_, key.device, key.key, cache_});
+        } else {
+          make_ready_and_wake({id_, key.device, key.key, cache_});
+        }
         return out;
       case Queued::kBusy:
         ++counters_.busy_misses;

@@ -93,6 +93,8 @@ class ShapeDispatcher {
   uint64_t id() const { return id_; }
 
  private:
+  // call() without the bookkeeping of the cached calls running on this thread.
+  py::object call_here(const py::args& args, const py::kwargs& kwargs);
   // Builds the bucket's entry and inserts it (unless this function was cleared since
   // `generation`). Inline (`run_call`), returns the call's output; in the background, None.
   py::object build(const ShapeKey& key, const c10::Device& device, PyObject* args, PyObject* kwargs, bool run_call,

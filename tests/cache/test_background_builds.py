@@ -353,6 +353,25 @@ def test_a_busy_worker_does_not_start_a_build_while_the_call_that_queued_it_runs
     assert wait(f) and builder.sizes == [1, 2]
 
 
+def test_a_build_queued_inside_another_cached_call_waits_for_the_outermost_to_return():
+    inner_builder = GatedBuilder(Counted())
+    inner = background(inner_builder.function, inner_builder)
+    built_during_the_outer_call = []
+
+    def outer_function(x):
+        inner(x)  # a miss: queues the inner function's build, then returns
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline and not inner_builder.sizes:
+            time.sleep(0.01)
+        built_during_the_outer_call.append(list(inner_builder.sizes))
+        return x * 2
+
+    outer = background(outer_function, GatedBuilder(outer_function))
+    outer(torch.ones(3))
+    assert built_during_the_outer_call == [[]]
+    assert wait(inner) and wait(outer) and inner_builder.sizes == [3]
+
+
 def test_an_entry_whose_first_run_updates_what_it_reads_is_given_up_not_rebuilt_per_call():
     steps = torch.zeros(1)
 
