@@ -44,9 +44,9 @@ PACKAGES = {
 _VERSION = re.compile(r"#define\s+CUDA_VERSION\s+(\d+)")
 
 
-def toolkit_roots(environ=os.environ) -> list[Path]:
-    roots = [environ.get(name) for name in ("CUDAToolkit_ROOT", "CUDA_HOME", "CUDA_PATH")]
-    nvcc = shutil.which("nvcc", path=environ.get("PATH"))
+def toolkit_roots() -> list[Path]:
+    roots = [os.environ.get(name) for name in ("CUDAToolkit_ROOT", "CUDA_HOME", "CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
     if nvcc:
         roots.append(str(Path(nvcc).resolve().parent.parent))
     roots.append("/usr/local/cuda")

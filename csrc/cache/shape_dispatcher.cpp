@@ -77,15 +77,14 @@ class CachedCall {
   bool outermost() const { return cached_calls.running == 1; }
 };
 
-void make_ready_and_wake(const BuildToMakeReady& build) {
-  BuildQueue::instance().make_ready(build.function_id, build.device, build.key);
-  build.cache->wake_build_worker(build.device);
-}
-
 void make_deferred_builds_ready() {
+  if (cached_calls.deferred.empty()) return;  // almost always: nothing per call
   std::vector<BuildToMakeReady> deferred = std::move(cached_calls.deferred);
   cached_calls.deferred.clear();
-  for (const BuildToMakeReady& build : deferred) make_ready_and_wake(build);
+  for (const BuildToMakeReady& build : deferred) {
+    BuildQueue::instance().make_ready(build.function_id, build.device, build.key);
+    build.cache->wake_build_worker(build.device);
+  }
 }
 
 // torch.OutOfMemoryError, looked up once.
@@ -337,11 +336,7 @@ py::object ShapeDispatcher::call_here(const py::args& args, const py::kwargs& kw
           auto cancelled = BuildQueue::instance().cancel(id_, key.device, key.key);
           throw;
         }
-        if (cached_calls.running > 1) {
-          cached_calls.deferred.push_back({id_, key.device, key.key, cache_});
-        } else {
-          make_ready_and_wake({id_, key.device, key.key, cache_});
-        }
+        cached_calls.deferred.push_back({id_, key.device, key.key, cache_});  // ready when the outermost returns
         return out;
       case Queued::kBusy:
         ++counters_.busy_misses;

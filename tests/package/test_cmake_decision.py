@@ -3,6 +3,7 @@ CUDA torch's version, CUDAToolkit_ROOT points at a fake toolkit tree, and
 SHAPECACHE_DECISION_ONLY ends the run after the decision. (cmake/cuda_paths.py's own choices are
 tested in test_cuda_paths.py; this checks what the build does with them.)"""
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -13,7 +14,10 @@ import pytest
 import torch
 
 ROOT = Path(__file__).parents[2]
-HEADERS = ("cuda_runtime_api.h", "crt/host_config.h", "nv/target", "cublas_v2.h", "cublasLt.h", "cusparse.h", "cusolverDn.h")
+_spec = importlib.util.spec_from_file_location("cuda_paths", ROOT / "cmake" / "cuda_paths.py")
+cuda_paths = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cuda_paths)
+HEADERS = cuda_paths.REQUIRED_HEADERS
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake on PATH")]

@@ -5,8 +5,6 @@ cuDNN in nvidia/cudnn)."""
 import importlib.util
 from pathlib import Path
 
-HEADERS = ("cuda_runtime_api.h", "crt/host_config.h", "nv/target", "cublas_v2.h", "cublasLt.h", "cusparse.h", "cusolverDn.h")
-
 
 def load():
     path = Path(__file__).parents[2] / "cmake" / "cuda_paths.py"
@@ -14,6 +12,9 @@ def load():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+HEADERS = load().REQUIRED_HEADERS
 
 
 def tree(root: Path, headers=(), libraries=(), version=None, lib="lib") -> Path:

@@ -52,10 +52,17 @@ def return_free_memory() -> None:
 
 def resident_bytes() -> int | None:
     """Anonymous memory of this process resident now (RssAnon), or None where the system cannot say."""
+    return process_status_bytes("RssAnon")
+
+
+def process_status_bytes(field: str) -> int | None:
+    """A size that /proc/self/status reports for this process (RssAnon, VmData, VmHWM, ...), in
+    bytes; None where the system cannot say."""
+    prefix = field.encode() + b":"
     try:
         with open("/proc/self/status", "rb") as status:
             for line in status:
-                if line.startswith(b"RssAnon:"):
+                if line.startswith(prefix):
                     return int(line.split()[1]) * 1024  # reported in kB
     except (OSError, ValueError, IndexError):
         return None

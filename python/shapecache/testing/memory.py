@@ -57,14 +57,10 @@ def reset_peak(device) -> bool:
 def _peak_resident() -> int:
     """VmHWM, the peak resident size since the process started or reset_peak; ru_maxrss where
     /proc cannot be read."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from shapecache._backends.host_memory import process_status_bytes
+
+    peak = process_status_bytes("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class VramMonitor:

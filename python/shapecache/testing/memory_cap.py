@@ -59,11 +59,12 @@ class MemoryCap:
 
 def data_segment_bytes() -> int:
     """This process's data segment (VmData), the figure RLIMIT_DATA is compared with."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
-    except (OSError, StopIteration, ValueError, IndexError) as error:
-        raise CapUnavailable(f"cannot read the data segment's size from /proc/self/status ({error})") from None
+    from shapecache._backends.host_memory import process_status_bytes
+
+    size = process_status_bytes("VmData")
+    if size is None:
+        raise CapUnavailable("cannot read the data segment's size (VmData) from /proc/self/status")
+    return size
 
 
 def cap_data_segment(budget: int) -> MemoryCap:
