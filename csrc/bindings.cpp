@@ -15,19 +15,20 @@
 #include <utility>
 #include <vector>
 
-#include "core/bucket_policy.h"
+#include "cache/build_handle.h"
 #include "cache/cache_figures.h"
+#include "cache/call_key.h"
 #include "cache/call_modes.h"
+#include "cache/compiled_graph_runner.h"
+#include "cache/entry_runner.h"
+#include "cache/shape_cache.h"
+#include "cache/shape_dispatcher.h"
+#include "cache/state_guard.h"
+#include "core/bucket_policy.h"
 #include "core/budgeted_lru.h"
 #include "core/pool_generations.h"
-#include "cache/shape_dispatcher.h"
-#include "cache/call_key.h"
 #include "ops/conv2d.h"
 #include "ops/conv_tuner.h"
-#include "cache/shape_cache.h"
-#include "cache/entry_runner.h"
-#include "cache/compiled_graph_runner.h"
-#include "cache/state_guard.h"
 #include "ops/tuning_records.h"
 #include "ops/workspace_arena.h"
 #if SHAPECACHE_WITH_CUDA
@@ -68,63 +69,88 @@ void bind_core(py::module_& m) {
 
 }
 
+// Named functions behind the table below: what a binding does beyond forwarding.
+
+std::shared_ptr<ShapeCache> make_shape_cache(py::object budget_for_device, std::optional<int64_t> max_entries) {
+  return std::make_shared<ShapeCache>(std::move(budget_for_device), max_entries ? *max_entries : EntryLru::kUnlimited);
+}
+
+BuiltEntry make_built_entry(py::object runner, int64_t bytes, py::object output, std::string backend,
+                            std::shared_ptr<StateGuard> guard, std::optional<std::string> failure, bool ran_call) {
+  if (runner.is_none() && !failure) throw py::value_error("BuiltEntry: runner=None needs a failure");
+  return BuiltEntry{std::move(runner), bytes, std::move(output), ran_call, std::move(backend), std::move(guard),
+                    failure.value_or("")};
+}
+
+std::unique_ptr<ShapeDispatcher> make_dispatcher(py::object function, py::object builder,
+                                                 std::shared_ptr<ShapeCache> cache, std::vector<ArgumentBuckets> buckets,
+                                                 std::vector<std::string> parameter_names, py::object owner,
+                                                 bool key_training, py::object background,
+                                                 py::object release_device_memory, py::object wake_build_worker,
+                                                 py::object run_on_fake_tensors) {
+  return std::make_unique<ShapeDispatcher>(std::move(function), std::move(builder), std::move(cache),
+                                           std::move(buckets), std::move(parameter_names), std::move(owner),
+                                           key_training, std::move(background),
+                                           MissServices{std::move(release_device_memory), std::move(wake_build_worker)},
+                                           std::move(run_on_fake_tensors));
+}
+
+py::object device_of(const BuildHandle& handle) {
+  return py::reinterpret_steal<py::object>(THPDevice_New(handle.device()));
+}
+
+// A native runner called from Python (a build's first run, a replay timed): with the call's
+// tensors in key order, which is all such a runner reads of a call.
+py::object run_on_tensors(EntryRunner& runner, const py::args& tensors) {
+  Call call;
+  call.entry_args = tensors;
+  for (py::handle t : tensors) call.tensors.push_back(t.ptr());
+  return runner.run(call);
+}
+
+// The dispatcher's Python type lets the collector see through it to its entries
+// (ShapeDispatcher::traverse) and clear them.
+void dispatcher_type_setup(PyHeapTypeObject* heap_type) {
+  auto* type = &heap_type->ht_type;
+  type->tp_flags |= Py_TPFLAGS_HAVE_GC;
+  type->tp_traverse = [](PyObject* self, visitproc visit, void* arg) {
+    if (int result = py::detail::pybind11_traverse(self, visit, arg)) return result;
+    if (!py::detail::is_holder_constructed(self)) return 0;
+    return py::cast<const ShapeDispatcher&>(py::handle(self)).traverse(visit, arg);
+  };
+  type->tp_clear = [](PyObject* self) {
+    if (py::detail::is_holder_constructed(self)) py::cast<ShapeDispatcher&>(py::handle(self)).clear_references();
+    return py::detail::pybind11_clear(self);
+  };
+}
+
+py::tuple names_of_function_counters() {
+  py::list names;
+  FunctionCounters{}.for_each([&](const char* name, int64_t) { names.append(name); });
+  return py::tuple(names);
+}
+py::tuple names_of_device_figures() {
+  py::list names;
+  DeviceFigures{}.for_each([&](const char* name, int64_t, bool) { names.append(name); });
+  return py::tuple(names);
+}
+py::tuple names_of_entry_figures() {
+  py::list names;
+  EntryFigures{}.for_each([&](const char* name, const auto&) { names.append(name); });
+  return py::tuple(names);
+}
+
 void bind_cache(py::module_& m) {
   py::register_exception<UnkeyableArgument>(m, "UnkeyableArgument", PyExc_TypeError);
 
-  py::class_<ShapeCache, std::shared_ptr<ShapeCache>>(m, "ShapeCache")
-      .def(py::init([](py::object budget_for_device, std::optional<int64_t> max_entries,
-                       py::object release_device_memory, py::object run_on_fake_tensors,
-                       py::object wake_build_worker) {
-             return std::make_shared<ShapeCache>(
-                 std::move(budget_for_device), max_entries ? *max_entries : EntryLru::kUnlimited,
-                 CacheCallbacks{std::move(release_device_memory), std::move(run_on_fake_tensors),
-                                std::move(wake_build_worker)});
-           }),
-           py::arg("budget_for_device"), py::arg("max_entries") = py::none(),
-           py::arg("release_device_memory") = py::none(), py::arg("run_on_fake_tensors") = py::none(),
-           py::arg("wake_build_worker") = py::none())
+  py::class_<ShapeCache, std::shared_ptr<ShapeCache>>(m, "ShapeCache", "One budget domain (csrc/cache/shape_cache.h).")
+      .def(py::init(&make_shape_cache), py::arg("budget_for_device"), py::arg("max_entries") = py::none())
       .def("stats", [](const ShapeCache& cache) { return cache.stats(); })
-      .def("clear", [](ShapeCache& cache) { cache.clear(); })
-      .def(
-          "set_shared_bytes",
-          [](ShapeCache& cache, c10::Device device, std::optional<int64_t> pool, std::optional<int64_t> workspace) {
-            SharedBytes bytes = cache.shared_bytes(device);  // a figure not given stays as it is
-            if (pool) bytes.pool = *pool;
-            if (workspace) bytes.workspace = *workspace;
-            cache.set_shared_bytes(device, bytes);
-          },
-          py::arg("device"), py::arg("pool") = py::none(), py::arg("workspace") = py::none())
-      .def(
-          "evict_unpinned", [](ShapeCache& cache, c10::Device device) { return cache.evict_unpinned(device).size(); },
-          py::arg("device"))
-      .def("entries", &ShapeCache::entries, py::arg("device"),
-           "The device's entries, most recently used first: (id, runner, pinned) each.")
-      .def(
-          "set_entry_bytes",
-          [](ShapeCache& cache, c10::Device device, uint64_t id, int64_t bytes) {
-            py::list ids;  // what left the cache; the entries themselves are destroyed on return
-            for (const auto& gone : cache.set_entry_bytes(device, id, bytes)) ids.append(gone.value.id);
-            return ids;
-          },
-          py::arg("device"), py::arg("id"), py::arg("bytes"))
-      .def(
-          "erase_entry", [](ShapeCache& cache, c10::Device device, uint64_t id) { return cache.erase_entry(device, id).has_value(); },
-          py::arg("device"), py::arg("id"))
-      .def("contains_entry", &ShapeCache::contains_entry, py::arg("device"), py::arg("id"))
-      .def(
-          "could_fit", [](ShapeCache& cache, c10::Device device, int64_t bytes) { return cache.lru(device).could_fit(bytes); },
-          py::arg("device"), py::arg("bytes"), "Whether an entry of `bytes` fits the device's budget, after evictions.")
-      .def("count_pool_rebuild", &ShapeCache::count_pool_rebuild, py::arg("device"));
+      .def("clear", [](ShapeCache& cache) { cache.clear(); });
 
   py::class_<BuiltEntry>(m, "BuiltEntry", "What a builder returns for a new bucket (csrc/cache/built_entry.h).")
-      .def(py::init([](py::object runner, int64_t bytes, py::object output, std::string backend,
-                       std::shared_ptr<StateGuard> guard, std::optional<std::string> failure, bool ran_call) {
-             if (runner.is_none() && !failure) throw py::value_error("BuiltEntry: runner=None needs a failure");
-             return BuiltEntry{std::move(runner), bytes,        std::move(output), ran_call, std::move(backend),
-                               std::move(guard),  failure.value_or("")};
-           }),
-           py::arg("runner"), py::arg("bytes"), py::arg("output"), py::arg("backend"), py::arg("guard") = nullptr,
-           py::arg("failure") = py::none(), py::kw_only(), py::arg("ran_call") = true)
+      .def(py::init(&make_built_entry), py::arg("runner"), py::arg("bytes"), py::arg("output"), py::arg("backend"),
+           py::arg("guard") = nullptr, py::arg("failure") = py::none(), py::kw_only(), py::arg("ran_call") = true)
       .def_readonly("runner", &BuiltEntry::runner)
       .def_readonly("bytes", &BuiltEntry::bytes)
       .def_readonly("output", &BuiltEntry::output)
@@ -134,11 +160,9 @@ void bind_cache(py::module_& m) {
       .def_readonly("failure", &BuiltEntry::failure);
 
   py::class_<BuildHandle>(m, "BuildHandle", "All a builder may do to its cache (csrc/cache/build_handle.h).")
-      .def_property_readonly("device",
-                             [](const BuildHandle& h) {
-                               return py::reinterpret_steal<py::object>(THPDevice_New(h.device()));
-                             })
+      .def_property_readonly("device", &device_of)
       .def_property_readonly("run_call", &BuildHandle::run_call)
+      .def_property_readonly("tensors", &BuildHandle::tensors)
       .def("set_shared_bytes", &BuildHandle::set_shared_bytes, py::arg("pool") = py::none(),
            py::arg("workspace") = py::none())
       .def("could_fit", &BuildHandle::could_fit, py::arg("bytes"))
@@ -162,25 +186,17 @@ void bind_cache(py::module_& m) {
   m.def("make_all_builds_ready", [] { return device_list(BuildQueue::instance().make_all_ready()); },
         "Lets every waiting build start, also those whose calls have not returned (sc.wait); "
         "returns the devices with builds waiting.");
-  {
-    py::list counters, device_figures, entry_figures;
-    FunctionCounters{}.for_each([&](const char* name, int64_t) { counters.append(name); });
-    DeviceFigures{}.for_each([&](const char* name, int64_t, bool) { device_figures.append(name); });
-    EntryFigures{}.for_each([&](const char* name, const auto&) { entry_figures.append(name); });
-    m.attr("FUNCTION_COUNTERS") = py::tuple(counters);
-    m.attr("DEVICE_FIGURES") = py::tuple(device_figures);
-    m.attr("ENTRY_FIGURES") = py::tuple(entry_figures);
-  }
+  m.attr("FUNCTION_COUNTERS") = names_of_function_counters();
+  m.attr("DEVICE_FIGURES") = names_of_device_figures();
+  m.attr("ENTRY_FIGURES") = names_of_entry_figures();
 
-  py::class_<EntryRunner, std::shared_ptr<EntryRunner>>(m, "EntryRunner")
+  py::class_<EntryRunner, std::shared_ptr<EntryRunner>>(m, "EntryRunner", "How an entry serves calls (entry_runner.h).")
       .def("valid", &EntryRunner::valid)
-      .def("__call__", [](EntryRunner& runner, py::args args, py::kwargs kwargs) { return runner.run(args, kwargs); });
+      .def("__call__", &run_on_tensors, "Runs on a call's tensors in key order (BuildHandle.tensors).");
 
   py::class_<CompiledGraphRunner, EntryRunner, std::shared_ptr<CompiledGraphRunner>>(m, "CompiledGraphRunner")
-      .def(py::init<py::object, std::vector<std::string>, py::object, std::shared_ptr<StateGuard>>(), py::arg("graph"),
-           py::arg("parameter_names"), py::arg("rebuild"), py::arg("guard"));
-  m.def("tensors_in_key_order", &tensors_in_key_order, py::arg("args"), py::arg("kwargs"), py::arg("parameter_names"),
-        "A call's tensors in the order its key holds them (without the owner a method is bound to).");
+      .def(py::init<py::object, py::object, std::shared_ptr<StateGuard>>(), py::arg("graph"), py::arg("rebuild"),
+           py::arg("guard"));
 
   py::class_<StateGuard, std::shared_ptr<StateGuard>>(m, "StateGuard",
                                                       "What an entry was built from (csrc/cache/state_guard.h).")
@@ -196,25 +212,11 @@ void bind_cache(py::module_& m) {
       .def_property_readonly("dict_count", &StateGuard::dict_count)
       .def_property_readonly("tensor_count", &StateGuard::tensor_count);
 
-  py::class_<ShapeDispatcher>(
-      m, "ShapeDispatcher", py::dynamic_attr(), py::custom_type_setup([](PyHeapTypeObject* heap_type) {
-        // The collector sees through the dispatcher to its entries (ShapeDispatcher::traverse).
-        auto* type = &heap_type->ht_type;
-        type->tp_flags |= Py_TPFLAGS_HAVE_GC;
-        type->tp_traverse = [](PyObject* self, visitproc visit, void* arg) {
-          if (int result = py::detail::pybind11_traverse(self, visit, arg)) return result;
-          if (!py::detail::is_holder_constructed(self)) return 0;
-          return py::cast<const ShapeDispatcher&>(py::handle(self)).traverse(visit, arg);
-        };
-        type->tp_clear = [](PyObject* self) {
-          if (py::detail::is_holder_constructed(self)) py::cast<ShapeDispatcher&>(py::handle(self)).clear_references();
-          return py::detail::pybind11_clear(self);
-        };
-      }))
-      .def(py::init<py::object, py::object, std::shared_ptr<ShapeCache>, std::vector<ArgumentBuckets>,
-                    std::vector<std::string>, py::object, bool, py::object>(),
-           py::arg("function"), py::arg("builder"), py::arg("cache"), py::arg("buckets"), py::arg("parameter_names"),
-           py::arg("owner"), py::arg("key_training"), py::arg("background") = py::none())
+  py::class_<ShapeDispatcher>(m, "ShapeDispatcher", py::dynamic_attr(), py::custom_type_setup(&dispatcher_type_setup))
+      .def(py::init(&make_dispatcher), py::arg("function"), py::arg("builder"), py::arg("cache"), py::arg("buckets"),
+           py::arg("parameter_names"), py::arg("owner"), py::arg("key_training"), py::arg("background") = py::none(),
+           py::kw_only(), py::arg("release_device_memory") = py::none(), py::arg("wake_build_worker") = py::none(),
+           py::arg("run_on_fake_tensors") = py::none())
       .def("__call__", &ShapeDispatcher::call)
       .def("queue_build", &ShapeDispatcher::queue_build,
            "Queues the background build of the bucket of a call with these arguments, without running it.")

@@ -165,23 +165,24 @@ void bind_testing(py::module_& m) {
         context.function_id = function_id;
         context.training = training;
         context.parameter_names = &parameter_names;
-        CallKey key = make_call_key(context, args, kwargs, buckets);
+        Call call = make_call(context, py::none(), args, kwargs, buckets);
         py::dict out;
-        out["words"] = py::tuple(py::cast(key.key.words()));
-        out["hash"] = key.key.hash();
-        out["device"] = py::reinterpret_steal<py::object>(THPDevice_New(key.device));
-        out["description"] = describe_key(key.key);
-        out["padded"] = key.padded;
-        out["args"] = key.padded ? py::object(key.args) : py::object(args);
-        out["kwargs"] = key.padded ? py::object(key.kwargs) : py::object(kwargs);
+        out["words"] = py::tuple(py::cast(call.key.words()));
+        out["hash"] = call.key.hash();
+        out["device"] = py::reinterpret_steal<py::object>(THPDevice_New(call.device));
+        out["description"] = describe_key(call.key);
+        out["padded"] = call.padded;
+        out["args"] = call.entry_args;
+        out["kwargs"] = call.entry_kwargs;
+        out["tensors"] = call.tensor_tuple();
         py::list crop;
-        for (const CropDim& c : key.crop) crop.append(py::make_tuple(c.dim, c.original, c.padded));
+        for (const CropDim& c : call.crop) crop.append(py::make_tuple(c.dim, c.original, c.padded));
         out["crop"] = crop;
         return out;
       },
       py::arg("args"), py::arg("kwargs"), py::arg("buckets") = std::vector<ArgumentBuckets>{},
       py::arg("function_id") = 0, py::arg("training") = -1, py::arg("parameter_names") = std::vector<std::string>{},
-      "The key of calling a function with `args` and `kwargs` (for tests and debugging).");
+      "The Call of calling a function with `args` and `kwargs`: its key, padded arguments and tensors in key order.");
 
   m.def(
       "crop_outputs",

@@ -22,12 +22,14 @@ namespace py = pybind11;
 class BuildHandle {
  public:
   // `run_call`: whether the build is to run the call and return its output (inline), or only
-  // build (in the background, where the call already ran uncached).
-  BuildHandle(std::shared_ptr<ShapeCache> cache, c10::Device device, bool run_call)
-      : cache_(std::move(cache)), device_(device), run_call_(run_call) {}
+  // build (in the background, where the call already ran uncached). `tensors`: the call's
+  // tensors in key order (Call::tensors), the inputs a graph is traced with.
+  BuildHandle(std::shared_ptr<ShapeCache> cache, c10::Device device, bool run_call, py::tuple tensors = py::tuple())
+      : cache_(std::move(cache)), device_(device), run_call_(run_call), tensors_(std::move(tensors)) {}
 
   const c10::Device& device() const { return device_; }
   bool run_call() const { return run_call_; }
+  const py::tuple& tensors() const { return tensors_; }
 
   // Charges the device's shared bytes; a figure not given stays as it is. May evict.
   void set_shared_bytes(std::optional<int64_t> pool, std::optional<int64_t> workspace);
@@ -46,6 +48,7 @@ class BuildHandle {
   std::shared_ptr<ShapeCache> cache_;
   c10::Device device_;
   bool run_call_;
+  py::tuple tensors_;
 };
 
 }  // namespace shapecache

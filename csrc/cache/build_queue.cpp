@@ -3,15 +3,12 @@
 #include <algorithm>
 
 #include "cache/shape_cache.h"
-#include "cache/shape_dispatcher.h"
 
 namespace shapecache {
 namespace {
 
 // A cancelled job's bucket is no longer being built: a later miss may queue it again.
-void end_mark(const BuildJob& job) {
-  job.dispatcher.cast<ShapeDispatcher&>().cache()->end_build(job.device, job.key);
-}
+void end_mark(const BuildJob& job) { job.cache->end_build(job.device, job.key); }
 
 }  // namespace
 
@@ -36,15 +33,14 @@ bool BuildQueue::run_next(const c10::Device& device) {
   if (next == found->second.end()) return false;
   BuildJob job = std::move(*next);
   found->second.erase(next);
-  running_[device] = Running{job.function_id, job.key, job.dispatcher.cast<ShapeDispatcher&>().cache()};
+  running_[device] = Running{job.function_id, job.key, job.cache};
   // Cleared on every way out; the job's objects are released after, still with the GIL.
   struct Ended {
     std::unordered_map<c10::Device, Running>& running;
     const c10::Device& device;
     ~Ended() { running.erase(device); }
   } ended{running_, device};
-  ShapeDispatcher& dispatcher = job.dispatcher.cast<ShapeDispatcher&>();
-  dispatcher.run_background_build(job);
+  job.runner->run_queued(job);
   return true;
 }
 

@@ -29,11 +29,24 @@ namespace shapecache {
 
 namespace py = pybind11;
 
-class ShapeDispatcher;
 class ShapeCache;
+struct BuildJob;
+
+// What runs a job when a worker takes it: the miss policy of the function that queued it
+// (miss_policy.h), which builds the entry and inserts it.
+class QueuedBuildRunner {
+ public:
+  virtual void run_queued(BuildJob& job) = 0;
+
+ protected:
+  ~QueuedBuildRunner() = default;
+};
 
 struct BuildJob {
-  py::object dispatcher;  // the ShapeDispatcher's Python object: kept alive until the job ends
+  // The cached function's Python object, which owns `runner`: kept alive until the job ends.
+  py::object keep_alive;
+  QueuedBuildRunner* runner = nullptr;
+  std::shared_ptr<ShapeCache> cache;  // where the bucket is marked as building until the job ends
   uint64_t function_id = 0;
   ShapeKey key;
   c10::Device device{c10::kCPU};
@@ -42,7 +55,8 @@ struct BuildJob {
   // call returns. Tensors are shared (a build reads their sizes, not their values).
   py::tuple args;
   py::dict kwargs;
-  uint64_t generation = 0;  // the dispatcher's clear() count when queued: a clear since drops the build
+  py::tuple tensors;  // the call's tensors in key order (Call::tensors), for the builder's handle
+  uint64_t generation = 0;  // the miss policy's clear() count when queued: a clear since drops the build
   // The caller's grad, inference and autocast modes, which the key holds: the build runs
   // under them on the worker's thread, whose own modes are its defaults.
   CallModes modes;
@@ -64,8 +78,8 @@ class BuildQueue {
   // False (and nothing queued) when the device's queue is full.
   bool push(BuildJob job);
 
-  // Runs the oldest ready job of `device` (ShapeDispatcher::run_background_build); false when
-  // none is ready.
+  // Runs the oldest ready job of `device` (QueuedBuildRunner::run_queued); false when none is
+  // ready.
   bool run_next(const c10::Device& device);
 
   // The call that queued a bucket's job has returned: the job may start.

@@ -74,7 +74,7 @@ std::string_view utf8_of(PyObject* text) {
 
 class KeyWriter {
  public:
-  explicit KeyWriter(CallKey& out) : out_(out) {}
+  explicit KeyWriter(Call& out) : out_(out) {}
 
   void add_value(PyObject* obj, int depth) {
     ShapeKey& key = out_.key;
@@ -82,6 +82,7 @@ class KeyWriter {
       const at::Tensor& t = THPVariable_Unpack(obj);
       add_tensor(key, t, alias_of(t));
       note_device(t.device());
+      out_.tensors.push_back(obj);
     } else if (obj == Py_None) {
       key.add_none();
     } else if (PyBool_Check(obj)) {
@@ -161,6 +162,7 @@ class KeyWriter {
     note_device(t.device());
     if (padded_dims.empty()) {
       add_tensor(out_.key, t, alias_of(t));
+      out_.tensors.push_back(obj);
       return std::nullopt;
     }
     // Zeros of the bucket's sizes in the argument's own memory format, the argument copied
@@ -172,7 +174,9 @@ class KeyWriter {
     add_tensor(out_.key, padded, alias_of(t));  // aliasing as the caller passed it: the padded copy is fresh
     out_.crop.insert(out_.crop.end(), padded_dims.begin(), padded_dims.end());
     out_.padded = true;
-    return py::reinterpret_steal<py::object>(THPVariable_Wrap(padded));
+    py::object wrapped = py::reinterpret_steal<py::object>(THPVariable_Wrap(padded));
+    out_.tensors.push_back(wrapped.ptr());  // kept alive by the padded arguments it is stored into
+    return wrapped;
   }
 
   void note_device(const c10::Device& device) {
@@ -202,7 +206,7 @@ class KeyWriter {
     if (depth >= kMaxNesting) throw UnkeyableArgument("containers nested more than 16 deep");
   }
 
-  CallKey& out_;
+  Call& out_;
   std::optional<c10::Device> device_;
   std::vector<const void*> storages_;  // each tensor's storage, in the order keyed
 };
@@ -240,9 +244,25 @@ const ArgumentBuckets* buckets_for_name(const std::vector<ArgumentBuckets>& buck
 
 }  // namespace
 
-CallKey make_call_key(const CallContext& context, const py::tuple& args, const py::dict& kwargs,
-                      const std::vector<ArgumentBuckets>& buckets) {
-  CallKey out;
+py::tuple with_owner(const py::object& owner, const py::tuple& args) {
+  if (owner.is_none()) return args;
+  const Py_ssize_t n = PyTuple_GET_SIZE(args.ptr());
+  py::tuple out(n + 1);
+  PyTuple_SET_ITEM(out.ptr(), 0, owner.inc_ref().ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyTuple_GET_ITEM(args.ptr(), i);
+    Py_INCREF(item);
+    PyTuple_SET_ITEM(out.ptr(), i + 1, item);
+  }
+  return out;
+}
+
+Call make_call(const CallContext& context, const py::object& owner, const py::tuple& args, const py::dict& kwargs,
+               const std::vector<ArgumentBuckets>& buckets) {
+  Call out;
+  out.owner = owner;
+  out.args = args;
+  out.kwargs = kwargs;
   ShapeKey& key = out.key;
   key.add_tag(KeyTag::kContext);
   key.add_word(context.function_id);
@@ -290,10 +310,8 @@ CallKey make_call_key(const CallContext& context, const py::tuple& args, const p
   }
 
   out.device = writer.device();
-  if (out.padded) {
-    out.args = padded_args ? py::tuple(*padded_args) : args;
-    out.kwargs = padded_kwargs ? *padded_kwargs : kwargs;
-  }
+  out.entry_args = with_owner(owner, padded_args ? py::tuple(*padded_args) : args);
+  out.entry_kwargs = padded_kwargs ? *padded_kwargs : kwargs;
   return out;
 }
 
@@ -322,7 +340,7 @@ std::vector<NamedArgument> canonical_arguments(const py::tuple& args, const py::
 
 namespace {
 
-// The walk of for_each_tensor and tensors_in_key_order: the tensors' Python objects
+// The walk of for_each_tensor: the tensors' Python objects
 // (borrowed), in order.
 void collect_tensors(PyObject* value, std::vector<PyObject*>& out) {
   if (THPVariable_Check(value)) {
@@ -345,21 +363,6 @@ void for_each_tensor(PyObject* value, const std::function<void(const at::Tensor&
   std::vector<PyObject*> tensors;
   collect_tensors(value, tensors);
   for (PyObject* tensor : tensors) visit(THPVariable_Unpack(tensor));
-}
-
-py::tuple tensors_in_key_order(const py::tuple& args, const py::dict& kwargs,
-                               const std::vector<std::string>& parameter_names) {
-  size_t unnamed = 0;
-  std::vector<PyObject*> tensors;
-  for (const NamedArgument& argument : canonical_arguments(args, kwargs, &parameter_names, &unnamed)) {
-    collect_tensors(argument.value, tensors);
-  }
-  py::tuple out(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    Py_INCREF(tensors[i]);
-    PyTuple_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), tensors[i]);
-  }
-  return out;
 }
 
 py::object map_tensors(const py::object& value, const std::function<at::Tensor(const at::Tensor&)>& map) {

@@ -1,4 +1,5 @@
-// CallKey: the ShapeKey of one call of a cached function, built from its Python arguments.
+// The key computation: the Call (call.h) of one call of a cached function, from its Python
+// arguments.
 //
 // Arguments with a parameter name are keyed by name, however they were passed; the rest of
 // the positional arguments in order. Tensors are keyed by bucketed sizes, dtype, device, memory layout and requires_grad;
@@ -27,6 +28,7 @@
 #include <string_view>
 #include <vector>
 
+#include "cache/call.h"
 #include "core/bucket_policy.h"
 #include "core/shape_key.h"
 
@@ -37,23 +39,6 @@ namespace py = pybind11;
 class UnkeyableArgument : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
-};
-
-// One padded dimension of a padded argument, in argument order.
-struct CropDim {
-  int64_t argument;  // which bucketed argument: its index in the function's ArgumentBuckets
-  int64_t dim;
-  int64_t original;
-  int64_t padded;
-};
-
-struct CallKey {
-  ShapeKey key;
-  c10::Device device{c10::kCPU};  // budget domain: the first tensor's device, CPU if none
-  bool padded = false;            // if true, call with `args`/`kwargs` below and crop outputs
-  py::tuple args;
-  py::dict kwargs;
-  std::vector<CropDim> crop;     // every padded dimension of every argument, in order
 };
 
 // Words that make the same arguments key differently: which function, and the autograd,
@@ -81,12 +66,6 @@ struct NamedArgument {
 std::vector<NamedArgument> canonical_arguments(const py::tuple& args, const py::dict& kwargs,
                                                const std::vector<std::string>* parameter_names, size_t* unnamed);
 
-// The call's tensors in key order: canonical_arguments' order, and inside each argument
-// for_each_tensor's. Calls that share a key have the same number of tensors, in the same
-// roles, in this order, however they spell their arguments.
-py::tuple tensors_in_key_order(const py::tuple& args, const py::dict& kwargs,
-                               const std::vector<std::string>& parameter_names);
-
 // Visits every tensor in `value` (itself, or inside tuples, lists and dict values, in order).
 void for_each_tensor(PyObject* value, const std::function<void(const at::Tensor&)>& visit);
 
@@ -95,12 +74,16 @@ void for_each_tensor(PyObject* value, const std::function<void(const at::Tensor&
 // Raises TypeError for other objects, which could hide tensors.
 py::object map_tensors(const py::object& value, const std::function<at::Tensor(const at::Tensor&)>& map);
 
-// Builds the key of calling with `args` and `kwargs`; pads bucketed arguments.
+// The Call of calling with `args` and `kwargs` (and `owner` first, unless it is None): its
+// key, its device, its padded arguments and its tensors in key order, in one walk.
 // Throws UnkeyableArgument naming the argument; py::value_error / py::type_error for an
 // argument that a bucket policy cannot apply to (a bucketed argument that is no tensor, a
 // size above the largest explicit bucket).
-CallKey make_call_key(const CallContext& context, const py::tuple& args, const py::dict& kwargs,
-                      const std::vector<ArgumentBuckets>& buckets);
+Call make_call(const CallContext& context, const py::object& owner, const py::tuple& args, const py::dict& kwargs,
+               const std::vector<ArgumentBuckets>& buckets);
+
+// `args` with `owner` in front, unless it is None.
+py::tuple with_owner(const py::object& owner, const py::tuple& args);
 
 // Outputs of a padded call cropped to `shapes`, one per output tensor in map_tensors' order
 // (the plain call's sizes); nullopt when the outputs do not match them in count or rank, or

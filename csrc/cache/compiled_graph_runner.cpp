@@ -1,11 +1,9 @@
 #include "cache/compiled_graph_runner.h"
 
-#include "cache/call_key.h"
-
 namespace shapecache {
 
-py::object CompiledGraphRunner::run(const py::tuple& args, const py::dict& kwargs) {
-  py::tuple inputs = tensors_in_key_order(args, kwargs, parameter_names_);
+py::object CompiledGraphRunner::run(const Call& call) {
+  py::tuple inputs = call.tensor_tuple();
   PyObject* out = PyObject_Call(graph_.ptr(), inputs.ptr(), nullptr);
   if (out == nullptr) throw py::error_already_set();
   py::object tensors = py::reinterpret_steal<py::object>(out);

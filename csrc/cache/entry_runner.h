@@ -1,8 +1,14 @@
-// EntryRunner: an entry that serves calls from C++ (a CUDA graph replay, a compiled graph
-// called with the call's tensors), where other entries call a Python callable with the call.
+// EntryRunner: how an entry serves its bucket's calls. Every entry has one, so the hit path
+// has one form whatever built the entry: check `valid()`, then `run(call)`. Runners built in
+// Python (an eager function, Dynamo's compiled code) are a PythonRunner (python_runner.h);
+// the compile backend's graphs and CUDA graphs serve calls from C++.
 #pragma once
 
 #include <pybind11/pybind11.h>
+
+#include <string>
+
+#include "cache/call.h"
 
 namespace shapecache {
 
@@ -12,13 +18,16 @@ class EntryRunner {
  public:
   virtual ~EntryRunner() = default;
 
-  // Serves a call: `args` and `kwargs` are the call's own (padded when bucketed), without the
-  // owner a method is bound to. Runs with the GIL held.
-  virtual py::object run(const py::tuple& args, const py::dict& kwargs) = 0;
+  // Serves a call of the entry's bucket (its padded arguments, its tensors in key order).
+  // Runs with the GIL held.
+  virtual py::object run(const Call& call) = 0;
 
-  // False once what the entry was built from is stale (state_guard.h; a workspace that moved):
-  // it must be rebuilt, never run.
+  // False once what the entry was built from is stale (state_guard.h; a workspace that
+  // moved): it must be rebuilt, never run. May run Python code.
   virtual bool valid() = 0;
+
+  // After valid() returned false: what changed, for counters and warnings.
+  virtual std::string changed() const = 0;
 };
 
 }  // namespace shapecache

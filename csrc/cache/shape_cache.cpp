@@ -1,6 +1,5 @@
 #include "cache/shape_cache.h"
 
-#include "cache/build_handle.h"
 #include "cache/cache_figures.h"
 
 #include <torch/csrc/Device.h>
@@ -11,24 +10,11 @@
 
 namespace shapecache {
 
-ShapeCache::ShapeCache(py::object budget_for_device, int64_t max_entries, CacheCallbacks callbacks)
-    : budget_for_device_(std::move(budget_for_device)), callbacks_(std::move(callbacks)), max_entries_(max_entries) {
+ShapeCache::ShapeCache(py::object budget_for_device, int64_t max_entries)
+    : budget_for_device_(std::move(budget_for_device)), max_entries_(max_entries) {
   if (max_entries < 0) {
     throw py::value_error("max_entries must be a non-negative int or None, got " + std::to_string(max_entries));
   }
-}
-
-void ShapeCache::release_device_memory(const c10::Device& device) {
-  {
-    auto evicted = evict_unpinned(device);
-  }  // the evicted entries are destroyed before the allocator's cache is emptied
-  if (callbacks_.release_device_memory.is_none()) return;
-  callbacks_.release_device_memory(BuildHandle(shared_from_this(), device, /*run_call=*/false));
-}
-
-void ShapeCache::wake_build_worker(const c10::Device& device) {
-  if (callbacks_.wake_build_worker.is_none()) return;
-  callbacks_.wake_build_worker(py::reinterpret_steal<py::object>(THPDevice_New(device)));
 }
 
 EntryLru& ShapeCache::lru(const c10::Device& device) {
@@ -102,7 +88,7 @@ int ShapeCache::traverse(uint64_t function_id, visitproc visit, void* arg) const
   for (const auto& [device, cache] : devices_) {
     cache.lru->for_each([&](const ShapeKey&, const Entry& entry, int64_t, int) {
       if (result != 0 || entry.function_id != function_id) return;
-      if (entry.runner) result = visit(entry.runner.ptr(), arg);
+      if (entry.handle) result = visit(entry.handle.ptr(), arg);
       if (result == 0 && entry.guard) result = entry.guard->traverse(visit, arg);
     });
   }
@@ -112,7 +98,7 @@ int ShapeCache::traverse(uint64_t function_id, visitproc visit, void* arg) const
 py::list ShapeCache::entries(const c10::Device& device) {
   std::vector<std::tuple<uint64_t, py::object, bool>> found;  // copied out first: see the file's comment
   lru(device).for_each([&](const ShapeKey&, const Entry& entry, int64_t, int pins) {
-    found.emplace_back(entry.id, entry.runner, pins > 0);
+    found.emplace_back(entry.id, entry.handle, pins > 0);
   });
   py::list out;
   for (auto& [id, runner, pinned] : found) out.append(py::make_tuple(id, std::move(runner), pinned));

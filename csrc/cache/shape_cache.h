@@ -37,9 +37,11 @@ namespace py = pybind11;
 // The compiled artifact of one bucket of one cached function.
 struct Entry {
   uint64_t id = 0;            // unique in the process: how Python names an entry it rebuilds
-  py::object runner;          // called with the (padded) call's arguments
-  std::shared_ptr<EntryRunner> native;  // set when the runner serves calls from C++ (a graph)
-  // What the runner was built from (state_guard.h); a native runner checks it itself.
+  std::shared_ptr<EntryRunner> runner;  // serves the bucket's calls (entry_runner.h)
+  // What the builder returned as the runner (a callable, or a runner bound to Python): the
+  // object BuildHandle.entries() lists and the garbage collector visits.
+  py::object handle;
+  // What the runner was built from (state_guard.h), or null: visited by the garbage collector.
   std::shared_ptr<StateGuard> guard;
   uint64_t function_id = 0;   // the ShapeDispatcher that built it
   std::string bucket;         // the key, readable
@@ -47,14 +49,14 @@ struct Entry {
   double build_seconds = 0;   // wall time of the build, first call included
   int64_t hits = 0;           // calls served after the build
   double last_use = 0;        // unix time of the last call
-  // Whether the guard was checked after the entry's first run (its builder ran the call and
-  // checked; else the dispatcher checks after the first hit, ShapeDispatcher::check_after_first_run).
+  // Whether the runner was checked after its first run (its builder ran the call and
+  // checked; else the miss policy checks after the first hit: MissPolicy::after_first_run).
   bool checked_after_first_run = true;
 
-  // After a check found the entry stale (ShapeDispatcher::still_valid): what changed.
+  // After the runner was found stale: what changed.
   std::string changed() const {
-    if (guard && !guard->changed().empty()) return guard->changed();
-    return "what the graph was captured from moved (its workspace, or a released graph)";
+    std::string what = runner ? runner->changed() : std::string();
+    return what.empty() ? "what the graph was captured from moved (its workspace, or a released graph)" : what;
   }
 };
 
@@ -66,23 +68,11 @@ struct SharedBytes {
   int64_t workspace = 0;  // the workspace arena of tuned convolutions
 };
 
-// What the cache calls into Python for, given when it is made; each may be None.
-struct CacheCallbacks {
-  // release_device_memory(handle: BuildHandle): frees what the allocator caches on
-  // handle.device and charges the shared bytes it leaves (handle.set_shared_bytes).
-  py::object release_device_memory = py::none();
-  // run_on_fake_tensors(function, args, kwargs) -> outputs: the call on fake tensors of the
-  // arguments' sizes, for the crop plans of padded calls (None: padded calls run unpadded).
-  py::object run_on_fake_tensors = py::none();
-  // wake_build_worker(device: torch.device): a build was queued for the device's worker.
-  py::object wake_build_worker = py::none();
-};
-
 class ShapeCache : public std::enable_shared_from_this<ShapeCache> {
  public:
   // `budget_for_device(device: torch.device) -> int` resolves the byte budget of a device
   // the first time the cache sees it (fractions of a device's memory need the device).
-  ShapeCache(py::object budget_for_device, int64_t max_entries, CacheCallbacks callbacks);
+  ShapeCache(py::object budget_for_device, int64_t max_entries);
 
   // The device's LRU, created on first use. May call into Python (first use only).
   EntryLru& lru(const c10::Device& device);
@@ -92,13 +82,6 @@ class ShapeCache : public std::enable_shared_from_this<ShapeCache> {
 
   // Evicts every unpinned entry of a device (to free memory after an out-of-memory error).
   std::vector<EntryLru::Evicted> evict_unpinned(const c10::Device& device);
-
-  // After an out-of-memory error: evicts the device's unpinned entries, destroys them, then
-  // calls the release callback with a handle on the device.
-  void release_device_memory(const c10::Device& device);
-
-  const py::object& run_on_fake_tensors() const { return callbacks_.run_on_fake_tensors; }
-  void wake_build_worker(const c10::Device& device);
 
   // "holds 1.2 GiB in 3 entries (1 pinned) + 512 MiB pool + 64 MiB workspace; budget 8 GiB"
   std::string describe(const c10::Device& device);
@@ -157,7 +140,6 @@ class ShapeCache : public std::enable_shared_from_this<ShapeCache> {
   std::optional<ShapeKey> key_of(const c10::Device& device, uint64_t id);
 
   py::object budget_for_device_;
-  CacheCallbacks callbacks_;
   int64_t max_entries_;
   std::unordered_map<c10::Device, DeviceCache> devices_;
   std::vector<c10::Device> device_order_;  // first use first, for stable stats

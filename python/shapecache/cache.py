@@ -113,7 +113,9 @@ class CachedFunction(_C.ShapeDispatcher, CacheHolder):
         background = None
         if options.build == "background":
             background = functools.partial(builds_in_background, options.backend)
-        super().__init__(function, builder, cache, buckets, names, owner, key_training, background)
+        super().__init__(function, builder, cache, buckets, names, owner, key_training, background,
+                         release_device_memory=release_device_memory, wake_build_worker=_build_workers.wake,
+                         run_on_fake_tensors=call_on_fake_tensors)
         functools.update_wrapper(self, function)
         if has_owner:  # called bound: the signature callers see has no `self`, as a bound method's has not
             try:
@@ -215,8 +217,7 @@ def _charging_workspace(builder):
 
 def make_cache(options: CacheOptions):
     """An empty cache: one budget domain, shared by the functions built with it."""
-    return _C.ShapeCache(options.budget.bytes_for, options.max_entries, release_device_memory=release_device_memory,
-                         run_on_fake_tensors=call_on_fake_tensors, wake_build_worker=_build_workers.wake)
+    return _C.ShapeCache(options.budget.bytes_for, options.max_entries)
 
 
 _Wrapped = TypeVar("_Wrapped", bound=Callable)

@@ -33,8 +33,8 @@ def test_auto_runs_eager_on_the_cpu():
 def test_shared_bytes_are_set_independently_and_count_against_the_budget():
     cache = _C.ShapeCache(lambda device: 1000, None)
     cpu = torch.device("cpu")
-    cache.set_shared_bytes(cpu, pool=300)
-    cache.set_shared_bytes(cpu, workspace=200)  # the pool figure stays
+    _C._testing.build_handle(cache, cpu).set_shared_bytes(pool=300)
+    _C._testing.build_handle(cache, cpu).set_shared_bytes(workspace=200)  # the pool figure stays
     figures = cache.stats()["devices"]["cpu"]
     assert (figures["pool_bytes"], figures["workspace_bytes"], figures["bytes"]) == (300, 200, 500)
 
@@ -45,7 +45,7 @@ def test_shared_bytes_are_set_independently_and_count_against_the_budget():
     f(torch.ones(1))
     f(torch.ones(2))  # 500 shared + 400 + 400 > 1000: the first entry goes
     assert [e["bucket"] for e in f.stats()["entries"]] == ["x=(2,) float32 cpu"]
-    assert cache.evict_unpinned(cpu) == 1 and cache.stats()["entries"] == []
+    assert _C._testing.build_handle(cache, cpu).evict_unpinned() == 1 and cache.stats()["entries"] == []
 
 
 def test_entries_are_named_by_id_and_resized_under_the_budget_rule():
@@ -58,23 +58,23 @@ def test_entries_are_named_by_id_and_resized_under_the_budget_rule():
     f = _C.ShapeDispatcher(lambda x: x, builder, cache, [], ["x"], None, False)
     for n in (1, 2, 3):
         f(torch.ones(n))
-    entries = cache.entries(cpu)  # most recently used first
+    entries = _C._testing.build_handle(cache, cpu).entries()  # most recently used first
     ids = [entry_id for entry_id, _, _ in entries]
     assert len(set(ids)) == 3 and [e["id"] for e in cache.stats()["entries"]] == ids
     assert all(not pinned for _, _, pinned in entries)
     newest, middle, oldest = ids
     # The oldest entry, rebuilt at 600 bytes, stays; the least recent of the others goes.
-    assert cache.set_entry_bytes(cpu, oldest, 600) == [middle]
+    assert _C._testing.build_handle(cache, cpu).set_entry_bytes(oldest, 600) == [middle]
     assert [e["id"] for e in cache.stats()["entries"]] == [newest, oldest]
     assert cache.stats()["devices"]["cpu"]["bytes"] == 900
     # An entry that cannot fit even alone goes by itself; the other stays.
-    assert cache.set_entry_bytes(cpu, newest, 1001) == [newest]
-    assert not cache.contains_entry(cpu, newest) and cache.contains_entry(cpu, oldest)
+    assert _C._testing.build_handle(cache, cpu).set_entry_bytes(newest, 1001) == [newest]
+    assert not _C._testing.build_handle(cache, cpu).contains_entry(newest) and _C._testing.build_handle(cache, cpu).contains_entry(oldest)
     with pytest.raises(KeyError, match=f"no entry {newest} on cpu"):
-        cache.set_entry_bytes(cpu, newest, 1)
+        _C._testing.build_handle(cache, cpu).set_entry_bytes(newest, 1)
     with pytest.raises(ValueError, match="bytes must be >= 0, got -1"):
-        cache.set_entry_bytes(cpu, oldest, -1)
-    assert cache.erase_entry(cpu, oldest) and not cache.erase_entry(cpu, oldest)
+        _C._testing.build_handle(cache, cpu).set_entry_bytes(oldest, -1)
+    assert _C._testing.build_handle(cache, cpu).erase_entry(oldest) and not _C._testing.build_handle(cache, cpu).erase_entry(oldest)
     assert cache.stats()["entries"] == [] and cache.stats()["devices"]["cpu"]["bytes"] == 0
 
 
@@ -89,7 +89,7 @@ def test_pool_over_budget_counts_what_evictions_cannot_free():
     unlimited = _C.ShapeCache(lambda device: 2**62, None)
     _C._testing.build_handle(unlimited, cpu).set_shared_bytes(pool=10**15)
     assert not pool_over_budget(_C._testing.build_handle(unlimited, cpu), 0)
-    cache.count_pool_rebuild(cpu)
+    _C._testing.build_handle(cache, cpu).count_pool_rebuild()
     assert cache.stats()["pool_rebuilds"] == 1 and cache.stats()["devices"]["cpu"]["pool_rebuilds"] == 1
 
 
@@ -374,7 +374,7 @@ def test_a_recapture_runs_under_the_modes_the_entry_was_built_with():
     with torch.no_grad():
         expected = net(x)
     device = torch.device("cuda", torch.cuda.current_device())
-    (_, runner, _), = net.forward.cache.entries(device)
+    (_, runner, _), = _C._testing.build_handle(net.forward.cache, device).entries()
     runner.release()
     with torch.enable_grad(), torch.autocast("cuda", dtype=torch.float16):
         runner.recapture()

@@ -61,8 +61,9 @@ class Counted:
 
 
 def background(function, builder, budget=1000):
-    cache = _C.ShapeCache(lambda device: budget, None, wake_build_worker=_build_workers.wake)
-    return _C.ShapeDispatcher(function, builder, cache, [], ["x"], None, False, background=lambda device: True)
+    cache = _C.ShapeCache(lambda device: budget, None)
+    return _C.ShapeDispatcher(function, builder, cache, [], ["x"], None, False, background=lambda device: True,
+                              wake_build_worker=_build_workers.wake)
 
 
 def wait(f, timeout=WAIT):
@@ -249,9 +250,9 @@ def test_a_list_the_caller_changes_after_the_miss_is_built_as_it_was_at_the_call
         seen.append(list(args[1]))
         return BuiltEntry(lambda x, scales: x * scales[0], 0, None, "eager", ran_call=False)
 
-    cache = _C.ShapeCache(lambda device: 1000, None, wake_build_worker=_build_workers.wake)
+    cache = _C.ShapeCache(lambda device: 1000, None)
     f = _C.ShapeDispatcher(lambda x, scales: x * scales[0], builder, cache, [], ["x", "scales"], None, False,
-                           background=lambda device: True)
+                           background=lambda device: True, wake_build_worker=_build_workers.wake)
     scales = [2.0]
     f(torch.ones(2), scales)
     scales[0] = 3.0  # after the call, before the worker builds

@@ -249,7 +249,7 @@ def test_shared_bytes_count_against_the_budget():
     f = make_cached(lambda x: x, nbytes=30, budget=100)
     for n in range(1, 4):
         f(torch.ones(n))
-    f.cache.set_shared_bytes(torch.device("cpu"), pool=20, workspace=30)
+    _C._testing.build_handle(f.cache, torch.device("cpu")).set_shared_bytes(pool=20, workspace=30)
     st = f.stats()
     assert len(st["entries"]) == 1 and st["bytes"] == 80 and (st["pool_bytes"], st["workspace_bytes"]) == (20, 30)
 

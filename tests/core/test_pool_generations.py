@@ -342,8 +342,9 @@ class GraphDevice:
         self.graphs = weakref.WeakSet()
         self.failures = []  # injected into the next captures, in order
         self.inner_call = None
-        self.cache = _C.ShapeCache(lambda device: BUDGET, None, release_device_memory=self.release_memory)
-        self.cached = _C.ShapeDispatcher(lambda x: x * 2, self.build, self.cache, [], ["x"], None, False)
+        self.cache = _C.ShapeCache(lambda device: BUDGET, None)
+        self.cached = _C.ShapeDispatcher(lambda x: x * 2, self.build, self.cache, [], ["x"], None, False,
+                                         release_device_memory=self.release_memory)
 
     def open_pool(self):
         self.next_id += 1
@@ -450,7 +451,7 @@ class PoolUnderBudget(RuleBasedStateMachine):
 
     @rule()
     def evict_and_empty(self):  # what the out-of-memory retry does, from outside a call
-        self.device.cache.evict_unpinned(CPU)
+        _C._testing.build_handle(self.device.cache, CPU).evict_unpinned()
         self.device.release_memory(_C._testing.build_handle(self.device.cache, CPU))
 
     @invariant()
@@ -471,7 +472,7 @@ class PoolUnderBudget(RuleBasedStateMachine):
 
     @invariant()
     def the_cache_holds_live_graphs_within_the_budget(self):
-        entries = self.device.cache.entries(CPU)
+        entries = _C._testing.build_handle(self.device.cache, CPU).entries()
         for _, runner, pinned in entries:
             assert not pinned  # between calls nothing runs
             if isinstance(runner, BucketGraph):

@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/version.h>
 
@@ -130,17 +131,28 @@ int64_t DeviceGraphs::pool_bytes(bool in_use) {
   return bytes;
 }
 
+namespace {
+
+// A tensor of a Call (call.h), or of BuildHandle.tensors: the key computation put only tensors there.
+at::Tensor tensor_of(PyObject* object) {
+  TORCH_CHECK(THPVariable_Check(object), "cuda_graph: expected a tensor of the call, got ", Py_TYPE(object)->tp_name);
+  return THPVariable_Unpack(object);
+}
+
+}  // namespace
+
 std::shared_ptr<CudaGraphRunner> CudaGraphRunner::capture(const py::object& function, const py::object& owner,
                                                           const py::tuple& args, const py::dict& kwargs,
-                                                          std::vector<std::string> parameter_names,
+                                                          const py::tuple& tensors,
                                                           std::shared_ptr<StateGuard> guard) {
   std::shared_ptr<CudaGraphRunner> runner(new CudaGraphRunner());
   runner->function_ = function;
   runner->owner_ = owner.is_none() ? py::object(py::none()) : py::object(py::weakref(owner));
-  runner->parameter_names_ = std::move(parameter_names);
   runner->guard_ = std::move(guard);
 
-  const std::vector<at::Tensor> inputs = runner->inputs_in_key_order(args, kwargs);
+  std::vector<at::Tensor> inputs;
+  inputs.reserve(tensors.size());
+  for (py::handle t : tensors) inputs.push_back(tensor_of(t.ptr()));
   TORCH_CHECK(!inputs.empty(), "cuda_graph: a call without tensor arguments cannot be captured");
   const c10::Device device = inputs.front().device();
   TORCH_CHECK(device.is_cuda(), "cuda_graph: the call's tensors are on ", device, "; CUDA graphs need CUDA tensors");
@@ -238,20 +250,13 @@ void CudaGraphRunner::recapture() {
   capture_graph(strong(owner_));
 }
 
-std::vector<at::Tensor> CudaGraphRunner::inputs_in_key_order(const py::tuple& args, const py::dict& kwargs) const {
-  size_t unnamed = 0;
-  std::vector<at::Tensor> inputs;
-  for (const NamedArgument& argument : canonical_arguments(args, kwargs, &parameter_names_, &unnamed)) {
-    for_each_tensor(argument.value, [&](const at::Tensor& t) { inputs.push_back(t); });
-  }
-  return inputs;
-}
-
-py::object CudaGraphRunner::run(const py::tuple& args, const py::dict& kwargs) {
+py::object CudaGraphRunner::run(const Call& call) {
   TORCH_CHECK(graph_, "cuda_graph: this bucket's graph was released and not captured again");
-  const std::vector<at::Tensor> inputs = inputs_in_key_order(args, kwargs);
-  TORCH_INTERNAL_ASSERT(inputs.size() == static_inputs_.size(), "cuda_graph: the call has ", inputs.size(),
-                        " tensors, the graph was captured with ", static_inputs_.size());
+  TORCH_INTERNAL_ASSERT(call.tensors.size() == static_inputs_.size(), "cuda_graph: the call has ",
+                        call.tensors.size(), " tensors, the graph was captured with ", static_inputs_.size());
+  std::vector<at::Tensor> inputs;  // the call's tensors in key order, as the static inputs are
+  inputs.reserve(call.tensors.size());
+  for (PyObject* t : call.tensors) inputs.push_back(tensor_of(t));
   DeviceGraphs& graphs = *device_;
   c10::cuda::CUDAGuard device_guard(graphs.device);
   const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(graphs.device);
@@ -335,7 +340,7 @@ void bind_cuda_graphs(py::module_& m) {
       .def("recapture", &CudaGraphRunner::recapture)
       .def_property_readonly("device", &CudaGraphRunner::device);
   m.def("capture_cuda_graph", &CudaGraphRunner::capture, py::arg("function"), py::arg("owner"), py::arg("args"),
-        py::arg("kwargs"), py::arg("parameter_names"), py::arg("guard"),
+        py::arg("kwargs"), py::arg("tensors"), py::arg("guard"),
         "Captures one call as a CUDA graph in its device's shared pool (warm the function up first).");
   m.def(
       "cuda_graph_pool_bytes",

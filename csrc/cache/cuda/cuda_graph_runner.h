@@ -90,15 +90,16 @@ class PoolGraph final : public at::cuda::CUDAGraph {
 class CudaGraphRunner final : public EntryRunner {
  public:
   // Captures function(owner, *args, **kwargs) (without owner when it is None) on static copies
-  // of the tensors in `args` and `kwargs`. The caller has warmed the function up already:
+  // of the tensors in `args` and `kwargs`; `tensors` are those tensors in key order
+  // (BuildHandle.tensors), as every replay is given them (Call::tensors). The caller has warmed the function up already:
   // nothing may be tuned, compiled or lazily initialised inside capture.
   static std::shared_ptr<CudaGraphRunner> capture(const py::object& function, const py::object& owner,
                                                   const py::tuple& args, const py::dict& kwargs,
-                                                  std::vector<std::string> parameter_names,
-                                                  std::shared_ptr<StateGuard> guard);
+                                                  const py::tuple& tensors, std::shared_ptr<StateGuard> guard);
 
-  py::object run(const py::tuple& args, const py::dict& kwargs) override;
+  py::object run(const Call& call) override;
   bool valid() override;
+  std::string changed() const override { return guard_ ? guard_->changed() : std::string(); }
 
   // Drops the graph and its outputs: every block it held in the pool goes back to the pool,
   // and when no graph of the pool is left, emptying the allocator's cache frees the pool.
@@ -115,14 +116,12 @@ class CudaGraphRunner final : public EntryRunner {
 
  private:
   CudaGraphRunner() = default;
-  std::vector<at::Tensor> inputs_in_key_order(const py::tuple& args, const py::dict& kwargs) const;
   void capture_graph(const py::object& owner);
 
   std::unique_ptr<PoolGraph> graph_;          // null while released
   DeviceGraphs* device_ = nullptr;
   py::object function_;                       // what is captured
   py::object owner_;                          // weak reference to the module (None for functions)
-  std::vector<std::string> parameter_names_;  // canonical argument order, as in the key
   py::tuple static_args_;                     // the call, with static tensors in place of the caller's
   py::dict static_kwargs_;
   std::vector<at::Tensor> static_inputs_;     // one per tensor of a call, in canonical order

@@ -53,9 +53,9 @@ def build_compiled(function, args, kwargs, handle, context: BuildContext, asked:
             exported.warm_up(options)  # the compiler's start-up is not this entry's (host_memory.py)
         try:
             with _held_bytes(device) as held:
-                compiled = exported.compile_call(function, args, kwargs, context.parameter_names, context.has_owner,
-                                                 options)
-                output = compiled.runner(*(args[1:] if context.has_owner else args), **kwargs) if run_call else None
+                compiled = exported.compile_call(function, args, kwargs, handle.tensors, context.parameter_names,
+                                                 context.has_owner, options)
+                output = compiled.runner(*handle.tensors) if run_call else None
         except exported.ExportFailed as failure:
             if not run_call:
                 return not_built(function, args, kwargs, f"torch.export could not capture it as one graph ({failure}), "

@@ -70,8 +70,7 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
 
     try:
         runner, entry_bytes = graph_pool.measured_capture(
-            lambda: _C.capture_cuda_graph(runnable, owner, tuple(call_args), dict(kwargs),
-                                          list(context.parameter_names), guard),
+            lambda: _C.capture_cuda_graph(runnable, owner, tuple(call_args), dict(kwargs), handle.tensors, guard),
             handle)
     except torch.OutOfMemoryError:
         raise  # the cache's own retry: evict, empty the allocator's cache, build again
@@ -95,7 +94,7 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
     name = "compile+cuda_graph" if compiled else "cuda_graph"
     if keep_only_if_faster:
         # The best of several: the first replay of a graph includes its upload.
-        replay_seconds = min(_timing.timings(lambda: runner(*call_args, **kwargs), device, repeats=3))
+        replay_seconds = min(_timing.timings(lambda: runner(*handle.tensors), device, repeats=3))
         if replay_seconds >= eager_seconds:
             return BuiltEntry(function, 0, output, "eager")
     return BuiltEntry(runner, entry_bytes, output, name, guard)

@@ -98,9 +98,11 @@ class CompiledCall(NamedTuple):
     guard: object
 
 
-def compile_call(function: Callable, args: tuple, kwargs: dict, parameter_names: tuple, has_owner: bool,
-                 compile_options: dict) -> CompiledCall:
+def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, parameter_names: tuple,
+                 has_owner: bool, compile_options: dict) -> CompiledCall:
     """A runner for later calls of `function` spelled like this one, and at these shapes.
+    `tensors` are the call's tensors in key order (``BuildHandle.tensors``): the graph's
+    inputs, as the runner is given them on every hit.
 
     Raises ExportFailed when the call cannot be captured as one graph; inductor's own errors
     propagate.
@@ -112,7 +114,6 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, parameter_names:
     roots = guards.call_roots(args, kwargs, has_owner, parameter_names)
     before = guards.record(roots, functions=[function])
     leaves, spec = tree_flatten((args, kwargs))
-    tensors = _C.tensors_in_key_order(tuple(args[1:] if has_owner else args), dict(kwargs), list(parameter_names))
     tensor_positions = _positions_of(tensors, leaves)
     copies = DetachedTrees()
     traced = [copies.of(leaf) if isinstance(leaf, torch.nn.Module) else leaf for leaf in leaves]
@@ -160,8 +161,7 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, parameter_names:
         del graph
 
     layout = module.trace.output_layout
-    runner = _C.CompiledGraphRunner(compiled, list(parameter_names), None if layout.is_one_tensor() else layout.rebuild,
-                                    guard)
+    runner = _C.CompiledGraphRunner(compiled, None if layout.is_one_tensor() else layout.rebuild, guard)
     weakref.finalize(runner, _forget_modules, loaded)
     return CompiledCall(runner, guard)
 
@@ -281,7 +281,7 @@ def warm_up(compile_options: dict) -> None:
         module = _WarmUp().eval()
         sample = torch.randn(1, 4, 8, 8)
         try:
-            compiled = compile_call(_WarmUp.forward, (module, sample), {}, ("sample",), True, compile_options)
+            compiled = compile_call(_WarmUp.forward, (module, sample), {}, (sample,), ("sample",), True, compile_options)
             compiled.runner(sample)
         except Exception:  # noqa: BLE001,S110  (the entry's own build reports what fails)
             pass

@@ -1,0 +1,489 @@
+#include "cache/miss_policy.h"
+
+#include <torch/csrc/Device.h>
+
+#include <chrono>
+#include <sstream>
+
+#include "cache/build_handle.h"
+#include "cache/call_key.h"
+#include "cache/call_modes.h"
+#include "cache/call_scope.h"
+#include "cache/crop_plans.h"
+#include "cache/python_runner.h"
+
+namespace shapecache {
+namespace {
+
+double unix_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+py::object run_python(const py::object& callable, const py::tuple& args, const py::dict& kwargs) {
+  PyObject* out = PyObject_Call(callable.ptr(), args.ptr(), kwargs.ptr());
+  if (out == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(out);
+}
+
+std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
+
+std::string describe_error(py::error_already_set& error) {
+  return std::string(py::str(error.type().attr("__name__"))) + ": " + first_line(py::str(error.value()));
+}
+
+// torch.OutOfMemoryError, looked up once.
+const py::object& out_of_memory_type() {
+  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> storage;
+  return storage.call_once_and_store_result([] { return py::module_::import("torch").attr("OutOfMemoryError"); }).get_stored();
+}
+
+// A failed allocation: CUDA's torch.OutOfMemoryError, Python's MemoryError, or torch's CPU
+// allocator failing, which raises a plain RuntimeError ("[enforce fail at alloc_cpu.cpp]
+// DefaultCPUAllocator: can't allocate memory", also inside the errors torch.compile wraps it
+// in). Read only when a build raised.
+bool runtime_error_says(py::error_already_set& error, const char* text) {
+  return error.matches(PyExc_RuntimeError) && std::string(py::str(error.value())).find(text) != std::string::npos;
+}
+
+bool is_out_of_memory(py::error_already_set& error) {
+  return error.matches(out_of_memory_type()) || error.matches(PyExc_MemoryError) ||
+         runtime_error_says(error, "DefaultCPUAllocator: can't allocate memory");
+}
+
+// `value` with every list, dict and tuple in it copied, and everything else shared: what a
+// queued build keeps of its call, whose key holds those containers' contents while the
+// caller may change them once the call has returned.
+py::object copy_containers(py::handle value) {
+  PyObject* v = value.ptr();
+  if (PyList_CheckExact(v)) {
+    py::list out;
+    for (py::handle item : py::reinterpret_borrow<py::list>(value)) out.append(copy_containers(item));
+    return out;
+  }
+  if (PyTuple_CheckExact(v)) {
+    const Py_ssize_t n = PyTuple_GET_SIZE(v);
+    py::tuple out(n);
+    for (Py_ssize_t i = 0; i < n; ++i) PyTuple_SET_ITEM(out.ptr(), i, copy_containers(PyTuple_GET_ITEM(v, i)).release().ptr());
+    return out;
+  }
+  if (PyDict_CheckExact(v)) {
+    py::dict out;
+    for (auto [k, item] : py::reinterpret_borrow<py::dict>(value)) out[k] = copy_containers(item);
+    return out;
+  }
+  return py::reinterpret_borrow<py::object>(value);
+}
+
+// Ends a build's mark on every way out, exceptions included.
+class BuildMark {
+ public:
+  BuildMark(ShapeCache& cache, const c10::Device& device, const ShapeKey& key)
+      : cache_(cache), device_(device), key_(key) {}
+  ~BuildMark() { cache_.end_build(device_, key_); }
+  BuildMark(const BuildMark&) = delete;
+  BuildMark& operator=(const BuildMark&) = delete;
+
+ private:
+  ShapeCache& cache_;
+  const c10::Device& device_;
+  const ShapeKey& key_;
+};
+
+}  // namespace
+
+// A failed allocation, or an error that may be one: oneDNN reports a failed allocation while
+// creating a primitive (its JIT code, its scratchpad) as "could not create a primitive", the
+// text of every failed creation (dnnl.hpp wraps dnnl_primitive_create's status in it, and
+// torch keeps only the text). Under a data-segment limit a convolution of a new size raises
+// it where the next size raises the allocator's own error. A build that raises it is retried
+// once after making room, like an out-of-memory build; only a definite one is reported to the
+// user as out of memory. Also read by the hit (an entry's own out-of-memory error is the call's).
+bool may_be_out_of_memory(py::error_already_set& error) {
+  return is_out_of_memory(error) || runtime_error_says(error, "could not create a primitive");
+}
+
+MissPolicy::MissPolicy(py::object function, py::object builder, std::shared_ptr<ShapeCache> cache,
+                       uint64_t function_id, FunctionCounters& counters, py::object background,
+                       MissServices services, std::function<py::object()> self_object)
+    : function_(std::move(function)),
+      builder_(std::move(builder)),
+      cache_(std::move(cache)),
+      function_id_(function_id),
+      counters_(counters),
+      background_(std::move(background)),
+      services_(std::move(services)),
+      self_object_(std::move(self_object)) {}
+
+py::object MissPolicy::serve(Call& call, bool stale) {
+  if (stale) {
+    ++counters_.invalidations;
+    EntryLru& lru = cache_->lru(call.device);
+    Entry* entry = lru.find(call.key);  // the check ran Python code: another thread may have erased it
+    const std::string changed = entry != nullptr ? entry->changed() : "the entry was dropped meanwhile";
+    // A call up the stack is running it: this call runs uncached, and the entry is rebuilt
+    // by a later call.
+    if (lru.pin_count(call.key) > 0) return cropped(call, run_uncached(call.entry_args, call.entry_kwargs));
+    if (entry != nullptr) auto erased = lru.erase(call.key);
+    give_up_if_unstable(call.key, changed);
+  }
+  if (uncached_buckets_.count(call.key) != 0) {
+    // Building it again would cost a build per call and keep nothing.
+    ++counters_.uncached_calls;
+    return cropped(call, run_uncached(call.entry_args, call.entry_kwargs));
+  }
+  if (builds_in_background(call.device)) {
+    switch (queue(call, /*ready=*/false)) {
+      case Queued::kQueued: {
+        ++counters_.misses;
+        py::object out;
+        try {
+          // The crop is part of the call (it may run the call unpadded).
+          out = cropped(call, run_uncached(call.entry_args, call.entry_kwargs));
+        } catch (...) {
+          // A call that fails by itself builds nothing, as inline (its own error propagates).
+          auto cancelled = BuildQueue::instance().cancel(function_id_, call.device, call.key);
+          throw;
+        }
+        make_ready_when_outermost_returns(function_id_, call.device, call.key, services_.wake_build_worker);
+        return out;
+      }
+      case Queued::kBusy:
+        ++counters_.busy_misses;
+        return cropped(call, run_uncached(call.entry_args, call.entry_kwargs));
+      case Queued::kFull:
+        ++counters_.uncached_calls;
+        return cropped(call, run_uncached(call.entry_args, call.entry_kwargs));
+    }
+  }
+  if (!cache_->begin_build(call.device, call.key)) {
+    ++counters_.busy_misses;
+    return cropped(call, run_uncached(call.entry_args, call.entry_kwargs));
+  }
+  py::object out;
+  {
+    BuildMark building(*cache_, call.device, call.key);
+    ++counters_.misses;
+    out = build(call.key, call.device, call.entry_args, call.entry_kwargs, call.tensor_tuple(), /*run_call=*/true,
+                generation_);
+  }
+  return cropped(call, std::move(out));
+}
+
+py::object MissPolicy::cropped(const Call& call, py::object out) {
+  if (!call.padded) return out;
+  if (std::optional<py::object> cropped = CropPlans::crop(call, out)) return std::move(*cropped);
+  return run_unpadded(call, "the padded call returned other outputs than the plain call's");
+}
+
+py::object MissPolicy::entry_failed(Call& call, const std::string& failure) {
+  py::object out = run_uncached(call.entry_args, call.entry_kwargs);
+  ++counters_.fallbacks;
+  EntryLru& lru = cache_->lru(call.device);
+  if (lru.pin_count(call.key) == 0) auto failed = lru.erase(call.key);
+  give_up(call.key);
+  warn_once(Warning::kEntryFailed, "shapecache: the compiled entry for " + describe_key(call.key) + " raised (" +
+                                       failure +
+                                       ") where the uncached call did not; that bucket runs uncached from now on "
+                                       "(sc.clear lets it be built again)");
+  return out;
+}
+
+void MissPolicy::after_first_run(const Call& call) {
+  EntryLru& lru = cache_->lru(call.device);
+  Entry* entry = lru.find(call.key);
+  if (entry == nullptr || entry->checked_after_first_run) return;
+  entry->checked_after_first_run = true;
+  std::shared_ptr<EntryRunner> runner = entry->runner;  // the check may run Python code
+  if (runner->valid()) return;
+  // Its own run changed what it reads (BatchNorm's statistics in training): this run was the
+  // call's one update, and its output is the answer, but every later call would find the entry
+  // stale and rebuild it. As an inline build finds at its first run (compile.py).
+  entry = lru.find(call.key);
+  const std::string changed = entry != nullptr ? entry->changed() : "the entry";
+  if (entry != nullptr && lru.pin_count(call.key) == 0) auto stale = lru.erase(call.key);
+  ++counters_.fallbacks;
+  give_up(call.key);
+  warn_once(Warning::kBuildFailed, "shapecache: no entry could be kept for " + describe_key(call.key) +
+                                       " (the call updates what it reads: " + changed +
+                                       "); that bucket runs uncached from now on (sc.clear lets it be built again)");
+}
+
+py::object MissPolicy::run_unkeyable(const py::tuple& args_with_owner, const py::dict& kwargs, const std::string& what) {
+  ++counters_.uncached_calls;
+  warn_once(Warning::kUnkeyable, "shapecache: " + what +
+                                     " that cannot be keyed; such calls run uncached (keyed: tensors, ints, floats, "
+                                     "bools, strings, None, dtypes, devices, and tuples, lists and dicts of those)");
+  return run_uncached(args_with_owner, kwargs);
+}
+
+py::object MissPolicy::run_unpadded(const Call& call, const std::string& reason) {
+  ++counters_.uncached_calls;
+  warn_once(Warning::kUncroppable, "shapecache: cannot tell the sizes of a padded call's outputs (" + first_line(reason) +
+                                       "); calls of this function that need padding run uncached, at their own sizes");
+  return run_uncached(with_owner(call.owner, call.args), call.kwargs);
+}
+
+bool MissPolicy::builds_in_background(const c10::Device& device) {
+  if (background_.is_none()) return false;
+  if (auto found = background_by_device_.find(device); found != background_by_device_.end()) return found->second;
+  py::object device_obj = py::reinterpret_steal<py::object>(THPDevice_New(device));
+  const bool background = background_(device_obj).cast<bool>();
+  background_by_device_[device] = background;
+  return background;
+}
+
+MissPolicy::Queued MissPolicy::queue(const Call& call, bool ready) {
+  if (!cache_->begin_build(call.device, call.key)) return Queued::kBusy;
+  BuildJob job;
+  job.keep_alive = self_object_();
+  job.runner = this;
+  job.cache = cache_;
+  job.function_id = function_id_;
+  job.key = call.key;
+  job.device = call.device;
+  job.args = copy_containers(call.entry_args).cast<py::tuple>();
+  job.kwargs = copy_containers(call.entry_kwargs).cast<py::dict>();
+  job.tensors = call.tensor_tuple();
+  job.generation = generation_;
+  job.modes = CallModes::of_this_thread(call.device.type());
+  job.ready = ready;
+  if (!BuildQueue::instance().push(std::move(job))) {
+    cache_->end_build(call.device, call.key);
+    return Queued::kFull;
+  }
+  return Queued::kQueued;
+}
+
+bool MissPolicy::queue_build(Call& call) {
+  if (!builds_in_background(call.device) || uncached_buckets_.count(call.key) != 0) return false;
+  EntryLru& lru = cache_->lru(call.device);
+  if (Entry* entry = lru.find(call.key)) {
+    std::shared_ptr<EntryRunner> runner = entry->runner;
+    if (runner->valid() || lru.pin_count(call.key) > 0) return false;
+    ++counters_.invalidations;  // stale: built again below
+    auto stale = lru.erase(call.key);
+  }
+  if (queue(call, /*ready=*/true) != Queued::kQueued) return false;
+  // No call counts it: it is not a miss of a call.
+  if (!services_.wake_build_worker.is_none()) {
+    services_.wake_build_worker(py::reinterpret_steal<py::object>(THPDevice_New(call.device)));
+  }
+  return true;
+}
+
+void MissPolicy::run_queued(BuildJob& job) {
+  BuildMark building(*cache_, job.device, job.key);
+  if (job.generation != generation_) return;  // cleared since it was queued
+  InBackgroundBuild in_background;
+  CallModesScope modes(job.modes);
+  ++counters_.background_builds;
+  std::string failure;
+  try {
+    build(job.key, job.device, job.args, job.kwargs, job.tensors, /*run_call=*/false, job.generation);
+    return;
+  } catch (py::error_already_set& error) {
+    failure = describe_error(error);
+  } catch (const std::exception& error) {  // a builder that returned something else (py::type_error)
+    failure = error.what();
+  }
+  // No call waits for this build: whatever it raised, its bucket runs uncached, as an inline
+  // build that fails where the plain call does not (unless it was cleared meanwhile).
+  if (job.generation != generation_) return;
+  ++counters_.fallbacks;
+  give_up(job.key);
+  warn_once(Warning::kBackgroundFailed, "shapecache: the background build of " + describe_key(job.key) + " failed (" +
+                                            first_line(failure) +
+                                            "); that bucket runs uncached from now on (sc.clear lets it be built again)");
+}
+
+py::object MissPolicy::build(const ShapeKey& key, const c10::Device& device, const py::tuple& args,
+                             const py::dict& kwargs, const py::tuple& tensors, bool run_call, uint64_t generation) {
+  {
+    auto last = last_build_bytes_.find(device);
+    auto evicted = cache_->lru(device).make_room_for(last == last_build_bytes_.end() ? 0 : last->second);
+  }  // what was evicted is released here, before the build allocates
+  const auto start = std::chrono::steady_clock::now();
+  std::optional<BuiltEntry> maybe_built = run_builder(device, args, kwargs, tensors, run_call);
+  if (!maybe_built) {
+    if (run_call) return run_uncached_after_out_of_memory(device, args, kwargs);
+    // In the background no call waits: the bucket is built again from its next miss.
+    if (generation != generation_) return py::none();
+    ++counters_.fallbacks;
+    warn_once(Warning::kOutOfMemory, "shapecache: building an entry on " + device.str() +
+                                         " ran out of memory twice (after evicting and emptying the allocator's "
+                                         "cache); such calls run uncached");
+    return py::none();
+  }
+  BuiltEntry built = std::move(*maybe_built);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  py::object output = run_call ? built.output : py::none();
+  if (generation != generation_) return output;  // cleared while building: the result is dropped
+  if (built.runner.is_none()) {
+    // Nothing could be built for the bucket (the compiler failed where the plain call did not).
+    // Inline, the output is the plain call's.
+    ++counters_.fallbacks;
+    give_up(key);
+    warn_once(Warning::kBuildFailed, "shapecache: no entry could be built for " + describe_key(key) + " (" +
+                                         first_line(built.failure) +
+                                         "); that bucket runs uncached from now on (sc.clear lets it be built again)");
+    return output;
+  }
+  insert(key, device, std::move(built), seconds);
+  return output;
+}
+
+std::optional<BuiltEntry> MissPolicy::run_builder(const c10::Device& device, const py::tuple& args,
+                                                  const py::dict& kwargs, const py::tuple& tensors, bool run_call) {
+  py::object handle = py::cast(BuildHandle(cache_, device, run_call, tensors));
+  for (int attempt = 0;; ++attempt) {
+    try {
+      py::object result;
+      {
+        InsideBuild building;
+        result = builder_(args, kwargs, handle);
+      }
+      if (!py::isinstance<BuiltEntry>(result)) {
+        throw py::type_error(std::string("shapecache: a builder must return a shapecache BuiltEntry, got ") +
+                             Py_TYPE(result.ptr())->tp_name);
+      }
+      BuiltEntry built = result.cast<BuiltEntry>();
+      // An entry whose builder did not run the call (eager) is run here, once the builder has
+      // returned, so that a recursive cached function costs the interpreter's recursion limit
+      // one Python frame per level, as any decorator does, and not the builder's frame too.
+      if (run_call && !built.ran_call && !built.runner.is_none()) {
+        built.output = run_python(built.runner, args, kwargs);
+        built.ran_call = true;
+      }
+      return built;
+    } catch (py::error_already_set& error) {
+      if (!may_be_out_of_memory(error)) throw;
+    }  // the error, and the traceback that holds the failed build's tensors, are released here
+    if (attempt == 1) return std::nullopt;
+    ++counters_.oom_retries;
+    release_device_memory(device);
+  }
+}
+
+void MissPolicy::release_device_memory(const c10::Device& device) {
+  {
+    auto evicted = cache_->evict_unpinned(device);
+  }  // the evicted entries are destroyed before the allocator's cache is emptied
+  if (services_.release_device_memory.is_none()) return;
+  services_.release_device_memory(BuildHandle(cache_, device, /*run_call=*/false));
+}
+
+py::object MissPolicy::run_uncached_after_out_of_memory(const c10::Device& device, const py::tuple& args,
+                                                        const py::dict& kwargs) {
+  ++counters_.fallbacks;
+  warn_once(Warning::kOutOfMemory, "shapecache: building an entry on " + device.str() +
+                                       " ran out of memory twice (after evicting and emptying the allocator's "
+                                       "cache); such calls run uncached");
+  try {
+    return run_uncached(args, kwargs);
+  } catch (py::error_already_set& error) {
+    if (!is_out_of_memory(error)) throw;
+    const std::string state = "shapecache: " + cache_->describe(device) +
+                              ". Building an entry ran out of memory twice, so the call ran uncached, and the "
+                              "uncached call ran out of memory too: the model does not fit beside what the cache holds";
+    py::raise_from(error, out_of_memory_type().ptr(), state.c_str());
+    throw py::error_already_set();
+  }
+}
+
+void MissPolicy::insert(const ShapeKey& key, const c10::Device& device, BuiltEntry built, double seconds) {
+  ++counters_.builds;
+  Entry entry;
+  entry.id = ShapeCache::next_entry_id();
+  if (py::isinstance<EntryRunner>(built.runner)) {
+    entry.runner = built.runner.cast<std::shared_ptr<EntryRunner>>();
+  } else {
+    entry.runner = std::make_shared<PythonRunner>(built.runner, built.guard);
+  }
+  entry.handle = std::move(built.runner);
+  entry.guard = std::move(built.guard);
+  entry.function_id = function_id_;
+  entry.bucket = describe_key(key);
+  entry.backend = std::move(built.backend);
+  entry.build_seconds = seconds;
+  entry.last_use = unix_seconds();
+  entry.checked_after_first_run = built.ran_call;
+  const int64_t bytes = built.bytes;
+  if (bytes >= 0) last_build_bytes_[device] = bytes;
+
+  // The same key may have been built by a re-entrant call meanwhile; then `inserted` is false
+  // and the existing entry stays.
+  EntryLru& lru = cache_->lru(device);
+  const bool present = lru.contains(key);
+  auto result = lru.insert(key, std::move(entry), bytes);
+  if (result.inserted || present) return;  // `result` (evicted, returned entries) is destroyed on return
+  ++counters_.fallbacks;
+  std::ostringstream message;
+  message << "shapecache: the entry for " << describe_key(key) << " was not kept: ";
+  const bool never_fits = bytes > lru.budget_bytes() - lru.shared_bytes();
+  if (bytes > lru.budget_bytes() - lru.shared_bytes() - lru.pinned_bytes()) {
+    message << "it holds " << bytes << " bytes, more than the budget of " << lru.budget_bytes()
+            << " bytes leaves after " << lru.pinned_bytes() << " bytes of running entries and " << lru.shared_bytes()
+            << " shared bytes";
+  } else {
+    message << "all " << lru.pinned_count() << " entries on " << device
+            << " are running, and max_entries=" << lru.max_entries() << " leaves no room beside them";
+  }
+  if (never_fits) {
+    give_up(key);
+    message << "; the bucket's calls run uncached from now on (a larger budget, or sc.clear, lets it be built "
+               "again)";
+  } else {
+    message << "; the bucket is built again on its next call";
+  }
+  // The call's result is computed: the warning is reported as unraisable if it is an error.
+  if (warned_.insert(Warning::kRejected).second &&
+      PyErr_WarnEx(PyExc_RuntimeWarning, message.str().c_str(), 1) < 0) {
+    PyErr_WriteUnraisable(function_.ptr());
+  }
+}
+
+void MissPolicy::give_up_if_unstable(const ShapeKey& key, const std::string& changed) {
+  auto& [count, last] = invalidations_in_a_row_[key];
+  count = changed == last ? count + 1 : 1;
+  last = changed;
+  if (count < kInvalidationsBeforeUncached) return;
+  invalidations_in_a_row_.erase(key);
+  give_up(key);
+  warn_once(Warning::kUnstable, "shapecache: " + changed + " before each of the last " +
+                                    std::to_string(kInvalidationsBeforeUncached) + " calls of " + describe_key(key) +
+                                    ", so its entry was rebuilt each time; that bucket runs uncached from now on "
+                                    "(sc.clear lets it be built again)");
+}
+
+void MissPolicy::give_up(const ShapeKey& key) {
+  if (uncached_buckets_.size() >= kMaxKeysRemembered) uncached_buckets_.clear();
+  uncached_buckets_.insert(key);
+}
+
+py::object MissPolicy::run_uncached(const py::tuple& args, const py::dict& kwargs) {
+  return run_python(function_, args, kwargs);
+}
+
+void MissPolicy::clear() {
+  ++generation_;
+  auto cancelled = BuildQueue::instance().cancel(function_id_);
+  uncached_buckets_.clear();
+  invalidations_in_a_row_.clear();
+}
+
+int MissPolicy::traverse(visitproc visit, void* arg) const {
+  Py_VISIT(function_.ptr());
+  Py_VISIT(builder_.ptr());
+  Py_VISIT(background_.ptr());
+  return 0;
+}
+
+void MissPolicy::warn_once(Warning kind, const std::string& message) {
+  if (!warned_.insert(kind).second) return;
+  if (PyErr_WarnEx(PyExc_RuntimeWarning, message.c_str(), 1) < 0) {
+    if (!in_background_build()) throw py::error_already_set();
+    PyErr_WriteUnraisable(function_.ptr());
+  }
+}
+
+}  // namespace shapecache
