@@ -73,10 +73,12 @@ struct Descriptors {
                                           a.dilation[1], CUDNN_CROSS_CORRELATION, compute),
           "cudnnSetConvolution2dDescriptor");
     check(cudnnSetConvolutionGroupCount(conv, static_cast<int>(a.groups)), "cudnnSetConvolutionGroupCount");
-    // As ATen does: tensor cores for half types; for float32 only where TF32 is allowed.
+    // As ATen does: tensor cores for half types; for float32 only where TF32 is allowed for
+    // convolutions. Asked without an operator, torch (2.11, 2.13: Context::allowTF32CuDNN)
+    // raises once the convolution's and the RNN's flags differ (fp32_precision set for one).
     cudnnMathType_t math = CUDNN_TENSOR_OP_MATH;
     if (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble) {
-      math = at::globalContext().allowTF32CuDNN() ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH;
+      math = at::globalContext().allowTF32CuDNN(at::Float32Op::CONV) ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH;
     }
     check(cudnnSetConvolutionMathType(conv, math), "cudnnSetConvolutionMathType");
     int n = 0, c = 0, h = 0, wd = 0;
@@ -174,7 +176,7 @@ ConvDeviceHooks cuda_hooks() {
 #if SHAPECACHE_WITH_CUDNN
     out << "; cudnn " << cudnnGetVersion();
 #endif
-    out << "; tf32 " << (at::globalContext().allowTF32CuDNN() ? "on" : "off");
+    out << "; tf32 " << (at::globalContext().allowTF32CuDNN(at::Float32Op::CONV) ? "on" : "off");
     return out.str();
   };
   hooks.devices = [] {
