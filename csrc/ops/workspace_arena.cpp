@@ -1,5 +1,7 @@
 #include "ops/workspace_arena.h"
 
+#include <ATen/detail/CUDAHooksInterface.h>
+
 #include <map>
 #include <memory>
 #include <string>
@@ -11,7 +13,11 @@ thread_local uint64_t thread_leases = 0;
 
 uint64_t WorkspaceArena::leases_on_this_thread() { return thread_leases; }
 
-WorkspaceArena& WorkspaceArena::of(const c10::Device& device) {
+WorkspaceArena& WorkspaceArena::of(const c10::Device& given) {
+  // torch.device("cuda") has no index: it names the current device, whose arena it shares.
+  const c10::Device device = given.is_cuda() && !given.has_index()
+                                 ? c10::Device(c10::kCUDA, at::detail::getCUDAHooks().current_device())
+                                 : given;
   static std::mutex registry_mutex;
   static auto* arenas = new std::map<std::string, std::unique_ptr<WorkspaceArena>>();  // never freed:
   // buffers must not be released after the allocator is gone at process exit.

@@ -106,6 +106,9 @@ DeviceGraphs::DeviceGraphs(c10::DeviceIndex index)
     : device(index), stream(own_stream(index)), idle_stream(own_stream(index)) {}
 
 DeviceGraphs& DeviceGraphs::of(c10::DeviceIndex device) {
+  // torch.device("cuda") has no index: it names the current device, as torch's calls take it.
+  // One DeviceGraphs (one lock, one pool) per physical device.
+  if (device < 0) device = c10::cuda::current_device();
   static std::mutex registry_mutex;
   static auto* devices = new std::map<c10::DeviceIndex, std::unique_ptr<DeviceGraphs>>();  // never freed
   std::lock_guard<std::mutex> guard(registry_mutex);

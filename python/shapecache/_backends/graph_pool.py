@@ -42,8 +42,8 @@ def release_device_memory(handle) -> None:
 
         return_free_memory()
     if device.type == "cuda":
-        with device_lock(device), torch.cuda.device(device):
-            torch.cuda.empty_cache()
+        with every_device_lock(), torch.cuda.device(device):
+            torch.cuda.empty_cache()  # every device's cached blocks, not only this one's
             host_empty_cache = getattr(torch._C, "_host_emptyCache", None)  # CUDA builds of torch have it
             if host_empty_cache is not None:
                 host_empty_cache()
@@ -56,6 +56,18 @@ def device_lock(device):
     another thread's capture: synchronising the device, or freeing its memory (cudaFree
     synchronises). No lock is needed where the build has no CUDA graphs."""
     return _C.cuda_device_lock(device) if _C.has_cuda_graphs else contextlib.nullcontext()
+
+
+def every_device_lock() -> contextlib.ExitStack:
+    """Every device's capture and replay lock, taken in index order: torch.cuda.empty_cache()
+    releases the cached blocks of every device (the caching allocator's emptyCache walks all
+    of them), which must not run beside a capture on any. Nothing holds one device's lock
+    while taking another's, so the order cannot deadlock."""
+    stack = contextlib.ExitStack()
+    if _C.has_cuda_graphs:
+        for index in range(torch.cuda.device_count()):
+            stack.enter_context(_C.cuda_device_lock(torch.device("cuda", index)))
+    return stack
 
 
 def charge_shared_bytes(handle) -> None:
