@@ -85,6 +85,11 @@ def main(argv=None) -> int:
                 print(f"{'':<28} tuning: {r['tuning']}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
+    # A table with a strategy that could not run measured less than it was asked to.
+    failed = [f"{model}: {name}" for model, results in report.items() for name, r in results.items() if "error" in r]
+    if failed:
+        print(f"failed: {', '.join(failed)} (strategies asked for that did not run)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -177,6 +177,12 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    # A table with a strategy that could not run measured less than it was asked to.
+    failed = [strategy for strategy, r in results.items() if "error" in r]
+    if failed:
+        print(f"failed: {', '.join(failed)} ({len(failed)} of {len(results)} strategies asked for did not run)",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from shapecache._built_with import cpu_only_reason
+
 ROOT = Path(__file__).parents[2]
 _spec = importlib.util.spec_from_file_location("cuda_paths", ROOT / "cmake" / "cuda_paths.py")
 cuda_paths = importlib.util.module_from_spec(_spec)
@@ -47,12 +49,22 @@ def configure(tmp_path: Path, *definitions: str, toolkit_root: Path | None = Non
     return " ".join(output.split())  # CMake wraps its warnings' lines
 
 
+def recorded_decision(tmp_path: Path):
+    """The _build_info module the configure run wrote: the decision, as the package reads it."""
+    spec = importlib.util.spec_from_file_location("_build_info", tmp_path / "build" / "_build_info.py")
+    info = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(info)
+    return info
+
+
 def test_a_cuda_torch_with_the_headers_found_builds_the_cuda_code(tmp_path):
     found = toolkit(tmp_path / "cuda-12.8", HEADERS)
     output = configure(tmp_path, "-DSHAPECACHE_TORCH_CUDA=12.8", toolkit_root=found)
     assert f"CUDA headers {found / 'include'}" in output
     assert "torch CUDA '12.8', CUDA code ON" in output
     assert "were not found" not in output  # a warning that cuDNN is not found may come: it is optional
+    info = recorded_decision(tmp_path)
+    assert info.WITH_CUDA and cpu_only_reason(info, "12.8") is None
 
 
 def test_missing_headers_give_a_cpu_only_build_and_a_warning_naming_the_packages(tmp_path):
@@ -61,6 +73,14 @@ def test_missing_headers_give_a_cpu_only_build_and_a_warning_naming_the_packages
     assert "torch has CUDA 12.8 but crt/host_config.h;nv/target" in output
     assert "nvidia-cuda-nvcc-cu12==12.8.*" in output and "nvidia-cuda-cccl-cu12==12.8.*" in output
     assert "torch CUDA '12.8', CUDA code OFF" in output
+    # What the package says at run time, from the decision recorded by the build: the packages
+    # to install and the rebuild (python -m shapecache info, and the first CUDA tensor's warning).
+    info = recorded_decision(tmp_path)
+    assert not info.WITH_CUDA
+    reason = cpu_only_reason(info, "12.8")
+    assert "has CUDA 12.8: crt/host_config.h, nv/target, " in reason and " were not found when it was built" in reason
+    assert "pip install 'nvidia-cuda-nvcc-cu12==12.8.*' 'nvidia-cuda-cccl-cu12==12.8.*' " in reason
+    assert reason.endswith(", then pip install --no-build-isolation --no-deps --force-reinstall <shapecache source>")
 
 
 def test_cpu_only_is_honoured_even_where_everything_is_found(tmp_path):
@@ -68,9 +88,11 @@ def test_cpu_only_is_honoured_even_where_everything_is_found(tmp_path):
     output = configure(tmp_path, "-DSHAPECACHE_TORCH_CUDA=12.8", "-DSHAPECACHE_CPU_ONLY=ON", toolkit_root=found)
     assert "SHAPECACHE_CPU_ONLY is set: building without CUDA code" in output
     assert "CUDA code OFF" in output and "CUDA headers" not in output
+    assert "it was built with SHAPECACHE_CPU_ONLY=ON" in cpu_only_reason(recorded_decision(tmp_path), "12.8")
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="the installed torch has CUDA")
 def test_the_installed_cpu_torch_builds_no_cuda_code_and_warns_of_nothing(tmp_path):
     output = configure(tmp_path)
     assert "torch CUDA '', CUDA code OFF" in output and "CMake Warning" not in output
+    assert cpu_only_reason(recorded_decision(tmp_path)) is None  # nothing to build: torch has no CUDA

@@ -111,3 +111,22 @@ def test_the_checks_time_counts_from_the_process_start():
              "print(_gpu_check.seconds_since_process_start())"
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert 1.5 <= float(out) < 30
+
+
+def test_a_graph_benchmark_whose_strategies_could_not_run_exits_non_zero():
+    # Here, without a CUDA device, the strategy fails to start: the table says so, and the
+    # exit status too, so that gpu-check does not report the step as passed.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "cuda_graph_memory.py"), "--strategies",
+                           "eager", "--calls", "1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "eager" in proc.stdout and "failed:" in proc.stdout
+    assert "failed: eager (1 of 1 strategies asked for did not run)" in proc.stderr
+
+
+def test_the_check_names_what_keeps_it_from_running_before_any_step():
+    # This build (the CPU torch) has no CUDA code: the check would measure nothing of the GPU
+    # path, so it stops first, saying why (here: torch itself has no CUDA).
+    unmet = _gpu_check.unmet_needs()
+    assert unmet[0] == "this shapecache has no CUDA code: it was built against a torch without CUDA"
+    assert all("missing Python packages" not in need for need in unmet)  # the test extra is installed here

@@ -52,10 +52,10 @@ def check_available(backend: str) -> None:
     if backend not in GRAPH_BACKENDS:
         return
     if not _C.has_cuda_graphs:
-        raise ValueError(
-            f"backend={backend!r} is not available: this build of shapecache has no CUDA code (it was built "
-            "against a torch without CUDA); use 'auto', 'eager' or 'compile'"
-        )
+        from shapecache._built_with import cpu_only_reason
+
+        why = cpu_only_reason() or "it was built against a torch without CUDA"
+        raise ValueError(f"backend={backend!r} is not available: {why}. Without it, use 'auto', 'eager' or 'compile'")
     if not torch.cuda.is_available():
         raise ValueError(f"backend={backend!r} is not available: no CUDA device is visible; use 'auto' or 'eager'")
 
@@ -83,6 +83,10 @@ def make_builder(function: Callable, backend: str, context: BuildContext) -> Cal
 
     def build(args: tuple, kwargs: dict, handle) -> BuiltEntry:
         device = handle.device
+        if device.type == "cuda" and not _C.has_cuda_graphs:
+            from shapecache._built_with import warn_if_cpu_only_on_cuda
+
+            warn_if_cpu_only_on_cuda()
         chosen = resolve_backend(backend, device)
         if backend in GRAPH_BACKENDS and chosen == "eager" and not warned:
             warned.append(True)

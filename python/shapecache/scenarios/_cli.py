@@ -1,4 +1,4 @@
-"""shapecache's command line: demo, repro, serve, gpu-check.
+"""shapecache's command line: demo, repro, serve, gpu-check, info.
 
 Exit status: 0 when the command showed its result (a strategy running out of memory is such a
 result); 1 when a strategy failed to run, the demo could not show that the per-size graphs
@@ -28,6 +28,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     gpu_parser = commands.add_parser(
         "gpu-check", help="verify the GPU path in one command (tests, benchmarks, the SDXL loop); writes a report")
     gpu_check.add_arguments(gpu_parser)
+    commands.add_parser("info", help="what this shapecache was built with: the torch, its CUDA, whether CUDA code was "
+                                     "built (and if not, why and how to build it)")
     return parser.parse_args(argv)
 
 
@@ -46,6 +48,15 @@ def main(argv=None) -> int:
         return 0
     if args.command == "gpu-check":
         return gpu_check.run(args)
+    if args.command == "info":
+        from shapecache._built_with import build_info, cpu_only_reason
+
+        for name, value in build_info().items():
+            print(f"{name}: {value}")
+        reason = cpu_only_reason()
+        if reason is not None:
+            print(f"note: {reason}")
+        return 0
     serve.run(args)
     return 0
 

@@ -74,11 +74,41 @@ def add_arguments(parser) -> None:
                         help="also the strategies that compile full-size UNets with inductor (limits x4)")
 
 
+# What the steps import besides torch and shapecache, and which steps need it.
+NEEDED_MODULES = {"pytest": "cuda tests", "hypothesis": "cuda tests", "diffusers": "every UNet step",
+                  "transformers": "every UNet step"}
+
+
+def unmet_needs() -> list[str]:
+    """What keeps the steps from checking the GPU path here, each with its fix: a build without
+    CUDA code (every step would measure eager calls only), a package a step imports."""
+    import importlib.util
+
+    from shapecache._built_with import cpu_only_reason
+    from shapecache._extension import _C
+
+    unmet = []
+    if not _C.has_cuda_graphs:
+        unmet.append(cpu_only_reason() or "this shapecache has no CUDA code: it was built against a torch without CUDA")
+    missing = [name for name in NEEDED_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        needed_by = sorted({NEEDED_MODULES[name] for name in missing})
+        unmet.append(f"missing Python packages {', '.join(missing)} (needed by: {'; '.join(needed_by)}): "
+                     "pip install --no-build-isolation '.[test]', or bring them as wheels (docs/gpu.md)")
+    return unmet
+
+
 def run(args) -> int:
     import torch
 
     if not torch.cuda.is_available():
         print("shapecache gpu-check: no CUDA device is visible; nothing was checked", file=sys.stderr)
+        return 1
+    unmet = unmet_needs()
+    if unmet:
+        for need in unmet:
+            print(f"shapecache gpu-check: {need}", file=sys.stderr)
+        print("shapecache gpu-check: nothing was checked", file=sys.stderr)
         return 1
     if not Path("tests").is_dir() or not Path("benchmarks").is_dir():
         print("shapecache gpu-check: run it from a checkout of the repository (tests/ and benchmarks/ are needed)",
