@@ -104,20 +104,33 @@ py::object device_of(const BuildHandle& handle) {
 py::object run_on_tensors(EntryRunner& runner, const py::args& tensors) {
   Call call;
   call.entry_args = tensors;
-  for (py::handle t : tensors) call.tensors.push_back(t.ptr());
+  for (py::handle t : tensors) call.tensors.push_back(py::reinterpret_borrow<py::object>(t));
   return runner.run(call);
 }
 
 // The dispatcher's Python type lets the collector see through it to its entries
 // (ShapeDispatcher::traverse) and clear them.
+int dispatcher_traverse(PyObject* self, visitproc visit, void* arg) {
+  // An instance of a Python subclass (CachedFunction) comes here from CPython's
+  // subtype_traverse, which has visited its managed __dict__ already: pybind11_traverse would
+  // visit it again, and a reference counted twice makes the collector miscount the dict, so
+  // a cycle through it (a module whose own forward holds it) was never freed. Then only the
+  // type is visited, as pybind11_traverse does.
+  const bool dict_visited = Py_TYPE(self)->tp_traverse != &dispatcher_traverse &&
+                            (Py_TYPE(self)->tp_flags & Py_TPFLAGS_MANAGED_DICT) != 0;
+  if (dict_visited) {
+    Py_VISIT(Py_TYPE(self));
+  } else if (int result = py::detail::pybind11_traverse(self, visit, arg)) {
+    return result;
+  }
+  if (!py::detail::is_holder_constructed(self)) return 0;
+  return py::cast<const ShapeDispatcher&>(py::handle(self)).traverse(visit, arg);
+}
+
 void dispatcher_type_setup(PyHeapTypeObject* heap_type) {
   auto* type = &heap_type->ht_type;
   type->tp_flags |= Py_TPFLAGS_HAVE_GC;
-  type->tp_traverse = [](PyObject* self, visitproc visit, void* arg) {
-    if (int result = py::detail::pybind11_traverse(self, visit, arg)) return result;
-    if (!py::detail::is_holder_constructed(self)) return 0;
-    return py::cast<const ShapeDispatcher&>(py::handle(self)).traverse(visit, arg);
-  };
+  type->tp_traverse = &dispatcher_traverse;
   type->tp_clear = [](PyObject* self) {
     if (py::detail::is_holder_constructed(self)) py::cast<ShapeDispatcher&>(py::handle(self)).clear_references();
     return py::detail::pybind11_clear(self);

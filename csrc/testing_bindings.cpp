@@ -53,7 +53,8 @@ void bind_pool_generations(py::module_& m) {
           "capture",
           [](PoolGenerations& pool, py::function open_pool, py::function begin, py::function body, py::function end,
              py::function ended, py::function device_end, py::function device_release, py::function host_end,
-             py::function host_release, py::function reset, bool reset_releases_failed_capture) {
+             py::function host_release, py::function reset, bool reset_releases_failed_capture,
+             py::object end_generator_capture) {
             auto id_call = [](py::function f) { return [f](const PoolId& id) { f(py::make_tuple(id.first, id.second)); }; };
             CaptureSteps steps{
                 [open_pool] { return open_pool().cast<PoolId>(); },
@@ -66,12 +67,13 @@ void bind_pool_generations(py::module_& m) {
                 [reset] { reset(); },
                 reset_releases_failed_capture,
             };
+            if (!end_generator_capture.is_none()) steps.end_generator_capture = [end_generator_capture] { end_generator_capture(); };
             const PoolId id = pool.capture(steps);
             return py::make_tuple(id.first, id.second);
           },
           py::arg("open_pool"), py::arg("begin"), py::arg("body"), py::arg("end"), py::arg("ended"),
           py::arg("device_end"), py::arg("device_release"), py::arg("host_end"), py::arg("host_release"),
-          py::arg("reset"), py::arg("reset_releases_failed_capture"))
+          py::arg("reset"), py::arg("reset_releases_failed_capture"), py::arg("end_generator_capture") = py::none())
       .def("graph_released", [](PoolGenerations& pool, PoolId id) { pool.graph_released(id); })
       .def_property_readonly("live_graphs", &PoolGenerations::live_graphs)
       .def("ids",

@@ -49,8 +49,9 @@ struct Call {
   // The tensors of entry_args and entry_kwargs, without the owner, in key order: the order
   // of canonical_arguments (call_key.h), and inside each argument the walk's. Calls that
   // share a key have the same number of tensors, in the same roles, however they spell their
-  // arguments. Borrowed from entry_args and entry_kwargs, which keep them alive.
-  std::vector<PyObject*> tensors;
+  // arguments. Held here: a list or dict the caller passed may be changed by another thread
+  // while Python code runs during the call (a guard check, a budget callback).
+  std::vector<py::object> tensors;
   bool padded = false;
   std::vector<CropDim> crop;                 // every padded dimension of every argument, in order
   std::shared_ptr<const CropPlan> crop_plan;  // when padded: set by the dispatcher before the lookup
@@ -59,8 +60,7 @@ struct Call {
   py::tuple tensor_tuple() const {
     py::tuple out(tensors.size());
     for (size_t i = 0; i < tensors.size(); ++i) {
-      Py_INCREF(tensors[i]);
-      PyTuple_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), tensors[i]);
+      PyTuple_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), py::object(tensors[i]).release().ptr());
     }
     return out;
   }

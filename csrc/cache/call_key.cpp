@@ -82,7 +82,7 @@ class KeyWriter {
       const at::Tensor& t = THPVariable_Unpack(obj);
       add_tensor(key, t, alias_of(t));
       note_device(t.device());
-      out_.tensors.push_back(obj);
+      out_.tensors.push_back(py::reinterpret_borrow<py::object>(obj));
     } else if (obj == Py_None) {
       key.add_none();
     } else if (PyBool_Check(obj)) {
@@ -162,7 +162,7 @@ class KeyWriter {
     note_device(t.device());
     if (padded_dims.empty()) {
       add_tensor(out_.key, t, alias_of(t));
-      out_.tensors.push_back(obj);
+      out_.tensors.push_back(py::reinterpret_borrow<py::object>(obj));
       return std::nullopt;
     }
     // Zeros of the bucket's sizes in the argument's own memory format, the argument copied
@@ -175,7 +175,7 @@ class KeyWriter {
     out_.crop.insert(out_.crop.end(), padded_dims.begin(), padded_dims.end());
     out_.padded = true;
     py::object wrapped = py::reinterpret_steal<py::object>(THPVariable_Wrap(padded));
-    out_.tensors.push_back(wrapped.ptr());  // kept alive by the padded arguments it is stored into
+    out_.tensors.push_back(wrapped);
     return wrapped;
   }
 

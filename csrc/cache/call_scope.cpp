@@ -30,8 +30,10 @@ void make_deferred_builds_ready() {
   if (cached_calls.deferred.empty()) return;  // almost always: nothing per call
   std::vector<BuildToMakeReady> deferred = std::move(cached_calls.deferred);
   cached_calls.deferred.clear();
-  for (BuildToMakeReady& build : deferred) {
-    BuildQueue::instance().make_ready(build.function_id, build.device, build.key);
+  // Every build is made ready before any worker is woken: a waker that raises then strands
+  // none of them (a worker that runs anyway, or sc.wait, takes them).
+  for (const BuildToMakeReady& build : deferred) BuildQueue::instance().make_ready(build.function_id, build.device, build.key);
+  for (const BuildToMakeReady& build : deferred) {
     if (!build.wake.is_none()) build.wake(py::reinterpret_steal<py::object>(THPDevice_New(build.device)));
   }
 }

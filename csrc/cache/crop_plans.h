@@ -37,6 +37,12 @@ class CropPlans {
   static std::optional<py::object> crop(const Call& call, const py::object& outputs);
 
   void clear() { plans_.clear(); }
+  // Visits the Python objects held here, for the garbage collector.
+  int traverse(visitproc visit, void* arg) const {
+    Py_VISIT(function_.ptr());
+    Py_VISIT(run_on_fake_tensors_.ptr());
+    return 0;
+  }
 
  private:
   // A plan costs a fake-tensor run of the function, once per distinct sizes; the map is

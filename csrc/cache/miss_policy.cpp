@@ -475,6 +475,8 @@ int MissPolicy::traverse(visitproc visit, void* arg) const {
   Py_VISIT(function_.ptr());
   Py_VISIT(builder_.ptr());
   Py_VISIT(background_.ptr());
+  Py_VISIT(services_.release_device_memory.ptr());
+  Py_VISIT(services_.wake_build_worker.ptr());
   return 0;
 }
 

@@ -1,6 +1,7 @@
 #include "cache/shape_cache.h"
 
 #include "cache/cache_figures.h"
+#include "cache/python_runner.h"
 
 #include <torch/csrc/Device.h>
 
@@ -89,6 +90,10 @@ int ShapeCache::traverse(uint64_t function_id, visitproc visit, void* arg) const
     cache.lru->for_each([&](const ShapeKey&, const Entry& entry, int64_t, int) {
       if (result != 0 || entry.function_id != function_id) return;
       if (entry.handle) result = visit(entry.handle.ptr(), arg);
+      // A PythonRunner holds the same callable once more: each reference is visited.
+      if (auto* python = dynamic_cast<const PythonRunner*>(entry.runner.get()); result == 0 && python != nullptr) {
+        result = visit(python->callable().ptr(), arg);
+      }
       if (result == 0 && entry.guard) result = entry.guard->traverse(visit, arg);
     });
   }

@@ -1,8 +1,11 @@
 #include "cache/shape_dispatcher.h"
 
+#include <c10/util/Exception.h>
+
 #include <atomic>
 #include <chrono>
 #include <exception>
+#include <new>
 #include <optional>
 #include <utility>
 
@@ -131,6 +134,10 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
     failure = failure.substr(0, failure.find('\n'));
     pin.release();
     return miss_.cropped(call, miss_.entry_failed(call, failure));
+  } catch (const c10::OutOfMemoryError&) {
+    throw;  // the call's own, as a Python out-of-memory error is
+  } catch (const std::bad_alloc&) {
+    throw;
   } catch (const std::exception& error) {
     // A runner's own C++ error (a CUDA graph's replay, c10::Error): as any failing entry.
     std::string failure = error.what();
@@ -195,6 +202,7 @@ int ShapeDispatcher::traverse(visitproc visit, void* arg) const {
   Py_VISIT(function_.ptr());
   Py_VISIT(owner_.ptr());
   if (int result = miss_.traverse(visit, arg)) return result;
+  if (int result = crop_plans_.traverse(visit, arg)) return result;
   return cache_ ? cache_->traverse(id_, visit, arg) : 0;
 }
 

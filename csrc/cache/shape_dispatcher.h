@@ -61,8 +61,6 @@ class ShapeDispatcher {
   const std::shared_ptr<ShapeCache>& cache() const { return cache_; }
 
  private:
-  // A call of a valid entry, pinned by the caller; its failure goes to the miss policy.
-  py::object run_entry(Call& call, Entry& entry);
   py::object owner() const;
   CallContext context_of(const py::object& owner) const;
 

@@ -27,6 +27,14 @@
 //      (A5): it ends recording where it still runs, then releases the pool on both. Before
 //      those begins ran it does nothing. On 2.11 to 2.13 reset() does nothing for such a
 //      capture.
+//   A9 torch 2.11 and 2.12 (ATen/cuda/CUDAGraph.cpp, CUDAGeneratorImpl.cpp): capture_begin puts
+//      the generators the graph registers (the device's default one always) in capture mode
+//      first (capture_prologue: the state's capturing_ flag), and only a capture_end that gets
+//      past the stream's end and the graph's check takes them out (capture_epilogue). Neither
+//      reset() nor the destructor does. A generator left in capture mode raises "Offset
+//      increment outside graph capture" on every later replay of any graph and every eager
+//      random call of its device. torch 2.13 keeps that state per capture id, dropped by
+//      reset(); there the step below does nothing.
 //
 // What follows, and what this class guarantees:
 //   G1 No generation is begun after its use count reached 0 (A1): a retired generation is
@@ -39,6 +47,8 @@
 //      and only what it left is ended and released here.
 //   G4 Every live graph's generation is counted: a generation retires only when its count
 //      of graphs (this class's view of the allocators' use count) returns to 0.
+//   G5 A capture that fails leaves no generator in capture mode (A9): end_generator_capture,
+//      which does what capture_epilogue does, runs on every failure once begin was called.
 #pragma once
 
 #include <cstdint>
@@ -70,6 +80,9 @@ struct CaptureSteps {
   PoolAllocatorCalls host;
   std::function<void()> reset;                   // CUDAGraph::reset(), run on a capture that did not end
   bool reset_releases_failed_capture = false;    // A8: torch's reset() cleans up a capture that did not end
+  // A9: takes the graph's generators out of capture mode (capture_epilogue's part of it; safe
+  // to run twice). Empty where torch keeps no such mode.
+  std::function<void()> end_generator_capture = nullptr;
 };
 
 class PoolGenerations {
@@ -98,6 +111,7 @@ class PoolGenerations {
     try {
       steps.begin(id);
     } catch (...) {
+      end_generator_capture(steps);  // G5: the prologue runs before anything that can fail
       if (steps.reset_releases_failed_capture) try_reset(steps);
       release_where_recording(steps, id);
       retire(find(id));
@@ -115,6 +129,7 @@ class PoolGenerations {
         steps.end();
       } catch (...) {
       }
+      end_generator_capture(steps);  // G5: where end failed, its epilogue did not run
       if (steps.ended()) {
         find(id).recording = false;
         retire(find(id));
@@ -126,6 +141,7 @@ class PoolGenerations {
     try {
       steps.end();
     } catch (...) {
+      end_generator_capture(steps);  // G5
       if (steps.ended()) {  // it ended, then failed (instantiating, say): the graph releases the pool (A7)
         find(id).recording = false;
         retire(find(id));
@@ -217,6 +233,14 @@ class PoolGenerations {
   static void release_where_recording(const CaptureSteps& steps, const PoolId& id) {
     for (const PoolAllocatorCalls* calls : {&steps.device, &steps.host}) {
       if (try_call(calls->end_recording, id)) try_call(calls->release, id);
+    }
+  }
+
+  static void end_generator_capture(const CaptureSteps& steps) {
+    if (!steps.end_generator_capture) return;
+    try {
+      steps.end_generator_capture();
+    } catch (...) {
     }
   }
 

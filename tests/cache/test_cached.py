@@ -1,5 +1,6 @@
 """sc.cached end to end on CPU: modules, functions, methods, eviction, padding, stats."""
 
+import functools
 import gc
 import weakref
 
@@ -145,6 +146,25 @@ def test_clear_drops_entries(conv_net):
 def test_cached_module_is_garbage_collected():
     net = sc.cached(SmallConvNet())
     net(inputs((8, 8)))
+    ref = weakref.ref(net)
+    del net
+    gc.collect()
+    assert ref() is None
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_module_whose_own_forward_holds_it_is_garbage_collected(padded):
+    # A hook library's instance-level forward, a partial over the module: the cached function
+    # (its __dict__, entries, crop plans and callbacks) closes a cycle through the module,
+    # which the collector must see through, each reference counted once.
+    def forward(module, x):
+        return torch.nn.Linear.forward(module, x)
+
+    net = torch.nn.Linear(3, 3)
+    net.forward = functools.partial(forward, net)
+    net = sc.cached(net, buckets={"x": {0: sc.multiple_of(4)}} if padded else None)
+    net(torch.randn(2, 3))
+    net(torch.randn(2, 3))
     ref = weakref.ref(net)
     del net
     gc.collect()

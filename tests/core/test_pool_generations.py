@@ -64,14 +64,37 @@ class AllocatorModel:
 STEPS = ("device_begin", "host_begin", "stream_begin", "body", "stream_end", "graph_check")
 
 
+class GeneratorModel:
+    """The device's default CUDA generator on torch 2.11 and 2.12 (ATen/cuda/CUDAGeneratorImpl.cpp):
+    capture_prologue sets its one `capturing_` flag, capture_epilogue clears it, and an offset
+    increment outside a capture (a replay's replay_prologue, an eager random call) raises while
+    it is set. torch 2.13 keeps this state per capture id (CUDAGeneratorCaptureState) and drops
+    a failed capture's in reset(): there the repair does nothing (pool_generations.h, A9)."""
+
+    def __init__(self):
+        self.capturing = False
+        self.violations = []
+
+    def capture_prologue(self):
+        self.capturing = True
+
+    def capture_epilogue(self):
+        self.capturing = False
+
+    def increase_outside_capture(self, what):
+        if self.capturing:
+            self.violations.append(f"{what}: Offset increment outside graph capture encountered unexpectedly")
+
+
 class GraphModel:
     """torch's CUDAGraph: capture_begin, capture_end and reset, step by step, failing where told.
     With `reset_releases_failed_capture`, reset() is torch main's: once both allocators' begins
     ran (allocated_pool_), it ends recording where it still runs and releases the pool, whether
     or not the capture ended, and can be called again."""
 
-    def __init__(self, device, host, fail_at, reset_releases_failed_capture=False):
+    def __init__(self, device, host, fail_at, reset_releases_failed_capture=False, generator=None):
         self.device, self.host, self.fail_at = device, host, fail_at
+        self.generator = generator or GeneratorModel()
         self.reset_releases_failed_capture = reset_releases_failed_capture
         self.pool = None
         self.ended = False
@@ -84,6 +107,7 @@ class GraphModel:
 
     def capture_begin(self, pool):
         self.pool = pool
+        self.generator.capture_prologue()  # 2.11: registered and put in capture mode before anything else
         self._step("device_begin")
         self.device.begin(pool)
         self._step("host_begin")
@@ -97,7 +121,11 @@ class GraphModel:
         self.host.end(self.pool)
         self.capturing_to_pool = False
         self._step("graph_check")
+        self.generator.capture_epilogue()  # 2.11: only past the stream's end and the graph's check
         self.ended = True
+
+    def end_generator_capture(self):  # PoolGraph::end_generator_capture: capture_epilogue's flag
+        self.generator.capturing = False
 
     def reset(self):
         if self.reset_releases_failed_capture:
@@ -125,13 +153,14 @@ class PoolLifecycle(RuleBasedStateMachine):
         self.pool = _C._testing.PoolGenerations()
         self.next_id = 1
         self.live = []  # graphs whose capture succeeded and that are not released
+        self.generator = GeneratorModel()
 
     def open_pool(self):  # at::cuda::graph_pool_handle(): a fresh id every time
         self.next_id += 1
         return (0, self.next_id)
 
     def capture(self, fail_at):
-        graph = GraphModel(self.device, self.host, fail_at, self.RESET_RELEASES_FAILED_CAPTURE)
+        graph = GraphModel(self.device, self.host, fail_at, self.RESET_RELEASES_FAILED_CAPTURE, self.generator)
 
         def body():
             if fail_at == "body":
@@ -141,7 +170,7 @@ class PoolLifecycle(RuleBasedStateMachine):
             pool = self.pool.capture(
                 self.open_pool, graph.capture_begin, body, graph.capture_end, lambda: graph.ended,
                 self.device.end, self.device.release, self.host.end, self.host.release,
-                graph.reset, self.RESET_RELEASES_FAILED_CAPTURE,
+                graph.reset, self.RESET_RELEASES_FAILED_CAPTURE, graph.end_generator_capture,
             )
         except Injected:
             assert fail_at is not None
@@ -178,6 +207,18 @@ class PoolLifecycle(RuleBasedStateMachine):
             self.drop(self.live.pop())
         for _ in range(count):
             self.capture(None)
+
+    @precondition(lambda self: self.live)
+    @rule()
+    def replay_and_draw_random_numbers(self):
+        # What a failed capture broke on torch 2.11 for every later call of the device: each
+        # replay's replay_prologue and each eager random call increments the generator.
+        self.generator.increase_outside_capture("a replay")
+        self.generator.increase_outside_capture("torch.randn")
+
+    @invariant()
+    def no_generator_is_left_in_capture_mode(self):
+        assert not self.generator.capturing and self.generator.violations == []
 
     @invariant()
     def torch_never_asserts(self):
@@ -250,6 +291,17 @@ def test_a_failed_capture_leaves_both_allocators_clean_and_the_next_capture_work
     machine.no_pool_is_left_recording()
     machine.every_live_graph_is_counted_in_its_generation()
     assert len(machine.live) == 2
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_after_a_failed_capture_an_earlier_graph_replays_and_random_numbers_draw(step):
+    # torch 2.11: the failed capture's prologue left the default generator capturing; no other
+    # capture comes to reset it here, so only the repair lets the replay and randn through.
+    machine = PoolLifecycle()
+    machine.capture(None)
+    machine.capture(step)
+    machine.replay_and_draw_random_numbers()
+    machine.no_generator_is_left_in_capture_mode()
 
 
 def test_a_second_capture_while_one_records_is_refused_before_touching_the_allocators():

@@ -2,6 +2,7 @@
 
 #include <ATen/core/CachingHostAllocator.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <map>
 #include <stdexcept>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -78,6 +80,37 @@ PoolGraph::~PoolGraph() {
     TORCH_WARN("shapecache: cleaning up a CUDA graph failed: ", e.what());
   }
   if (ended) graphs_.generations.graph_released(mempool_id_);
+}
+
+namespace {
+
+// torch 2.11 and 2.12's CUDAGeneratorState has a public `capturing_` flag and `offset_intragraph_`
+// (ATen/cuda/CUDAGeneratorImpl.h); its capture_epilogue(), which clears them, is not exported.
+// torch 2.13 has neither: its state is per capture id, and reset() drops a failed capture's.
+template <class State, class = void>
+struct HasCapturingFlag : std::false_type {};
+template <class State>
+struct HasCapturingFlag<State, std::void_t<decltype(std::declval<State&>().capturing_)>> : std::true_type {};
+
+// The versions read: the repair must be live on 2.11 and compiled out on 2.13.
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 11
+static_assert(HasCapturingFlag<at::CUDAGeneratorState>::value, "torch 2.11's CUDAGeneratorState has capturing_");
+#elif TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 13
+static_assert(!HasCapturingFlag<at::CUDAGeneratorState>::value, "torch 2.13 keeps capture state per capture id");
+#endif
+
+template <class State>
+void end_capture_mode(State& state) {
+  if constexpr (HasCapturingFlag<State>::value) {
+    state.capturing_ = false;  // what capture_epilogue() does, less returning the increment
+    state.offset_intragraph_ = 0;
+  }
+}
+
+}  // namespace
+
+void PoolGraph::end_generator_capture() {
+  for (auto& [state, increment] : captured_generator_states_) end_capture_mode(*state);
 }
 
 void PoolGraph::reset_keeping_workspaces() {
@@ -203,6 +236,9 @@ void CudaGraphRunner::capture_graph(const py::object& owner) {
       // Thread-local mode: another thread's CUDA calls (an eager model, an allocation) do not
       // invalidate this capture, as they would in the default global mode; what must not run
       // beside a capture of this device (its replays and captures) takes turns on its lock.
+      // One exception on torch 2.11 and 2.12 (pool_generations.h, A9): while the capture runs,
+      // the device's default generator is in capture mode, so another thread's eager random
+      // call on the device raises (torch's own rule for any capture; 2.13 keeps it per capture).
       [raw](const PoolId& id) { raw->capture_begin(id, cudaStreamCaptureModeThreadLocal); },
       [&] { outputs = function_(*call_args, **static_kwargs_); },
       [raw] { raw->capture_end(); },
@@ -215,6 +251,7 @@ void CudaGraphRunner::capture_graph(const py::object& owner) {
           [](const PoolId& id) { at::getHostAllocator(at::kCUDA)->release_pool(id); }},
       [raw] { raw->reset(); },  // a capture that did not end: newer torch ends it on its stream (A8)
       kResetReleasesFailedCapture,
+      [raw] { raw->end_generator_capture(); },  // A9
   };
   {
     auto lock = lock_device(graphs);
@@ -259,7 +296,7 @@ py::object CudaGraphRunner::run(const Call& call) {
                         call.tensors.size(), " tensors, the graph was captured with ", static_inputs_.size());
   std::vector<at::Tensor> inputs;  // the call's tensors in key order, as the static inputs are
   inputs.reserve(call.tensors.size());
-  for (PyObject* t : call.tensors) inputs.push_back(tensor_of(t));
+  for (const py::object& t : call.tensors) inputs.push_back(tensor_of(t.ptr()));
   DeviceGraphs& graphs = *device_;
   c10::cuda::CUDAGuard device_guard(graphs.device);
   const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(graphs.device);

@@ -80,6 +80,9 @@ class PoolGraph final : public at::cuda::CUDAGraph {
   explicit PoolGraph(DeviceGraphs& graphs) : graphs_(graphs) {}
   ~PoolGraph();  // CUDAGraph's destructor is not virtual: a PoolGraph is only ever owned as one
   bool ended() const { return capture_ended_; }
+  // After a failed capture: takes the generators it registered out of capture mode, as
+  // capture_epilogue would have (pool_generations.h, A9; torch 2.11 and 2.12 only).
+  void end_generator_capture();
   // CUDAGraph::reset(), leaving the cuBLAS workspaces of the device's capture stream alone.
   void reset_keeping_workspaces();
 
