@@ -43,6 +43,9 @@ def call_on_fake_tensors(function: Callable, args: tuple, kwargs: dict):
     torch.set_autocast_cache_enabled(False)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:  # weights stay real, read as fakes
+            # FakeTensorMode's operator cache is one dict for the process (a class attribute),
+            # never emptied: a run per new padded size would grow it without bound.
+            mode.cache_enabled = False
             fake_args, fake_kwargs = tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
             return function(*fake_args, **fake_kwargs)
     finally:

@@ -144,3 +144,19 @@ def test_calls_of_one_bucket_padded_in_different_dimensions_are_cropped_each_to_
     for size_a, size_b in [((1, 2), (3, 2)), ((3, 2), (1, 2))]:
         a, b = torch.randn(size_a), torch.randn(size_b)
         torch.testing.assert_close(cached_pair(a, b), pair(a, b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_stream_of_new_padded_sizes_leaves_torchs_fake_tensor_cache_as_it_was():
+    # Each new size plans its crop with a fake-tensor run; FakeTensorMode's operator cache is
+    # one dict for the process, never emptied, which those runs would fill size after size.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
+    model = sc.cached(model, backend="eager", buckets={"input": {0: sc.multiple_of(8)}}, max_entries=2)
+    before = len(FakeTensorMode.cache)
+    with torch.no_grad():
+        for n in range(1, 41):
+            x = torch.randn(n, 4)
+            torch.testing.assert_close(model(x), torch.nn.Sequential.forward(model, x))  # the plain call
+    assert sc.stats(model)["builds"] >= 5  # 40 sizes padded into 5 buckets, entries coming and going
+    assert len(FakeTensorMode.cache) == before
