@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <map>
 #include <stdexcept>
+#include <tuple>
+#include <shared_mutex>
 #include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
@@ -150,6 +152,63 @@ DeviceGraphs& DeviceGraphs::of(c10::DeviceIndex device) {
   return *graphs;
 }
 
+namespace {
+
+// torch 2.11's workspace maps hold a DataPtr; 2.13's a (DataPtr, bytes) pair.
+template <class Value>
+Value workspace_alias(void* data, size_t bytes, c10::Device device) {
+  if constexpr (std::is_same_v<Value, at::DataPtr>) {
+    return at::DataPtr(data, device);  // non-owning: erasing it frees nothing
+  } else {
+    return Value(at::DataPtr(data, device), bytes);
+  }
+}
+
+template <class Value>
+const void* workspace_address(const Value& value) {
+  if constexpr (std::is_same_v<Value, at::DataPtr>) {
+    return value.get();
+  } else {
+    return value.first.get();
+  }
+}
+
+}  // namespace
+
+std::pair<std::tuple<void*, void*>, std::tuple<void*, void*>> DeviceGraphs::install_blas_workspace() {
+  const size_t needed = std::max(at::cuda::getChosenWorkspaceSize(), at::cuda::getCUDABlasLtWorkspaceSize());
+  if (blas_workspaces_.empty() || blas_workspace_bytes_ < needed) {
+    blas_workspaces_.push_back(c10::cuda::CUDACachingAllocator::get()->allocate(needed));
+    blas_workspace_bytes_ = needed;
+  }
+  void* data = blas_workspaces_.back().get();
+  const c10::Device where(c10::kCUDA, device);
+  void* raw_stream = stream.stream();
+  // The keys torch reads: (cuBLAS handle, stream) for cuBLAS, and for cuBLASLt (2.11 by
+  // default, a map of its own) its handle's; 2.13 reads the cuBLAS map for both.
+  const std::tuple<void*, void*> blas_key{static_cast<void*>(at::cuda::getCurrentCUDABlasHandle()), raw_stream};
+  const std::tuple<void*, void*> lt_key{static_cast<void*>(at::cuda::getCurrentCUDABlasLtHandle()), raw_stream};
+  for (auto [workspaces, key] : {std::pair{&at::cuda::cublas_handle_stream_to_workspace(), blas_key},
+                                 std::pair{&at::cuda::cublaslt_handle_stream_to_workspace(), lt_key}}) {
+    using Value = typename decltype(workspaces->map)::mapped_type;
+    std::unique_lock<std::shared_mutex> guard(workspaces->mutex);
+    workspaces->map.insert_or_assign(key, workspace_alias<Value>(data, blas_workspace_bytes_, where));
+  }
+  at::cuda::getCurrentCUDABlasHandle();  // cublasSetWorkspace(handle, the device's buffer)
+  return {blas_key, lt_key};
+}
+
+bool DeviceGraphs::blas_workspace_installed(const std::pair<std::tuple<void*, void*>, std::tuple<void*, void*>>& keys) {
+  const void* data = blas_workspaces_.back().get();
+  for (auto [workspaces, key] : {std::pair{&at::cuda::cublas_handle_stream_to_workspace(), keys.first},
+                                 std::pair{&at::cuda::cublaslt_handle_stream_to_workspace(), keys.second}}) {
+    std::shared_lock<std::shared_mutex> guard(workspaces->mutex);
+    auto found = workspaces->map.find(key);
+    if (found == workspaces->map.end() || workspace_address(found->second) != data) return false;
+  }
+  return true;
+}
+
 int64_t DeviceGraphs::pool_bytes(bool in_use) {
   // `generations` changes under the lock, also where no GIL is held (~PoolGraph).
   std::vector<PoolId> ids;
@@ -257,16 +316,21 @@ void CudaGraphRunner::capture_graph(const py::object& owner) {
     auto lock = lock_device(graphs);
     order_after(caller, graphs.stream, graphs.caller_done);
     c10::cuda::CUDAStreamGuard stream_guard(graphs.stream);
-    // cuBLAS and cuBLASLt keep a workspace per (this thread's handle, stream), allocated from
-    // the caching allocator the first time the pair is used: made now, outside the capture,
-    // rather than inside it, where it would land in the generation's pool for good.
-    at::cuda::getCurrentCUDABlasHandle();
-    at::cuda::getCUDABlasLtWorkspace();
+    // The device's own cuBLAS workspace, installed outside the capture (where torch would
+    // otherwise allocate one inside it, into the generation's pool for good).
+    const auto blas_keys = graphs.install_blas_workspace();
     // On failure the allocators are clean and the error propagates; `graph` is destroyed on
     // the way out (counted as released only if its capture ended).
     const uint64_t leases_before = WorkspaceArena::leases_on_this_thread();
     graphs.generations.capture(steps);
     uses_workspace_ = WorkspaceArena::leases_on_this_thread() != leases_before;
+    if (!graphs.blas_workspace_installed(blas_keys)) {
+      // Another thread cleared or resized torch's workspaces during the capture: a GEMM may
+      // have baked a buffer of torch's. The alias goes back before `graph` (and the pool
+      // blocks torch's buffer may sit in) is released on the way out; the bucket runs eager.
+      graphs.install_blas_workspace();
+      TORCH_CHECK(false, "cuda_graph: torch's cuBLAS workspaces were cleared or resized during the capture");
+    }
     order_after(graphs.stream, caller, graphs.graphs_done);
   }
   std::vector<at::Tensor> static_outputs;

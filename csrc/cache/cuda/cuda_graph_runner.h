@@ -35,6 +35,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cache/call_modes.h"
@@ -67,7 +69,25 @@ struct DeviceGraphs {
   at::cuda::CUDAEvent caller_done;  // orders the graphs' stream after a caller's work
   at::cuda::CUDAEvent graphs_done;  // orders a caller's later work after the graphs' stream
 
+  // The cuBLAS / cuBLASLt workspace every captured GEMM of the device writes into (its address
+  // is baked into the graph). torch keeps one per (cuBLAS handle, stream) in process-wide maps
+  // and frees them whenever anything calls torch._C._cuda_clearCublasWorkspaces() (inductor's
+  // CUDA graph trees do, around each recording), and 2.13's CUDAGraph::reset() frees its
+  // capture stream's: a graph replaying into torch's would write into freed memory. So the
+  // device owns one buffer, never freed, and before each capture puts it into torch's maps for
+  // (this thread's handle, `stream`) as a non-owning pointer: a clear erases the alias, never
+  // the buffer. Every capture and replay runs on `stream`, in order, so one buffer serves all.
+  // Under `mutex`, on `stream`, outside any capture. Returns the keys it installed.
+  std::pair<std::tuple<void*, void*>, std::tuple<void*, void*>> install_blas_workspace();
+  // Whether torch's maps still point at the device's buffer for those keys (a clear or resize
+  // by another thread during a capture replaces the alias, and that capture may have baked
+  // torch's buffer).
+  bool blas_workspace_installed(const std::pair<std::tuple<void*, void*>, std::tuple<void*, void*>>& keys);
+
  private:
+  std::vector<at::DataPtr> blas_workspaces_;  // never freed: torch's maps may still alias an older one
+  size_t blas_workspace_bytes_ = 0;
+
   explicit DeviceGraphs(c10::DeviceIndex index);
 };
 
