@@ -30,6 +30,12 @@ import torch
 from shapecache._extension import _C
 
 BUILD_NICENESS = 10  # added to the process's niceness for the worker thread (os.setpriority)
+# The interpreter's switch interval while a build runs (sys.setswitchinterval), unless it is
+# shorter already. Every torch operator a serving thread calls releases the GIL while it
+# computes; a build (inductor's lowering and code generation, pure Python) takes the GIL then,
+# and the serving thread gets it back only when the interval has passed: up to 5 ms (Python's
+# default) per operator, seconds per UNet call. Measured in docs/background-builds.md.
+BUILD_SWITCH_INTERVAL = 0.0005
 
 _lock = threading.Lock()
 _workers: dict[str, threading.Thread] = {}
@@ -66,7 +72,7 @@ def _serve(device: torch.device, name: str) -> None:
     try:
         while True:
             try:
-                with _objects_before_frozen():
+                with _objects_before_frozen(), _short_gil_turns():
                     if _C.run_next_build(device):
                         continue
             except BaseException:  # noqa: BLE001  (a build's failure is its bucket's; the worker serves on)
@@ -97,6 +103,28 @@ def _objects_before_frozen():
     finally:
         if freeze:
             gc.unfreeze()
+
+
+_gil_turns = {"builds": 0, "previous": None, "set": None}  # guarded by _lock
+
+
+@contextlib.contextmanager
+def _short_gil_turns():
+    """BUILD_SWITCH_INTERVAL while any build runs; the interval before is restored after the
+    last, unless someone else changed it meanwhile."""
+    with _lock:
+        if _gil_turns["builds"] == 0:
+            _gil_turns["previous"] = sys.getswitchinterval()
+            _gil_turns["set"] = min(_gil_turns["previous"], BUILD_SWITCH_INTERVAL)
+            sys.setswitchinterval(_gil_turns["set"])
+        _gil_turns["builds"] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _gil_turns["builds"] -= 1
+            if _gil_turns["builds"] == 0 and sys.getswitchinterval() == _gil_turns["set"]:
+                sys.setswitchinterval(_gil_turns["previous"])
 
 
 def _lower_priority() -> None:

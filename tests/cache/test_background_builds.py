@@ -410,3 +410,22 @@ def test_a_full_queue_runs_misses_uncached_without_queuing():
     _C.cancel_all_builds()
     builder.gate.set()
     assert wait(f)
+
+
+def test_a_build_runs_with_short_gil_turns_and_the_interval_is_restored_after():
+    # Serving threads release the GIL at every torch operator; while a build (pure Python)
+    # runs, each would wait a whole switch interval to get it back.
+    import sys
+
+    seen = []
+
+    def builder(args, kwargs, handle):
+        seen.append(sys.getswitchinterval())
+        return BuiltEntry(lambda x: x * 2, 0, None, "eager", ran_call=False)
+
+    before = sys.getswitchinterval()
+    f = background(lambda x: x * 2, builder)
+    f(torch.ones(3))
+    assert wait(f)
+    assert seen == [min(before, _build_workers.BUILD_SWITCH_INTERVAL)]
+    assert sys.getswitchinterval() == before
