@@ -9,21 +9,12 @@
 #include "cache/call_key.h"
 #include "cache/call_modes.h"
 #include "cache/call_scope.h"
+#include "cache/python_call.h"
 #include "cache/crop_plans.h"
 #include "cache/python_runner.h"
 
 namespace shapecache {
 namespace {
-
-double unix_seconds() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-py::object run_python(const py::object& callable, const py::tuple& args, const py::dict& kwargs) {
-  PyObject* out = PyObject_Call(callable.ptr(), args.ptr(), kwargs.ptr());
-  if (out == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(out);
-}
 
 std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
 
@@ -351,7 +342,7 @@ std::optional<BuiltEntry> MissPolicy::run_builder(const c10::Device& device, con
       // returned, so that a recursive cached function costs the interpreter's recursion limit
       // one Python frame per level, as any decorator does, and not the builder's frame too.
       if (run_call && !built.ran_call && !built.runner.is_none()) {
-        built.output = run_python(built.runner, args, kwargs);
+        built.output = call_python(built.runner, args, kwargs);
         built.ran_call = true;
       }
       return built;
@@ -461,7 +452,7 @@ void MissPolicy::give_up(const ShapeKey& key) {
 }
 
 py::object MissPolicy::run_uncached(const py::tuple& args, const py::dict& kwargs) {
-  return run_python(function_, args, kwargs);
+  return call_python(function_, args, kwargs);
 }
 
 void MissPolicy::clear() {

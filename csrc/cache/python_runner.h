@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "cache/entry_runner.h"
+#include "cache/python_call.h"
 #include "cache/state_guard.h"
 
 namespace shapecache {
@@ -19,11 +20,7 @@ class PythonRunner : public EntryRunner {
   PythonRunner(py::object callable, std::shared_ptr<StateGuard> guard)
       : callable_(std::move(callable)), guard_(std::move(guard)) {}
 
-  py::object run(const Call& call) override {
-    PyObject* out = PyObject_Call(callable_.ptr(), call.entry_args.ptr(), call.entry_kwargs.ptr());
-    if (out == nullptr) throw py::error_already_set();
-    return py::reinterpret_steal<py::object>(out);
-  }
+  py::object run(const Call& call) override { return call_python(callable_, call.entry_args, call.entry_kwargs); }
 
   bool valid() override { return !guard_ || guard_->check(); }
 

@@ -17,6 +17,7 @@
 
 #include <c10/core/Device.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -33,6 +34,11 @@
 namespace shapecache {
 
 namespace py = pybind11;
+
+// Unix time in seconds, as Entry::last_use holds it.
+inline double unix_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
 
 // The compiled artifact of one bucket of one cached function.
 struct Entry {

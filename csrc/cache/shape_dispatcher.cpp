@@ -10,21 +10,12 @@
 #include <utility>
 
 #include "cache/call_scope.h"
+#include "cache/python_call.h"
 
 namespace shapecache {
 namespace {
 
 std::atomic<uint64_t> next_function_id{1};
-
-double unix_seconds() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-py::object call_python(const py::object& callable, const py::tuple& args, const py::dict& kwargs) {
-  PyObject* out = PyObject_Call(callable.ptr(), args.ptr(), kwargs.ptr());
-  if (out == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(out);
-}
 
 // Pins an entry for the length of a check and a run: a pinned entry is never evicted, erased
 // or cleared (budgeted_lru.h), so the entry stays where it is while Python code runs, on this
