@@ -40,7 +40,7 @@ import torch
 from torch._guards import tracing
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from shapecache._backends import guards
+from shapecache._backends import guards, tracing_threads
 from shapecache._extension import _C
 from shapecache._holder import holder_on
 
@@ -57,6 +57,8 @@ def _new_build_lock() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_build_lock)
+
+tracing_threads.install()  # a trace here must not capture other threads' module calls
 
 
 def quiet_warnings_here() -> bool:
