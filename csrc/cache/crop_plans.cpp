@@ -6,6 +6,7 @@
 
 #include "cache/call_key.h"
 #include "cache/call_scope.h"
+#include "cache/python_call.h"
 
 namespace shapecache {
 
@@ -33,7 +34,7 @@ std::shared_ptr<const CropPlan> CropPlans::plan_for(const Call& call) {
       plan->shapes = std::move(shapes);
     } catch (py::error_already_set& error) {
       if (!error.matches(PyExc_Exception)) throw;  // KeyboardInterrupt, SystemExit
-      plan->reason = std::string(py::str(error.type().attr("__name__"))) + ": " + std::string(py::str(error.value()));
+      plan->reason = describe_error(error);
     } catch (const py::type_error& error) {  // an output map_tensors cannot walk
       plan->reason = std::string("TypeError: ") + error.what();
     }

@@ -16,12 +16,6 @@
 namespace shapecache {
 namespace {
 
-std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
-
-std::string describe_error(py::error_already_set& error) {
-  return std::string(py::str(error.type().attr("__name__"))) + ": " + first_line(py::str(error.value()));
-}
-
 // torch.OutOfMemoryError, looked up once.
 const py::object& out_of_memory_type() {
   PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> storage;

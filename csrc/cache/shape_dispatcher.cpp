@@ -121,8 +121,7 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
         may_be_out_of_memory(error)) {
       throw;
     }
-    std::string failure = std::string(py::str(error.type().attr("__name__"))) + ": " + std::string(py::str(error.value()));
-    failure = failure.substr(0, failure.find('\n'));
+    const std::string failure = describe_error(error);
     pin.release();
     return miss_.cropped(call, miss_.entry_failed(call, failure));
   } catch (const c10::OutOfMemoryError&) {
@@ -131,8 +130,7 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
     throw;
   } catch (const std::exception& error) {
     // A runner's own C++ error (a CUDA graph's replay, c10::Error): as any failing entry.
-    std::string failure = error.what();
-    failure = failure.substr(0, failure.find('\n'));
+    const std::string failure = first_line(error.what());
     pin.release();
     return miss_.cropped(call, miss_.entry_failed(call, failure));
   }
