@@ -1,0 +1,57 @@
+"""``deployment``: a CachedReplica class as a Ray Serve deployment routed by size, in one call."""
+
+from __future__ import annotations
+
+import copy
+
+from shapecache import _checks
+from shapecache.ray_serve._replica import CachedReplica
+from shapecache.ray_serve._shared_dir import SharedDir
+
+# How often each replica publishes what it holds (Ray's default is 10 s). A size placed since
+# the last publication is remembered by the router that placed it, so a longer period costs
+# only the accuracy of the room each replica reports.
+STATS_PERIOD_S = 2.0
+
+
+def deployment(replica_class: type, *, shared_dir=None, max_pending_builds: int = 2,
+               stats_period_s: float = STATS_PERIOD_S, stats_max_age_s: float | None = None, **options):
+    """``serve.deployment(replica_class, **options)`` with the size-affinity router.
+
+    `replica_class`: a subclass of ``CachedReplica``; its ``size_keys`` tell the router where a
+    request's size is. `shared_dir` (default: SHAPECACHE_SHARED_DIR, when set): the directory
+    the replicas share, passed to them in their ``runtime_env``. `max_pending_builds`: a
+    replica with this many background builds pending gets no new sizes. `stats_period_s`:
+    how often replicas publish what they hold; stats older than `stats_max_age_s` (default:
+    five periods, at least 30 s) count as missing, and the router falls back to Ray's default
+    policy for sizes it has no home for. `options`: any other ``serve.deployment`` option
+    (``num_replicas``, ``ray_actor_options``, ``max_ongoing_requests``...)."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from shapecache.ray_serve._router import SizeAffinityRouter
+
+    if not (isinstance(replica_class, type) and issubclass(replica_class, CachedReplica)):
+        raise TypeError(f"replica_class={replica_class!r}: expected a subclass of shapecache.ray_serve.CachedReplica")
+    _checks.positive_int("max_pending_builds", max_pending_builds, "builds")
+    for name, value in (("stats_period_s", stats_period_s), ("stats_max_age_s", stats_max_age_s)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise ValueError(f"{name}={value!r}: expected a positive number of seconds")
+    if "request_router_config" in options:
+        raise TypeError("request_router_config: deployment() sets it (the size-affinity router); use "
+                        "serve.deployment to choose another router")
+    if stats_max_age_s is None:
+        stats_max_age_s = max(30.0, 5 * stats_period_s)
+    router = RequestRouterConfig(
+        request_router_class=SizeAffinityRouter,
+        request_router_kwargs={"size_keys": list(replica_class.size_keys), "max_pending_builds": max_pending_builds,
+                               "stats_max_age_s": stats_max_age_s},
+        request_routing_stats_period_s=stats_period_s,
+    )
+    shared = SharedDir.from_option(shared_dir)
+    if shared is not None:
+        actor_options = copy.deepcopy(options.get("ray_actor_options") or {})
+        runtime_env = actor_options.setdefault("runtime_env", {})
+        runtime_env["env_vars"] = {**shared.environment(), **runtime_env.get("env_vars", {})}
+        options["ray_actor_options"] = actor_options
+    return serve.deployment(replica_class, request_router_config=router, **options)

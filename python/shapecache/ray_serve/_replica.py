@@ -1,0 +1,174 @@
+"""CachedReplica: the replica side of size-affinity routing. A replica serves one object that
+shapecache caches, publishes the sizes it holds (``record_routing_stats``, which Ray Serve
+calls every routing-stats period), records the sizes it built in the shared directory, and
+builds the fleet's hot sizes before it reports ready.
+
+Which sizes a replica holds: a size's calls used some entries (those whose hit count moved or
+that appeared during the call); the size is held while all of them are still cached, and while
+a call of that size runs. With ``max_ongoing_requests=1`` (one image at a time, as a GPU replica
+runs) this is exact; with more, a size's entries can include those of a size served beside it,
+so a size may be reported gone when that other size's entries are evicted (the router then
+places it again, and the replica's cache still serves it).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import math
+import threading
+import time
+from typing import ClassVar
+
+import shapecache as sc
+from shapecache import _checks
+from shapecache.ray_serve._placement import routing_stats
+from shapecache.ray_serve._request_size import PIPELINE_SIZE_KEYS, check_size_keys, request_size
+from shapecache.ray_serve._shared_dir import SharedDir
+
+logger = logging.getLogger("shapecache")
+
+
+class CachedReplica:
+    """Base class of a Ray Serve deployment that serves one cached object::
+
+        class Painter(CachedReplica):
+            def __init__(self):
+                pipe = StableDiffusionPipeline.from_pretrained(...).to("cuda")
+                super().__init__(sc.wrap(pipe, budget="20GiB"))
+
+            def __call__(self, prompt: str, height: int, width: int):
+                return self.serve(prompt, height=height, width=width).images[0]
+
+        class Upscaler(CachedReplica):
+            size_keys = ("size",)
+            ...
+            def __call__(self, image, size: tuple[int, int]):
+                with self.serving(size):
+                    return self.model(image)
+
+        app = shapecache.ray_serve.deployment(Painter, num_replicas=2).bind()
+
+    ``size_keys`` names the keyword arguments that make a request's size: ``("height",
+    "width")`` (a pipeline's) unless a subclass sets another, such as ``("size",)`` for a
+    call ``model(size=(768, 512))``. The router reads the same keywords.
+    """
+
+    size_keys: ClassVar[tuple[str, ...]] = PIPELINE_SIZE_KEYS
+
+    def __init__(self, cached, *, shared_dir=None, prewarm_limit: int | None = None):
+        """`cached`: what ``sc.wrap`` or ``sc.cached`` returned. `shared_dir` (default:
+        SHAPECACHE_SHARED_DIR, when set): the directory replicas share; the fleet's hot sizes
+        recorded there are built now, most built first, up to `prewarm_limit` sizes, stopping
+        at the first eviction (the budget is full)."""
+        check_size_keys(self.size_keys)
+        sc.stats(cached)  # a clear error now when `cached` is not cached by shapecache
+        if prewarm_limit is not None:
+            _checks.positive_int("prewarm_limit", prewarm_limit, "or None for every hot size")
+        self.cached = cached
+        self._is_pipeline = "components" in sc.stats(cached)
+        self._lock = threading.Lock()
+        self._entries_of: dict[tuple, frozenset] = {}  # size -> the entry ids its last call used
+        self._serving: collections.Counter = collections.Counter()  # sizes being served now
+        self.shared_dir = SharedDir.from_option(shared_dir)
+        self._warming = False  # sizes built while pre-warming are not recorded as the fleet's demand
+        self.prewarmed: list[tuple] = []
+        self.prewarm_seconds = 0.0
+        if self.shared_dir is not None:
+            self.shared_dir.apply()
+            self._prewarm(self.shared_dir.hot_sizes(prewarm_limit))
+
+    def __call__(self, *args, **kwargs):
+        return self.serve(*args, **kwargs)
+
+    def serve(self, *args, **kwargs):
+        """Calls the cached object with the request's arguments; its size is read from them
+        (``size_keys``). Where the cached object is not called with the size keywords, a
+        request runs ``with self.serving(size): ...`` instead."""
+        size = request_size(kwargs, self.size_keys)
+        if size is None:
+            return self.cached(*args, **kwargs)
+        with self.serving(size):
+            return self.cached(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def serving(self, size: tuple):
+        """Marks `size` as being served for the duration; afterwards, notes which entries the
+        calls inside used, and records a size whose calls built an entry in the shared
+        directory."""
+        size = tuple(size)
+        with self._using(size) as built:
+            yield
+        if built and self.shared_dir is not None and not self._warming:
+            self.shared_dir.record_sizes([size])
+
+    def warm_up(self, size: tuple) -> None:
+        """Builds the entries of `size` as a request of that size would. Pipelines are warmed
+        with ``sc.prewarm``; other replicas with a call that passes only the size keywords,
+        ``self(**dict(zip(size_keys, size)))`` (or ``size=...`` for one key): override this
+        where a request needs more."""
+        if self._is_pipeline:
+            sc.prewarm(self.cached, [size], progress=False)
+        else:
+            self(**dict(zip(self.size_keys, size if len(self.size_keys) > 1 else (size,), strict=True)))
+
+    def sizes_held(self) -> set[tuple]:
+        """The sizes whose entries this replica holds, and those it is serving now."""
+        alive = {entry["id"] for entry in sc.stats(self.cached)["entries"]}
+        with self._lock:
+            self._entries_of = {s: ids for s, ids in self._entries_of.items() if ids <= alive}
+            return set(self._entries_of) | set(self._serving)
+
+    def record_routing_stats(self) -> dict:
+        """What the router reads (Ray Serve calls this every routing-stats period)."""
+        held = self.sizes_held()
+        return routing_stats(held, sc.stats(self.cached), time.time())
+
+    @contextlib.contextmanager
+    def _using(self, size: tuple):
+        """Marks `size` as being served; afterwards, records the entries the call used. Yields
+        a list that is true afterwards when the call built an entry."""
+        before = self._entry_hits()
+        with self._lock:
+            self._serving[size] += 1
+        built: list = []
+        try:
+            yield built
+        finally:
+            after = self._entry_hits()
+            used = frozenset(i for i, hits in after.items() if before.get(i) != hits)
+            built.extend(i for i in used if i not in before)
+            with self._lock:
+                self._serving[size] -= 1
+                if not self._serving[size]:
+                    del self._serving[size]
+                if used:
+                    self._entries_of[size] = used
+
+    def _entry_hits(self) -> dict[int, int]:
+        return {entry["id"]: entry["hits"] for entry in sc.stats(self.cached)["entries"]}
+
+    def _prewarm(self, sizes: list[tuple]) -> None:
+        """Builds `sizes`, largest first (a pool sized by the first build fits the rest)."""
+        if len(self.size_keys) > 1:
+            sizes = [s for s in sizes if len(s) == len(self.size_keys)]
+        start = time.perf_counter()
+        evictions = sc.stats(self.cached)["evictions"]
+        self._warming = True
+        try:
+            for size in sorted(sizes, key=lambda s: -math.prod(s)):
+                with self._using(size):
+                    self.warm_up(size)
+                self.prewarmed.append(size)
+                if sc.stats(self.cached)["evictions"] > evictions:
+                    logger.info("shapecache: the budget is full after pre-warming %d of %d hot sizes",
+                                len(self.prewarmed), len(sizes))
+                    break
+        finally:
+            self._warming = False
+        self.prewarm_seconds = time.perf_counter() - start
+        if sizes:
+            logger.info("shapecache: pre-warmed %d hot sizes from %s in %.1f s", len(self.prewarmed),
+                        self.shared_dir.path, self.prewarm_seconds)
+

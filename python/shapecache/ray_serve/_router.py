@@ -1,0 +1,75 @@
+"""SizeAffinityRouter: Ray Serve's request router for shapecache replicas. Each request goes
+to a replica that holds its size (``_placement.py`` has the policy and its rules); a request
+without a size goes by Ray's default policy, power of two choices.
+
+Ray Serve makes one router per deployment handle (and one per proxy), so each keeps its own
+recent choices; two routers can place one new size on two replicas before either replica
+publishes, after which both hold it and both are its homes.
+"""
+
+from __future__ import annotations
+
+import time
+
+# Ray's default router, whose choose_replicas serves requests without a size. Its module is
+# private: Ray names it as its default (DEFAULT_REQUEST_ROUTER_PATH), and the `ray` extra pins
+# the versions this subclass was tested with.
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+
+from shapecache.ray_serve._placement import Placement, ReplicaState
+from shapecache.ray_serve._request_size import PIPELINE_SIZE_KEYS, check_size_keys, request_size
+
+
+class SizeAffinityRouter(PowerOfTwoChoicesRequestRouter):
+    """Routes each request to a replica that holds its size. Options, given as
+    ``request_router_kwargs``: ``size_keys`` (the keyword arguments that make a request's
+    size; default ``("height", "width")``), ``max_pending_builds`` (a replica with this many
+    builds pending gets no new sizes; default 2), ``stats_max_age_s`` (routing stats older
+    than this count as missing; default 60)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.initialize_state()  # Ray calls it again with the deployment's request_router_kwargs
+
+    def initialize_state(self, size_keys=PIPELINE_SIZE_KEYS, max_pending_builds: int = 2,
+                         stats_max_age_s: float = 60.0, **kwargs) -> None:
+        if kwargs:
+            raise TypeError(f"SizeAffinityRouter got unknown request_router_kwargs {sorted(kwargs)}: expected "
+                            "size_keys, max_pending_builds, stats_max_age_s")
+        self._size_keys = check_size_keys(size_keys)
+        self._placement = Placement(max_pending_builds=int(max_pending_builds), stats_max_age_s=float(stats_max_age_s))
+
+    def _size_of(self, pending_request) -> tuple[int, ...] | None:
+        if pending_request is None:
+            return None
+        return request_size(pending_request.kwargs, self._size_keys)
+
+    def _state_of(self, replica) -> ReplicaState:
+        queue_len = self._replica_queue_len_cache.get(replica.replica_id)
+        full = queue_len is not None and queue_len >= replica.max_ongoing_requests
+        return ReplicaState.from_routing_stats(replica.replica_id.unique_id, replica.routing_stats, full=full)
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        size = self._size_of(pending_request)
+        ranks = None
+        if size is not None:
+            ranks = self._placement.rank(size, [self._state_of(r) for r in candidate_replicas], time.time())
+        if ranks is None:
+            return await super().choose_replicas(candidate_replicas, pending_request)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        return [[by_id[replica_id] for replica_id in rank] for rank in ranks]
+
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        super().on_request_routed(pending_request, replica_id, result)
+        self._placement.routed(self._size_of(pending_request), replica_id.unique_id, time.time())
+
+    def update_replicas(self, replicas) -> None:
+        super().update_replicas(replicas)
+        self._forget_gone_replicas()
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget_gone_replicas()
+
+    def _forget_gone_replicas(self) -> None:
+        self._placement.keep_only(replica_id.unique_id for replica_id in self._replicas)

@@ -1,0 +1,102 @@
+"""The directory replicas share: inductor's on-disk caches, shapecache's tuning records and
+the fleet's hot sizes, so that a replica that starts after others builds from what they
+compiled.
+
+Layout under the directory:
+
+- ``inductor/``: TORCHINDUCTOR_CACHE_DIR, inductor's FX graph cache and its kernels. Inductor
+  writes each file under a temporary name and renames it into place, and takes a file lock
+  where two processes could write one entry, so replicas may share it.
+- ``tuning.json``: SHAPECACHE_TUNING_DB, the tuned-convolution records (written by atomic
+  replace, merged with what another process wrote meanwhile; see ops/_tuning.py).
+- ``sizes.jsonl``: one line per size a replica built, ``{"size": [...], "at": unix seconds}``,
+  appended with one ``write`` on a file opened ``O_APPEND``. On a local file system each line
+  lands whole; on a network file system without atomic appends (NFS) two lines can interleave,
+  and the reader skips a line it cannot parse.
+
+Inductor's Redis remote cache is configured by its own environment variables
+(TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE=1, TORCHINDUCTOR_REDIS_HOST, TORCHINDUCTOR_REDIS_PORT),
+which ``environment`` passes on to the replicas where the driver has them.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+logger = logging.getLogger("shapecache")
+
+ENVIRONMENT_VARIABLE = "SHAPECACHE_SHARED_DIR"
+REMOTE_CACHE_VARIABLES = ("TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "TORCHINDUCTOR_REDIS_HOST", "TORCHINDUCTOR_REDIS_PORT")
+SIZES_FILE = "sizes.jsonl"
+
+
+class SharedDir:
+    """One shared directory (created when missing)."""
+
+    def __init__(self, path: str | os.PathLike):
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise TypeError(f"shared_dir={path!r}: expected a directory path (str or os.PathLike)")
+        self.path = Path(path).expanduser().absolute()
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    @classmethod
+    def from_option(cls, path=None) -> SharedDir | None:
+        """`path` when given, else SHAPECACHE_SHARED_DIR when set, else None (nothing shared)."""
+        if path is None:
+            path = os.environ.get(ENVIRONMENT_VARIABLE) or None
+        return None if path is None else cls(path)
+
+    def environment(self) -> dict[str, str]:
+        """The environment variables that point a replica's caches here (for a Ray
+        ``runtime_env``), with inductor's remote-cache variables of this process."""
+        env = {
+            ENVIRONMENT_VARIABLE: str(self.path),
+            "TORCHINDUCTOR_CACHE_DIR": str(self.path / "inductor"),
+            "SHAPECACHE_TUNING_DB": str(self.path / "tuning.json"),
+        }
+        env.update({name: os.environ[name] for name in REMOTE_CACHE_VARIABLES if name in os.environ})
+        return env
+
+    def apply(self) -> None:
+        """Points this process's caches here. Inductor reads TORCHINDUCTOR_CACHE_DIR whenever it
+        opens its cache; one that is set to another directory is left alone, with a warning."""
+        for name, value in self.environment().items():
+            current = os.environ.setdefault(name, value)
+            if current != value and name not in REMOTE_CACHE_VARIABLES:
+                logger.warning("shapecache: %s=%s is set, so it is not shared through %s", name, current, self.path)
+
+    def record_sizes(self, sizes) -> None:
+        """Appends the sizes a replica built to the fleet's record."""
+        now = time.time()
+        lines = "".join(json.dumps({"size": list(size), "at": now}) + "\n" for size in sizes)
+        if not lines:
+            return
+        fd = os.open(self.path / SIZES_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, lines.encode())
+        finally:
+            os.close(fd)
+
+    def hot_sizes(self, limit: int | None = None) -> list[tuple[int, ...]]:
+        """The sizes the fleet built, most often built first (then the larger first): the
+        sizes a new replica builds before it reports ready."""
+        counts: collections.Counter = collections.Counter()
+        try:
+            with open(self.path / SIZES_FILE) as f:
+                for line in f:
+                    try:
+                        size = tuple(int(d) for d in json.loads(line)["size"])
+                    except (ValueError, KeyError, TypeError):
+                        continue  # a torn or foreign line
+                    counts[size] += 1
+        except FileNotFoundError:
+            return []
+        ranked = sorted(counts, key=lambda s: (-counts[s], -math.prod(s), s))
+        return ranked if limit is None else ranked[:limit]
+

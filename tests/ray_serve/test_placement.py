@@ -1,0 +1,151 @@
+"""The size-affinity policy (shapecache/ray_serve/_placement.py) as a plain function: no Ray,
+no torch. Each test states the rule of the module's docstring it checks."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import given, settings
+
+from shapecache.ray_serve._placement import FORMAT_KEY, Placement, ReplicaState, routing_stats
+
+NOW = 1000.0
+MiB = 1 << 20
+
+
+def replica(rid, sizes=(), bytes=0, budget=100 * MiB, entries=None, pending=0, at=NOW - 1, full=False):
+    return ReplicaState(rid, frozenset(sizes), bytes, budget, len(sizes) if entries is None else entries, pending, at, full)
+
+
+def test_a_held_size_goes_to_its_holder_first():
+    replicas = [replica("a", [(64, 64)], bytes=80 * MiB), replica("b", [(96, 96)], bytes=10 * MiB)]
+    assert Placement().rank((64, 64), replicas, NOW) == [["a"], ["b"]]
+    assert Placement().rank((96, 96), replicas, NOW) == [["b"], ["a"]]
+
+
+def test_a_size_held_twice_prefers_the_holder_that_is_not_full():
+    replicas = [replica("a", [(64, 64)], full=True), replica("b", [(64, 64)]), replica("c")]
+    assert Placement().rank((64, 64), replicas, NOW) == [["b", "a"], ["c"]]
+
+
+def test_a_new_size_goes_to_the_replica_with_the_most_bytes_free_then_fewest_entries():
+    replicas = [replica("a", [(8, 8)], bytes=60 * MiB), replica("b", [(16, 16)], bytes=20 * MiB)]
+    assert Placement().rank((32, 32), replicas, NOW)[0] == ["b"]
+    equal_bytes = [replica("a", [(8, 8), (9, 9)], bytes=20 * MiB), replica("b", [(16, 16)], bytes=20 * MiB)]
+    assert Placement().rank((32, 32), equal_bytes, NOW)[0] == ["b"]
+
+
+def test_a_new_size_then_sticks_to_the_replica_it_was_sent_to():
+    placement = Placement()
+    replicas = [replica("a", bytes=50 * MiB), replica("b", bytes=10 * MiB)]
+    assert placement.rank((32, 32), replicas, NOW)[0] == ["b"]
+    placement.routed((32, 32), "b", NOW)
+    # b's stats do not list the size yet (they were published before it was sent), and b now
+    # has less room than a: the size still goes to b
+    replicas = [replica("a", bytes=50 * MiB), replica("b", bytes=99 * MiB)]
+    assert placement.rank((32, 32), replicas, NOW + 0.5)[0] == ["b"]
+
+
+def test_new_sizes_of_one_stats_period_spread_over_replicas():
+    placement = Placement()
+    replicas = [replica("a", [(1, 1)], bytes=10 * MiB), replica("b", [(2, 2)], bytes=10 * MiB)]
+    first = placement.rank((32, 32), replicas, NOW)[0][0]
+    placement.routed((32, 32), first, NOW)
+    second = placement.rank((48, 48), replicas, NOW)[0][0]
+    assert {first, second} == {"a", "b"}
+
+
+def test_a_size_the_holder_evicted_is_placed_again():
+    placement = Placement()
+    placement.routed((32, 32), "a", NOW - 10)
+    # a published after the size was sent, without it: a evicted it
+    replicas = [replica("a", [(8, 8)], bytes=90 * MiB, at=NOW - 1), replica("b", bytes=0)]
+    assert placement.rank((32, 32), replicas, NOW)[0] == ["b"]
+
+
+def test_spill_over_every_other_replica_is_a_later_rank():
+    replicas = [replica("a", [(64, 64)], full=True), replica("b"), replica("c", bytes=200 * MiB)]
+    ranks = Placement().rank((64, 64), replicas, NOW)
+    assert ranks[0] == ["a"]
+    assert sorted(ranks[1]) == ["b", "c"]
+    assert ranks[1][0] == "b"  # c is over its budget: last
+
+
+def test_a_replica_over_its_budget_or_with_builds_pending_gets_no_new_size():
+    over = [replica("a", bytes=101 * MiB), replica("b", bytes=99 * MiB, budget=100 * MiB)]
+    assert Placement().rank((32, 32), over, NOW)[0] == ["b"]
+    building = [replica("a", pending=2), replica("b", bytes=90 * MiB)]
+    assert Placement(max_pending_builds=2).rank((32, 32), building, NOW)[0] == ["b"]
+    # where every replica is over, the new size still goes somewhere
+    assert Placement().rank((32, 32), [replica("a", bytes=200 * MiB)], NOW) == [["a"]]
+
+
+def test_a_full_replica_gets_no_new_size_while_another_is_free():
+    replicas = [replica("a", full=True), replica("b", bytes=90 * MiB)]
+    assert Placement().rank((32, 32), replicas, NOW)[0] == ["b"]
+
+
+def test_a_dead_replica_is_forgotten_and_its_sizes_placed_again():
+    placement = Placement()
+    placement.routed((32, 32), "a", NOW)
+    placement.routed((48, 48), "b", NOW)
+    placement.keep_only(["b", "c"])
+    assert placement.homes == {(48, 48): ("b", NOW)}
+    replicas = [replica("b", bytes=90 * MiB, at=NOW - 5), replica("c", bytes=0, at=NOW - 5)]
+    assert placement.rank((32, 32), replicas, NOW)[0] == ["c"]
+
+
+def test_no_size_or_no_fresh_stats_is_left_to_the_default_policy():
+    replicas = [replica("a", [(64, 64)]), replica("b")]
+    assert Placement().rank(None, replicas, NOW) is None
+    stale = [replica("a", [(64, 64)], at=NOW - 120), replica("b", at=NOW - 120)]
+    assert Placement(stats_max_age_s=60).rank((64, 64), stale, NOW) is None
+    missing = [ReplicaState("a"), ReplicaState("b")]
+    assert Placement().rank((64, 64), missing, NOW) is None
+    # ... but a size this router placed keeps its home while the stats are late
+    placement = Placement()
+    placement.routed((64, 64), "b", NOW - 1)
+    assert placement.rank((64, 64), missing, NOW)[0] == ["b"]
+
+
+def test_stale_stats_are_not_trusted_for_the_sizes_they_list():
+    replicas = [replica("a", [(64, 64)], at=NOW - 120), replica("b", bytes=50 * MiB)]
+    assert Placement(stats_max_age_s=60).rank((64, 64), replicas, NOW)[0] == ["b"]
+
+
+def test_routing_stats_round_trip_and_foreign_stats_count_as_missing():
+    figures = {"bytes": 5 * MiB, "budget": 100 * MiB, "entries": [{}, {}], "pending_builds": 1}
+    stats = routing_stats([(64, 64), (96, 128)], figures, NOW)
+    state = ReplicaState.from_routing_stats("a", stats, full=True)
+    assert state == ReplicaState("a", frozenset({(64, 64), (96, 128)}), 5 * MiB, 100 * MiB, 2, 1, NOW, True)
+    for foreign in ({}, None, {"queue": 3}, {FORMAT_KEY: {"version": 99}}, {FORMAT_KEY: {"version": 1, "sizes": "x"}},
+                    {FORMAT_KEY: {"version": 1}}):
+        assert ReplicaState.from_routing_stats("a", foreign) == ReplicaState("a")
+
+
+sizes = st.tuples(st.integers(1, 4), st.integers(1, 4))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    size=st.one_of(st.none(), sizes),
+    published=st.lists(st.tuples(st.frozensets(sizes, max_size=4), st.integers(0, 200), st.booleans(),
+                                 st.sampled_from([None, NOW - 1, NOW - 500]), st.integers(0, 3)),
+                       min_size=1, max_size=4),
+    history=st.lists(st.tuples(sizes, st.integers(0, 3), st.floats(NOW - 100, NOW)), max_size=6),
+)
+def test_every_replica_is_ranked_once_and_a_fresh_holder_is_first(size, published, history):
+    replicas = [ReplicaState(f"r{i}", s, b * MiB, 100 * MiB, len(s), p, at, full)
+                for i, (s, b, full, at, p) in enumerate(published)]
+    placement = Placement(stats_max_age_s=60)
+    for routed_size, index, at in history:
+        if index < len(replicas):
+            placement.routed(routed_size, f"r{index}", at)
+    ranks = placement.rank(size, replicas, NOW)
+    if ranks is None:
+        return
+    flat = [rid for rank in ranks for rid in rank]
+    assert sorted(flat) == sorted(r.replica_id for r in replicas)  # nobody dropped, nobody twice
+    assert all(ranks)
+    fresh_holders = {r.replica_id for r in replicas if r.fresh(NOW, 60) and size in r.sizes}
+    if fresh_holders:
+        assert set(ranks[0]) >= fresh_holders

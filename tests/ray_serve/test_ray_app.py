@@ -1,0 +1,68 @@
+"""A real local Ray Serve app (tests/ray_serve/two_replicas.py) in a process of its own, under a
+hard timeout: a replica that cannot be scheduled makes serve.run wait forever."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray.serve", reason="the ray extra is not installed")
+psutil = pytest.importorskip("psutil")
+
+SCRIPT = Path(__file__).with_name("two_replicas.py")
+TIMEOUT_S = 240
+RAY_PROCESSES = ("raylet", "gcs_server", "ray::", "dashboard", "log_monitor", "monitor.py", "runtime_env")
+
+
+def ray_processes() -> set[int]:
+    found = set()
+    for process in psutil.process_iter(["pid", "name", "cmdline"]):
+        try:
+            text = " ".join([process.info["name"] or "", *(process.info["cmdline"] or [])])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if any(marker in text for marker in RAY_PROCESSES):
+            found.add(process.info["pid"])
+    return found
+
+
+@pytest.mark.slow
+def test_two_replicas_each_size_served_by_one_replica_and_nothing_left_behind():
+    before = ray_processes()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, str(SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        pytest.fail(f"the Ray app did not finish in {TIMEOUT_S} s:\n{err[-3000:]}")
+    assert process.returncode == 0, err[-3000:]
+    result = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+
+    served, sizes = result["served"], {tuple(s) for s, *_ in result["served"]}
+    assert len(served) == 24 and len(sizes) == 4
+    warm = served[len(sizes):]  # after each size's first request
+    replica_of = {}
+    for size, replica, _ in warm:
+        assert replica_of.setdefault(tuple(size), replica) == replica, f"{size} went to two replicas: {served}"
+    assert len(set(replica_of.values())) == 2, f"the sizes were not spread over both replicas: {replica_of}"
+    # what each replica says it holds (its routing stats' sizes) is what it was sent
+    for size, replica, held in served[-len(sizes):]:
+        assert sorted(tuple(s) for s in held) == sorted(s for s, r in replica_of.items() if r == replica)
+    # a router that made none of the choices routes by the published stats alone
+    for size, replica, _ in result["served_by_a_new_router"]:
+        assert replica == replica_of[tuple(size)]
+
+    deadline = time.monotonic() + 30
+    while (left := ray_processes() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"Ray processes left after shutdown: {[psutil.Process(p).cmdline() for p in left if psutil.pid_exists(p)]}"

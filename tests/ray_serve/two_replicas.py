@@ -1,0 +1,70 @@
+"""A real local Ray Serve app: two replicas of a tiny cached conv net behind the size-affinity
+router, asked for 4 sizes. Run as a script by test_ray_app.py (in a process of its own, under a
+hard timeout); prints one JSON line: which replica served each request, and each replica's
+routing stats at the end.
+
+    RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 python tests/ray_serve/two_replicas.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+
+from shapecache.ray_serve import CachedReplica, deployment  # noqa: E402
+
+SIZES = [(8, 8), (8, 12), (12, 8), (16, 16)]
+ROUNDS = 6
+STATS_PERIOD_S = 0.5
+
+
+class TinyNet(CachedReplica):
+    size_keys = ("size",)
+
+    def __init__(self):
+        import torch
+
+        import shapecache as sc
+        from shapecache.testing.models import SmallConvNet
+
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        self.torch = torch
+        super().__init__(sc.cached(SmallConvNet().eval(), backend="eager", max_entries=2))
+
+    def __call__(self, size):
+        with self.torch.inference_mode(), self.serving(size):
+            self.cached(self.torch.ones(1, 3, *size))
+        return serve.get_replica_context().replica_id.unique_id, sorted(self.sizes_held())
+
+
+def main() -> int:
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        serve.start(proxy_location="Disabled")
+        app = deployment(TinyNet, num_replicas=2, stats_period_s=STATS_PERIOD_S, max_ongoing_requests=1,
+                         ray_actor_options={"num_cpus": 0.5}).bind()
+        handle = serve.run(app, name="tiny", route_prefix=None)
+        served = [[size, *handle.remote(size=size).result(timeout_s=60)] for _ in range(ROUNDS) for size in SIZES]
+        # A new handle has a router of its own, which knows nothing of where sizes went: it
+        # routes by what the replicas published
+        time.sleep(4 * STATS_PERIOD_S)
+        fresh = serve.get_deployment_handle("TinyNet", app_name="tiny")
+        served_fresh = [[size, *fresh.remote(size=size).result(timeout_s=60)] for size in SIZES for _ in range(2)]
+        print(json.dumps({"served": served, "served_by_a_new_router": served_fresh}))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
