@@ -56,11 +56,19 @@ def test_two_replicas_each_size_served_by_one_replica_and_nothing_left_behind():
         assert replica_of.setdefault(tuple(size), replica) == replica, f"{size} went to two replicas: {served}"
     assert len(set(replica_of.values())) == 2, f"the sizes were not spread over both replicas: {replica_of}"
     # what each replica says it holds (its routing stats' sizes) is what it was sent
-    for size, replica, held in served[-len(sizes):]:
+    for _size, replica, held in served[-len(sizes):]:
         assert sorted(tuple(s) for s in held) == sorted(s for s, r in replica_of.items() if r == replica)
     # a router that made none of the choices routes by the published stats alone
     for size, replica, _ in result["served_by_a_new_router"]:
         assert replica == replica_of[tuple(size)]
+
+    # a killed replica: no request lost, none sent to it, its sizes served by the others
+    victim, after_kill = result["killed"], result["after_kill"]
+    errors = [row for row in after_kill if row[1] is None]
+    assert not errors, f"requests failed after a replica was killed: {errors}"
+    assert all(replica != victim for _, replica, *_ in after_kill)
+    victim_sizes = {size for size, replica in replica_of.items() if replica == victim}
+    assert victim_sizes and victim_sizes <= {tuple(size) for size, *_ in after_kill}
 
     deadline = time.monotonic() + 30
     while (left := ray_processes() - before) and time.monotonic() < deadline:

@@ -43,7 +43,7 @@ class TinyNet(CachedReplica):
     def __call__(self, size):
         with self.torch.inference_mode(), self.serving(size):
             self.cached(self.torch.ones(1, 3, *size))
-        return serve.get_replica_context().replica_id.unique_id, sorted(self.sizes_held())
+        return serve.get_replica_context().replica_id.to_full_id_str(), sorted(self.sizes_held())
 
 
 def main() -> int:
@@ -59,7 +59,21 @@ def main() -> int:
         time.sleep(4 * STATS_PERIOD_S)
         fresh = serve.get_deployment_handle("TinyNet", app_name="tiny")
         served_fresh = [[size, *fresh.remote(size=size).result(timeout_s=60)] for size in SIZES for _ in range(2)]
-        print(json.dumps({"served": served, "served_by_a_new_router": served_fresh}))
+        # One replica killed: the requests after it are served by the replicas left (Ray
+        # retries a request whose replica died before it started), its sizes among them
+        victim = served[-1][1]
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        killed_at = time.monotonic()
+        after_kill = []
+        for _ in range(3):
+            for size in SIZES:
+                try:
+                    reply = handle.remote(size=size).result(timeout_s=60)
+                    after_kill.append([size, *reply, time.monotonic() - killed_at])
+                except Exception as error:  # noqa: BLE001 - the test reports it
+                    after_kill.append([size, None, repr(error), time.monotonic() - killed_at])
+        print(json.dumps({"served": served, "served_by_a_new_router": served_fresh, "killed": victim,
+                          "after_kill": after_kill}))
     finally:
         serve.shutdown()
         ray.shutdown()

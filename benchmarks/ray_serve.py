@@ -1,0 +1,272 @@
+"""shapecache on Ray Serve: Ray's default router against the size-affinity router, then a
+new replica cold against one started from the shared directory.
+
+    python benchmarks/ray_serve.py [--model res-convnet|unet] [--sizes 4] [--requests 60]
+
+One run on this machine, real Ray Serve (a local cluster of 2 CPUs; each replica 0.5 CPU and
+one torch thread; HTTP off, handles only). Two replicas of the model, cached with the compile
+backend (inductor, frozen weights without prepacking, so that inductor's FX graph cache keeps
+them), each under a byte budget that holds about half of the sizes. A seeded stream of
+requests at `--sizes` sizes (uniform, then Zipf with exponent 1.1) is sent by 2 client threads
+through a deployment handle, once per router, each run with its own empty cache directory.
+A replica runs one model call at a time (as a GPU does), so a request's build is its own.
+
+Prints per stream and router: the hit rate after warm-up (the requests that built nothing,
+after the first 2 x sizes and the first request of every size, which all end first), p50/p99 latency at the client, builds and evictions, and per replica the
+cache's peak bytes against its budget and the process's peak resident memory. Then a third
+replica is started alone, once with an empty cache directory (cold) and once with the shared
+directory the affinity run filled, with a budget that holds every size (it is to serve all
+the fleet's hot sizes): seconds from `serve.run` until it has served every hot size once at
+compiled speed (a hit). Exits 1 when a run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import resource
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+
+from shapecache.ray_serve import CachedReplica, SharedDir, deployment  # noqa: E402
+
+MiB = 1 << 20
+ALL_SIZES = [(256, 256), (256, 192), (192, 256), (192, 192), (128, 256), (256, 128), (128, 128), (128, 192)]
+COMPILE_OPTIONS = {"options": {"freezing": True, "cpp.weight_prepack": False}}
+CLIENTS = 2
+
+
+class ModelReplica(CachedReplica):
+    size_keys = ("size",)
+
+    def __init__(self, model: str, budget: int):
+        import torch
+
+        import shapecache as sc
+        from shapecache.scenarios._models import build_model
+
+        torch.set_num_threads(1)
+        self.torch, self.sc, self.model_name = torch, sc, model
+        if model == "unet":
+            from diffusers import UNet2DConditionModel
+
+            torch.manual_seed(0)
+            network = UNet2DConditionModel(  # Stable Diffusion 1.5's layout at a quarter of its width
+                block_out_channels=(64, 128, 256, 256), cross_attention_dim=256, attention_head_dim=8,
+                sample_size=32).eval()
+            self.text = torch.randn(1, 8, 256)
+        else:
+            network = build_model(model, torch.device("cpu"))
+        self.call_lock = threading.Lock()  # one model call at a time, as on a GPU
+        super().__init__(sc.cached(network, backend="compile", budget=budget, compile_options=COMPILE_OPTIONS))
+
+    def _run(self, size):
+        latents = self.torch.ones(1, 4, size[0] // 8, size[1] // 8)
+        if self.model_name == "unet":
+            return self.cached(latents, 1, encoder_hidden_states=self.text)
+        return self.cached(latents)
+
+    def __call__(self, size):
+        size = tuple(size)
+        with self.call_lock:
+            misses = self.sc.stats(self.cached)["misses"]
+            start = time.perf_counter()
+            with self.torch.inference_mode(), self.serving(size):
+                self._run(size)
+            seconds = time.perf_counter() - start
+            stats = self.sc.stats(self.cached)
+        return {"replica": serve.get_replica_context().replica_id.unique_id, "built": stats["misses"] > misses,
+                "seconds": seconds, "builds": stats["builds"], "evictions": stats["evictions"],
+                "peak_bytes": stats["peak_bytes"], "budget": stats["budget"],
+                "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def make_stream(kind: str, sizes: list, requests: int, seed: int) -> list:
+    rng = random.Random(seed)
+    if kind == "uniform":
+        return [rng.choice(sizes) for _ in range(requests)]
+    weights = [1 / (rank + 1) ** 1.1 for rank in range(len(sizes))]
+    return rng.choices(sizes, weights=weights, k=requests)
+
+
+def warmup_length(stream: list, least: int) -> int:
+    """Requests before the stream is warm: at least `least`, and every size asked for once."""
+    first_seen = {}
+    for index, size in enumerate(stream):
+        first_seen.setdefault(size, index)
+    return max(least, max(first_seen.values()) + 1)
+
+
+def run_stream(handle, stream: list) -> list:
+    def one(size):
+        start = time.perf_counter()
+        reply = handle.remote(size=size).result(timeout_s=900)
+        return {**reply, "size": size, "latency": time.perf_counter() - start}
+
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        return list(pool.map(one, stream))
+
+
+def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
+    options = dict(num_replicas=2, max_ongoing_requests=4, ray_actor_options={"num_cpus": 0.5})
+    if router == "affinity":
+        app = deployment(ModelReplica, shared_dir=shared.path, **options)
+    else:  # Ray's default router (power of two choices), the same replicas
+        options["ray_actor_options"]["runtime_env"] = {"env_vars": shared.environment()}
+        app = serve.deployment(ModelReplica, **options)
+    handle = serve.run(app.bind(args.model, args.budget), name=f"{router}", route_prefix=None)
+    warmup = warmup_length(stream, args.warmup)
+    try:  # the warm-up requests end before the measured ones start
+        replies = run_stream(handle, stream[:warmup])
+        replies += run_stream(handle, stream[warmup:])
+    finally:
+        serve.delete(f"{router}")
+    warm = replies[warmup:]
+    latencies = sorted(r["latency"] for r in warm)
+    last = {}
+    for reply in replies:
+        last[reply["replica"]] = reply
+    homes = {}
+    for reply in warm:
+        homes.setdefault(tuple(reply["size"]), set()).add(reply["replica"])
+    return {
+        "hit_rate": sum(not r["built"] for r in warm) / len(warm),
+        "p50": statistics.median(latencies),
+        "p99": latencies[min(len(latencies) - 1, math.ceil(0.99 * len(latencies)) - 1)],
+        "builds": sum(r["builds"] for r in last.values()),
+        "evictions": sum(r["evictions"] for r in last.values()),
+        "replicas": {rid: {k: r[k] for k in ("peak_bytes", "budget", "max_rss", "builds")} for rid, r in last.items()},
+        "replicas_per_size": statistics.mean(len(v) for v in homes.values()),
+    }
+
+
+def new_replica_run(label: str, args, shared: SharedDir, hot: list) -> dict:
+    start = time.perf_counter()
+    app = deployment(ModelReplica, shared_dir=shared.path, num_replicas=1, max_ongoing_requests=4,
+                     ray_actor_options={"num_cpus": 0.5})
+    handle = serve.run(app.bind(args.model, args.budget_all), name=label, route_prefix=None)
+    ready = time.perf_counter() - start
+    try:
+        replies = []
+        for size in hot:  # until each hot size has been served once at compiled speed
+            while True:
+                reply = handle.remote(size=size).result(timeout_s=900)
+                replies.append(reply)
+                if not reply["built"]:
+                    break
+        done = time.perf_counter() - start
+    finally:
+        serve.delete(label)
+    return {"ready": ready, "served_all": done, "built_on_request": sum(r["built"] for r in replies)}
+
+
+def fmt_bytes(n) -> str:
+    return "none" if n is None else f"{n / MiB:.0f} MiB"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("res-convnet", "unet"), default="res-convnet")
+    parser.add_argument("--sizes", type=int, default=4, choices=range(2, len(ALL_SIZES) + 1), metavar="M")
+    parser.add_argument("--requests", type=int, default=60)
+    parser.add_argument("--streams", default="uniform,zipf")
+    parser.add_argument("--budget-mib", type=int, default=None,
+                        help="each replica's budget (default: half the sizes' entries, measured at the first build)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    sizes = ALL_SIZES[:args.sizes]
+    args.warmup = 2 * len(sizes)
+    streams = args.streams.split(",")
+    if not set(streams) <= {"uniform", "zipf"} or args.requests <= args.warmup:
+        parser.error(f"--streams={args.streams!r}: uniform and/or zipf; --requests must exceed {args.warmup}")
+
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    failures = []
+    results, new_replica = {}, {}
+    try:
+        serve.start(proxy_location="Disabled")
+        if args.budget_mib is None:  # about half the sizes: what one entry costs, times sizes / 2, plus half an entry
+            with tempfile.TemporaryDirectory(prefix="shapecache-probe-") as probe:
+                shared = SharedDir(probe)
+                app = serve.deployment(ModelReplica, ray_actor_options={
+                    "num_cpus": 0.5, "runtime_env": {"env_vars": shared.environment()}})
+                handle = serve.run(app.bind(args.model, None), name="probe", route_prefix=None)
+                entry = handle.remote(size=sizes[0]).result(timeout_s=900)["peak_bytes"]
+                serve.delete("probe")
+            args.budget = int(entry * (len(sizes) // 2 + 0.5))
+            args.budget_all = int(entry * (len(sizes) + 0.5))
+        else:
+            args.budget = args.budget_mib * MiB
+            args.budget_all = args.budget * 2
+        print(f"{args.model}, {len(sizes)} sizes, {args.requests} requests per stream from {CLIENTS} clients, "
+              f"2 replicas of 0.5 CPU and 1 torch thread, budget {fmt_bytes(args.budget)} each "
+              f"(a third replica: {fmt_bytes(args.budget_all)})\n", flush=True)
+        affinity_dir = None
+        for kind in streams:
+            stream = make_stream(kind, sizes, args.requests, args.seed)
+            for router in ("default", "affinity"):
+                directory = tempfile.mkdtemp(prefix=f"shapecache-{router}-")
+                try:
+                    results[kind, router] = router_run(router, args, stream, SharedDir(directory))
+                    if router == "affinity":
+                        affinity_dir = directory
+                except Exception as error:  # noqa: BLE001 - reported, and the exit status says so
+                    failures.append(f"{kind}/{router}: {type(error).__name__}: {error}")
+                print(f"  {kind:8} {router:9} done", flush=True)
+        if affinity_dir is not None:
+            hot = SharedDir(affinity_dir).hot_sizes()
+            for label, directory in (("cold", tempfile.mkdtemp(prefix="shapecache-cold-")), ("shared", affinity_dir)):
+                try:
+                    new_replica[label] = new_replica_run(label, args, SharedDir(directory), hot)
+                except Exception as error:  # noqa: BLE001
+                    failures.append(f"new replica {label}: {type(error).__name__}: {error}")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    print("\n| stream | router | hit rate after warm-up | p50 | p99 | builds | evictions | replicas per size | "
+          "each replica: cache peak / budget, process peak RSS |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (kind, router), r in results.items():
+        each = "; ".join(f"{fmt_bytes(v['peak_bytes'])} / {fmt_bytes(v['budget'])}, {fmt_bytes(v['max_rss'])}"
+                         for v in r["replicas"].values())
+        print(f"| {kind} | {router} | {r['hit_rate']:.0%} | {r['p50'] * 1e3:.0f} ms | {r['p99'] * 1e3:.0f} ms | "
+              f"{r['builds']} | {r['evictions']} | {r['replicas_per_size']:.2f} | {each} |")
+    for kind in streams:
+        if (kind, "default") in results and (kind, "affinity") in results:
+            d, a = results[kind, "default"], results[kind, "affinity"]
+            print(f"\n{kind}: affinity/default p99 {a['p99'] / d['p99']:.2f}x, hit rate {a['hit_rate']:.0%} "
+                  f"against {d['hit_rate']:.0%}", end="")
+            over = [v for r in (d, a) for v in r["replicas"].values() if v["peak_bytes"] > v["budget"]]
+            print(f"; replicas over budget: {len(over)}")
+    if new_replica:
+        print("\n| third replica | ready (serve.run returned) | served every hot size at compiled speed | "
+              "builds on request |")
+        print("|---|---|---|---|")
+        for label, r in new_replica.items():
+            print(f"| {label} | {r['ready']:.1f} s | {r['served_all']:.1f} s | {r['built_on_request']} |")
+        if len(new_replica) == 2:
+            print(f"\nshared directory against cold: {new_replica['cold']['served_all'] / new_replica['shared']['served_all']:.1f}x "
+                  "faster to serve every hot size")
+    print(json.dumps({"runs": {f"{k}/{r}": v for (k, r), v in results.items()}, "new_replica": new_replica}),
+          file=sys.stderr)
+    for failure in failures:
+        print(f"FAILED {failure}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
