@@ -42,6 +42,7 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from shapecache.ray_serve import CachedReplica, SharedDir, deployment  # noqa: E402
+from shapecache.ray_serve._deployment import STATS_PERIOD_S  # noqa: E402
 
 MiB = 1 << 20
 ALL_SIZES = [(256, 256), (256, 192), (192, 256), (192, 192), (128, 256), (256, 128), (128, 128), (128, 192)]
@@ -128,6 +129,7 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
         options["ray_actor_options"]["runtime_env"] = {"env_vars": shared.environment()}
         app = serve.deployment(ModelReplica, **options)
     handle = serve.run(app.bind(args.model, args.budget), name=f"{router}", route_prefix=None)
+    time.sleep(3 * STATS_PERIOD_S)  # the replicas have published once before the traffic starts
     warmup = warmup_length(stream, args.warmup)
     try:  # the warm-up requests end before the measured ones start
         replies = run_stream(handle, stream[:warmup])

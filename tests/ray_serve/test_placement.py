@@ -6,7 +6,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from shapecache.ray_serve._placement import FORMAT_KEY, Placement, ReplicaState, routing_stats
+from shapecache.ray_serve._placement import FORMAT_KEY, MAX_HOMES, Placement, ReplicaState, routing_stats
 
 NOW = 1000.0
 MiB = 1 << 20
@@ -18,13 +18,13 @@ def replica(rid, sizes=(), bytes=0, budget=100 * MiB, entries=None, pending=0, a
 
 def test_a_held_size_goes_to_its_holder_first():
     replicas = [replica("a", [(64, 64)], bytes=80 * MiB), replica("b", [(96, 96)], bytes=10 * MiB)]
-    assert Placement().rank((64, 64), replicas, NOW) == [["a"], ["b"]]
-    assert Placement().rank((96, 96), replicas, NOW) == [["b"], ["a"]]
+    assert Placement().rank((64, 64), replicas, NOW) == [["a"]]
+    assert Placement().rank((96, 96), replicas, NOW) == [["b"]]
 
 
 def test_a_size_held_twice_prefers_the_holder_that_is_not_full():
     replicas = [replica("a", [(64, 64)], full=True), replica("b", [(64, 64)]), replica("c")]
-    assert Placement().rank((64, 64), replicas, NOW) == [["b", "a"], ["c"]]
+    assert Placement().rank((64, 64), replicas, NOW) == [["b", "a"]]
 
 
 def test_a_new_size_goes_to_the_replica_with_the_most_bytes_free_then_fewest_entries():
@@ -62,12 +62,14 @@ def test_a_size_the_holder_evicted_is_placed_again():
     assert placement.rank((32, 32), replicas, NOW)[0] == ["b"]
 
 
-def test_spill_over_every_other_replica_is_a_later_rank():
+def test_spill_over_when_the_homes_are_full_every_other_replica_is_a_later_rank():
     replicas = [replica("a", [(64, 64)], full=True), replica("b"), replica("c", bytes=200 * MiB)]
-    ranks = Placement().rank((64, 64), replicas, NOW)
-    assert ranks[0] == ["a"]
-    assert sorted(ranks[1]) == ["b", "c"]
-    assert ranks[1][0] == "b"  # c is over its budget: last
+    assert Placement().rank((64, 64), replicas, NOW) == [["a"], ["b", "c"]]  # c is over its budget: last
+    # a home that is not full (as far as the router knows) is waited for...
+    replicas[0] = replica("a", [(64, 64)])
+    assert Placement(spill_after_s=1.0).rank((64, 64), replicas, NOW, waited_s=0.5) == [["a"]]
+    # ... until the request has waited spill_after_s (its probe was not answered in time)
+    assert Placement(spill_after_s=1.0).rank((64, 64), replicas, NOW, waited_s=1.0) == [["a"], ["b", "c"]]
 
 
 def test_a_replica_over_its_budget_or_with_builds_pending_gets_no_new_size():
@@ -92,6 +94,15 @@ def test_a_dead_replica_is_forgotten_and_its_sizes_placed_again():
     assert placement.homes == {(48, 48): ("b", NOW)}
     replicas = [replica("b", bytes=90 * MiB, at=NOW - 5), replica("c", bytes=0, at=NOW - 5)]
     assert placement.rank((32, 32), replicas, NOW)[0] == ["c"]
+
+
+def test_a_router_remembers_the_most_recent_sizes_only():
+    placement = Placement()
+    for i in range(MAX_HOMES + 10):
+        placement.routed((i,), "a", NOW)
+    placement.routed((5,), "b", NOW)  # used again: kept
+    assert len(placement.homes) == MAX_HOMES
+    assert (0,) not in placement.homes and (5,) in placement.homes and (MAX_HOMES + 9,) in placement.homes
 
 
 def test_no_size_or_no_fresh_stats_is_left_to_the_default_policy():
@@ -144,8 +155,11 @@ def test_every_replica_is_ranked_once_and_a_fresh_holder_is_first(size, publishe
     if ranks is None:
         return
     flat = [rid for rank in ranks for rid in rank]
-    assert sorted(flat) == sorted(r.replica_id for r in replicas)  # nobody dropped, nobody twice
+    assert len(flat) == len(set(flat)) and set(flat) <= {r.replica_id for r in replicas}
     assert all(ranks)
+    # after spill_after_s every replica is a candidate: a request never waits for one replica only
+    waited = placement.rank(size, replicas, NOW, waited_s=placement.spill_after_s)
+    assert sorted(rid for rank in waited for rid in rank) == sorted(r.replica_id for r in replicas)
     fresh_holders = {r.replica_id for r in replicas if r.fresh(NOW, 60) and size in r.sizes}
     if fresh_holders:
         assert set(ranks[0]) >= fresh_holders

@@ -60,7 +60,7 @@ def test_two_replicas_each_size_served_by_one_replica_and_nothing_left_behind():
         assert sorted(tuple(s) for s in held) == sorted(s for s, r in replica_of.items() if r == replica)
     # a router that made none of the choices routes by the published stats alone
     for size, replica, _ in result["served_by_a_new_router"]:
-        assert replica == replica_of[tuple(size)]
+        assert replica == replica_of[tuple(size)], f"{replica_of}, a new router: {result['served_by_a_new_router']}"
 
     # a killed replica: no request lost, none sent to it, its sizes served by the others
     victim, after_kill = result["killed"], result["after_kill"]

@@ -15,7 +15,8 @@ STATS_PERIOD_S = 2.0
 
 
 def deployment(replica_class: type, *, shared_dir=None, max_pending_builds: int = 2,
-               stats_period_s: float = STATS_PERIOD_S, stats_max_age_s: float | None = None, **options):
+               stats_period_s: float = STATS_PERIOD_S, stats_max_age_s: float | None = None,
+               spill_after_s: float = 1.0, **options):
     """``serve.deployment(replica_class, **options)`` with the size-affinity router.
 
     `replica_class`: a subclass of ``CachedReplica``; its ``size_keys`` tell the router where a
@@ -24,7 +25,9 @@ def deployment(replica_class: type, *, shared_dir=None, max_pending_builds: int 
     replica with this many background builds pending gets no new sizes. `stats_period_s`:
     how often replicas publish what they hold; stats older than `stats_max_age_s` (default:
     five periods, at least 30 s) count as missing, and the router falls back to Ray's default
-    policy for sizes it has no home for. `options`: any other ``serve.deployment`` option
+    policy for sizes it has no home for. `spill_after_s`: a request whose size's homes have not
+    taken it after this long (none answered Ray's queue-length probe in time) may go to any
+    replica; one whose homes are all at ``max_ongoing_requests`` may at once. `options`: any other ``serve.deployment`` option
     (``num_replicas``, ``ray_actor_options``, ``max_ongoing_requests``...)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -34,7 +37,8 @@ def deployment(replica_class: type, *, shared_dir=None, max_pending_builds: int 
     if not (isinstance(replica_class, type) and issubclass(replica_class, CachedReplica)):
         raise TypeError(f"replica_class={replica_class!r}: expected a subclass of shapecache.ray_serve.CachedReplica")
     _checks.positive_int("max_pending_builds", max_pending_builds, "builds")
-    for name, value in (("stats_period_s", stats_period_s), ("stats_max_age_s", stats_max_age_s)):
+    for name, value in (("stats_period_s", stats_period_s), ("stats_max_age_s", stats_max_age_s),
+                        ("spill_after_s", spill_after_s)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
             raise ValueError(f"{name}={value!r}: expected a positive number of seconds")
     if "request_router_config" in options:
@@ -45,7 +49,7 @@ def deployment(replica_class: type, *, shared_dir=None, max_pending_builds: int 
     router = RequestRouterConfig(
         request_router_class=SizeAffinityRouter,
         request_router_kwargs={"size_keys": list(replica_class.size_keys), "max_pending_builds": max_pending_builds,
-                               "stats_max_age_s": stats_max_age_s},
+                               "stats_max_age_s": stats_max_age_s, "spill_after_s": spill_after_s},
         request_routing_stats_period_s=stats_period_s,
     )
     shared = SharedDir.from_option(shared_dir)

@@ -15,8 +15,12 @@ The rules, in the order they are applied:
    then the fewest sizes this router placed on it since it last published. Replicas over
    their budget, with `max_pending_builds` or more builds pending, or with stale stats get no
    new sizes while another replica can take them.
-4. Every later rank holds the replicas left, best first: when the preferred replicas are at
-   `max_ongoing_requests`, Ray's router tries the next rank instead of waiting (spill-over).
+4. When every preferred replica is at `max_ongoing_requests` (as the router last heard), or
+   the request has waited `spill_after_s` to be routed (a preferred replica that does not
+   answer Ray's queue-length probe in time), a second rank holds the replicas left, best
+   first: Ray's router tries it instead of waiting (spill-over). Until then the request waits
+   for its size's home (Ray retries the first rank with a short backoff), so one slow probe
+   does not build the size on a second replica.
 5. A replica that dies or leaves the deployment is forgotten (``keep_only``): its sizes have
    no home and are placed again by rule 3.
 """
@@ -32,6 +36,9 @@ Size = tuple[int, ...]
 # The routing stats a replica publishes (``record_routing_stats``) carry this format tag and
 # version under FORMAT_KEY; stats without it (another deployment's, or none yet) are missing.
 FORMAT_KEY = "shapecache"
+# The sizes a router remembers placing, most recent kept: a stream of ever-new sizes must not
+# grow it without end (a size forgotten is placed again as new).
+MAX_HOMES = 4096
 FORMAT_VERSION = 1
 
 
@@ -100,11 +107,14 @@ class Placement:
 
     max_pending_builds: int = 2
     stats_max_age_s: float = 60.0
+    spill_after_s: float = 1.0
     # size -> (replica id, unix seconds): where this router last sent the size
     homes: dict = field(default_factory=dict)
 
-    def rank(self, size: Size | None, replicas: Sequence[ReplicaState], now: float) -> list[list[str]] | None:
-        """Replica ids in ranks, most preferred first; None: route by Ray's default policy."""
+    def rank(self, size: Size | None, replicas: Sequence[ReplicaState], now: float,
+             waited_s: float = 0.0) -> list[list[str]] | None:
+        """Replica ids in ranks, most preferred first; None: route by Ray's default policy.
+        `waited_s`: how long the request has waited to be routed."""
         if size is None or not replicas:
             return None
         fresh = {r.replica_id: r.fresh(now, self.stats_max_age_s) for r in replicas}
@@ -115,15 +125,22 @@ class Placement:
             first = sorted(holders, key=lambda r: (r.full, self._crowding(r)))
         else:
             first = [min(replicas, key=lambda r: self._new_size_order(r, fresh[r.replica_id]))]
-        chosen = {r.replica_id for r in first}
-        rest = sorted((r for r in replicas if r.replica_id not in chosen),
-                      key=lambda r: self._new_size_order(r, fresh[r.replica_id]))
-        return [[r.replica_id for r in first]] + ([[r.replica_id for r in rest]] if rest else [])
+        ranks = [[r.replica_id for r in first]]
+        if all(r.full for r in first) or waited_s >= self.spill_after_s:
+            chosen = set(ranks[0])
+            rest = sorted((r for r in replicas if r.replica_id not in chosen),
+                          key=lambda r: self._new_size_order(r, fresh[r.replica_id]))
+            if rest:
+                ranks.append([r.replica_id for r in rest])
+        return ranks
 
     def routed(self, size: Size | None, replica_id: str, now: float) -> None:
         """Remember that `size` went to `replica_id`: it will hold the size once served."""
         if size is not None:
+            self.homes.pop(size, None)  # re-inserted last: the dict is in order of use
             self.homes[size] = (replica_id, now)
+            if len(self.homes) > MAX_HOMES:
+                del self.homes[next(iter(self.homes))]
 
     def keep_only(self, replica_ids: Iterable[str]) -> None:
         """Forget the replicas not in `replica_ids` (dead or removed), and their sizes."""

@@ -25,19 +25,26 @@ class SizeAffinityRouter(PowerOfTwoChoicesRequestRouter):
     ``request_router_kwargs``: ``size_keys`` (the keyword arguments that make a request's
     size; default ``("height", "width")``), ``max_pending_builds`` (a replica with this many
     builds pending gets no new sizes; default 2), ``stats_max_age_s`` (routing stats older
-    than this count as missing; default 60)."""
+    than this count as missing; default 60), ``spill_after_s`` (a request whose size's homes
+    have not taken it after this long may go to any replica; default 1)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.initialize_state()  # Ray calls it again with the deployment's request_router_kwargs
 
     def initialize_state(self, size_keys=PIPELINE_SIZE_KEYS, max_pending_builds: int = 2,
-                         stats_max_age_s: float = 60.0, **kwargs) -> None:
+                         stats_max_age_s: float = 60.0, spill_after_s: float = 1.0, **kwargs) -> None:
         if kwargs:
             raise TypeError(f"SizeAffinityRouter got unknown request_router_kwargs {sorted(kwargs)}: expected "
-                            "size_keys, max_pending_builds, stats_max_age_s")
+                            "size_keys, max_pending_builds, stats_max_age_s, spill_after_s")
         self._size_keys = check_size_keys(size_keys)
-        self._placement = Placement(max_pending_builds=int(max_pending_builds), stats_max_age_s=float(stats_max_age_s))
+        if isinstance(max_pending_builds, bool) or not isinstance(max_pending_builds, int) or max_pending_builds < 1:
+            raise ValueError(f"max_pending_builds={max_pending_builds!r}: expected a positive int")
+        for name, value in (("stats_max_age_s", stats_max_age_s), ("spill_after_s", spill_after_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name}={value!r}: expected a positive number of seconds")
+        self._placement = Placement(max_pending_builds=max_pending_builds, stats_max_age_s=float(stats_max_age_s),
+                                    spill_after_s=float(spill_after_s))
 
     def _size_of(self, pending_request) -> tuple[int, ...] | None:
         if pending_request is None:
@@ -53,7 +60,9 @@ class SizeAffinityRouter(PowerOfTwoChoicesRequestRouter):
         size = self._size_of(pending_request)
         ranks = None
         if size is not None:
-            ranks = self._placement.rank(size, [self._state_of(r) for r in candidate_replicas], time.time())
+            now = time.time()
+            ranks = self._placement.rank(size, [self._state_of(r) for r in candidate_replicas], now,
+                                         waited_s=now - pending_request.created_at)
         if ranks is None:
             return await super().choose_replicas(candidate_replicas, pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
