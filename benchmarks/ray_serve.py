@@ -5,8 +5,8 @@ new replica cold against one started from the shared directory.
 
 One run on this machine, real Ray Serve (a local cluster of 2 CPUs; each replica 0.5 CPU and
 one torch thread; HTTP off, handles only). Two replicas of the model, cached with the compile
-backend (inductor, frozen weights without prepacking, so that inductor's FX graph cache keeps
-them), each under a byte budget that holds about half of the sizes. A seeded stream of
+backend (inductor; `--compile frozen`, the default: frozen weights without prepacking, so
+that inductor's FX graph cache keeps them; `--compile plain`: no freezing), each under a byte budget that holds about half of the sizes. A seeded stream of
 requests at `--sizes` sizes (uniform, then Zipf with exponent 1.1) is sent by 2 client threads
 through a deployment handle, once per router, each run with its own empty cache directory.
 A replica runs one model call at a time (as a GPU does), so a request's build is its own.
@@ -46,14 +46,17 @@ from shapecache.ray_serve._deployment import STATS_PERIOD_S  # noqa: E402
 
 MiB = 1 << 20
 ALL_SIZES = [(256, 256), (256, 192), (192, 256), (192, 192), (128, 256), (256, 128), (128, 128), (128, 192)]
-COMPILE_OPTIONS = {"options": {"freezing": True, "cpp.weight_prepack": False}}
+COMPILE_OPTIONS = {
+    "frozen": {"options": {"freezing": True, "cpp.weight_prepack": False}},  # the FX graph cache keeps these
+    "plain": {},
+}
 CLIENTS = 2
 
 
 class ModelReplica(CachedReplica):
     size_keys = ("size",)
 
-    def __init__(self, model: str, budget: int):
+    def __init__(self, model: str, budget: int, compile_variant: str):
         import torch
 
         import shapecache as sc
@@ -72,7 +75,7 @@ class ModelReplica(CachedReplica):
         else:
             network = build_model(model, torch.device("cpu"))
         self.call_lock = threading.Lock()  # one model call at a time, as on a GPU
-        super().__init__(sc.cached(network, backend="compile", budget=budget, compile_options=COMPILE_OPTIONS))
+        super().__init__(sc.cached(network, backend="compile", budget=budget, compile_options=COMPILE_OPTIONS[compile_variant]))
 
     def _run(self, size):
         latents = self.torch.ones(1, 4, size[0] // 8, size[1] // 8)
@@ -128,7 +131,7 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
     else:  # Ray's default router (power of two choices), the same replicas
         options["ray_actor_options"]["runtime_env"] = {"env_vars": shared.environment()}
         app = serve.deployment(ModelReplica, **options)
-    handle = serve.run(app.bind(args.model, args.budget), name=f"{router}", route_prefix=None)
+    handle = serve.run(app.bind(args.model, args.budget, args.compile), name=f"{router}", route_prefix=None)
     time.sleep(3 * STATS_PERIOD_S)  # the replicas have published once before the traffic starts
     warmup = warmup_length(stream, args.warmup)
     try:  # the warm-up requests end before the measured ones start
@@ -159,7 +162,7 @@ def new_replica_run(label: str, args, shared: SharedDir, hot: list) -> dict:
     start = time.perf_counter()
     app = deployment(ModelReplica, shared_dir=shared.path, num_replicas=1, max_ongoing_requests=4,
                      ray_actor_options={"num_cpus": 0.5})
-    handle = serve.run(app.bind(args.model, args.budget_all), name=label, route_prefix=None)
+    handle = serve.run(app.bind(args.model, args.budget_all, args.compile), name=label, route_prefix=None)
     ready = time.perf_counter() - start
     try:
         replies = []
@@ -182,6 +185,8 @@ def fmt_bytes(n) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("res-convnet", "unet"), default="res-convnet")
+    parser.add_argument("--compile", choices=tuple(COMPILE_OPTIONS), default="frozen",
+                        help="frozen: inductor's freezing without weight prepacking; plain: no freezing (default %(default)s)")
     parser.add_argument("--sizes", type=int, default=4, choices=range(2, len(ALL_SIZES) + 1), metavar="M")
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--streams", default="uniform,zipf")
@@ -205,7 +210,7 @@ def main(argv=None) -> int:
                 shared = SharedDir(probe)
                 app = serve.deployment(ModelReplica, ray_actor_options={
                     "num_cpus": 0.5, "runtime_env": {"env_vars": shared.environment()}})
-                handle = serve.run(app.bind(args.model, None), name="probe", route_prefix=None)
+                handle = serve.run(app.bind(args.model, None, args.compile), name="probe", route_prefix=None)
                 entry = handle.remote(size=sizes[0]).result(timeout_s=900)["peak_bytes"]
                 serve.delete("probe")
             args.budget = int(entry * (len(sizes) // 2 + 0.5))
@@ -213,7 +218,7 @@ def main(argv=None) -> int:
         else:
             args.budget = args.budget_mib * MiB
             args.budget_all = args.budget * 2
-        print(f"{args.model}, {len(sizes)} sizes, {args.requests} requests per stream from {CLIENTS} clients, "
+        print(f"{args.model} ({args.compile}), {len(sizes)} sizes, {args.requests} requests per stream from {CLIENTS} clients, "
               f"2 replicas of 0.5 CPU and 1 torch thread, budget {fmt_bytes(args.budget)} each "
               f"(a third replica: {fmt_bytes(args.budget_all)})\n", flush=True)
         affinity_dir = None

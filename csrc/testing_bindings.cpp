@@ -1,5 +1,6 @@
 // _C._testing: what only tests use. The core's classes over plain values (the LRU over ints,
-// the pool lifecycle with Python callables for torch's calls), a call's key and crop, a
+// the pool lifecycle with Python callables for torch's calls, the deferral of destruction
+// during a capture over probes), a call's key and crop, a
 // builder's handle outside a build, the call modes a graph is recaptured under, one named
 // convolution algorithm run untuned, and fault injection into tuning.
 #include <pybind11/pybind11.h>
@@ -10,8 +11,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
+#include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -20,6 +25,7 @@
 #include "cache/call_key.h"
 #include "cache/shape_cache.h"
 #include "core/budgeted_lru.h"
+#include "core/destroy_after_capture.h"
 #include "core/pool_generations.h"
 #include "ops/conv2d.h"
 #include "ops/conv_tuner.h"
@@ -41,6 +47,73 @@ py::list evicted_keys(const std::vector<IntLru::Evicted>& evicted) {
   py::list keys;
   for (const auto& e : evicted) keys.append(e.key);
   return keys;
+}
+
+// DestroyAfterCapture over probes that record their destruction: (id, whether the destroying
+// thread had a scope open then, whether it was the thread that asked). A probe may hold another
+// probe's id to let go of from its own destructor (D3, D4).
+struct DestroyedProbe;
+struct ProbeLog {
+  std::mutex mutex;
+  std::vector<std::tuple<int64_t, bool, bool>> destroyed;
+};
+struct DestroyedProbe {
+  int64_t id = 0;
+  std::thread::id asked_on;
+  DestroyAfterCapture<DestroyedProbe>* owner = nullptr;
+  std::shared_ptr<ProbeLog> log;
+  std::unique_ptr<DestroyedProbe> then;  // let go of in this probe's destructor
+  ~DestroyedProbe() {
+    const bool scope_open = owner->capturing_on_this_thread();
+    {
+      std::lock_guard<std::mutex> guard(log->mutex);
+      log->destroyed.emplace_back(id, scope_open, asked_on == std::this_thread::get_id());
+    }
+    owner->destroy(std::move(then));
+  }
+};
+struct DestroyAfterCaptureProbe {
+  DestroyAfterCapture<DestroyedProbe> deferral;
+  std::shared_ptr<ProbeLog> log = std::make_shared<ProbeLog>();
+  std::vector<std::unique_ptr<DestroyAfterCapture<DestroyedProbe>::Scope>> scopes;
+  std::unique_ptr<DestroyedProbe> make(int64_t id, std::optional<int64_t> then) {
+    auto probe = std::make_unique<DestroyedProbe>();
+    probe->id = id;
+    probe->asked_on = std::this_thread::get_id();
+    probe->owner = &deferral;
+    probe->log = log;
+    if (then) probe->then = make(*then, std::nullopt);
+    return probe;
+  }
+};
+
+void bind_destroy_after_capture(py::module_& m) {
+  py::class_<DestroyAfterCaptureProbe>(m, "DestroyAfterCaptureProbe")
+      .def(py::init<>())
+      .def("open", [](DestroyAfterCaptureProbe& p) { p.scopes.push_back(std::make_unique<DestroyAfterCapture<DestroyedProbe>::Scope>(p.deferral)); })
+      .def("close", [](DestroyAfterCaptureProbe& p) { p.scopes.pop_back(); })
+      // Opens a scope, lets go of `ids` inside it, then throws: the scope closes by unwinding.
+      .def("destroy_in_failing_capture",
+           [](DestroyAfterCaptureProbe& p, const std::vector<int64_t>& ids) {
+             try {
+               auto scope = p.deferral.capturing();
+               for (int64_t id : ids) p.deferral.destroy(p.make(id, std::nullopt));
+               throw std::runtime_error("capture failed");
+             } catch (const std::runtime_error&) {
+             }
+           })
+      .def("destroy",
+           [](DestroyAfterCaptureProbe& p, int64_t id, std::optional<int64_t> then) {
+             auto probe = p.make(id, then);
+             py::gil_scoped_release release;
+             p.deferral.destroy(std::move(probe));
+           },
+           py::arg("id"), py::arg("then") = std::nullopt)
+      .def_property_readonly("kept", [](const DestroyAfterCaptureProbe& p) { return p.deferral.kept(); })
+      .def_property_readonly("destroyed", [](DestroyAfterCaptureProbe& p) {
+        std::lock_guard<std::mutex> guard(p.log->mutex);
+        return p.log->destroyed;
+      });
 }
 
 // The pool lifecycle with every torch call a Python callable, so that its rules can be checked
@@ -158,6 +231,7 @@ void bind_testing(py::module_& m) {
       });
 
   bind_pool_generations(m);
+  bind_destroy_after_capture(m);
 
   m.def(
       "call_key",

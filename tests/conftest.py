@@ -8,7 +8,8 @@ pytest_plugins = ["pytester"]
 # The property tests need hypothesis. Where it is not installed (a GPU machine without network),
 # their modules are left out and the report's header says so, instead of failing collection.
 PROPERTY_TEST_MODULES = ["backends/test_compile_guards.py", "cache/test_padding.py", "core/test_budgeted_lru.py",
-                         "core/test_pool_generations.py", "ray_serve/test_placement.py"]
+                         "core/test_pool_generations.py", "core/test_destroy_after_capture.py",
+                         "ray_serve/test_placement.py"]
 try:
     import hypothesis  # noqa: F401
 except ImportError:

@@ -322,7 +322,12 @@ void CudaGraphRunner::capture_graph(const py::object& owner) {
     // On failure the allocators are clean and the error propagates; `graph` is destroyed on
     // the way out (counted as released only if its capture ended).
     const uint64_t leases_before = WorkspaceArena::leases_on_this_thread();
-    graphs.generations.capture(steps);
+    {
+      // A graph let go of on this thread meanwhile is destroyed when this block ends, after
+      // the capture (still under the device's lock, which its destructor takes again).
+      auto capturing = graphs.graphs_to_destroy.capturing();
+      graphs.generations.capture(steps);
+    }
     uses_workspace_ = WorkspaceArena::leases_on_this_thread() != leases_before;
     if (!graphs.blas_workspace_installed(blas_keys)) {
       // Another thread cleared or resized torch's workspaces during the capture: a GEMM may
@@ -344,7 +349,11 @@ void CudaGraphRunner::release() {
   auto lock = lock_device(*device_);  // not while another thread replays it
   static_outputs_.clear();
   output_structure_ = py::none();
-  graph_.reset();  // the graph's pool blocks go back to the pool
+  device_->graphs_to_destroy.destroy(std::move(graph_));  // its pool blocks go back to the pool
+}
+
+CudaGraphRunner::~CudaGraphRunner() {
+  if (device_ != nullptr) device_->graphs_to_destroy.destroy(std::move(graph_));
 }
 
 void CudaGraphRunner::recapture() {

@@ -42,11 +42,14 @@
 #include "cache/call_modes.h"
 #include "cache/entry_runner.h"
 #include "cache/state_guard.h"
+#include "core/destroy_after_capture.h"
 #include "core/pool_generations.h"
 
 namespace shapecache {
 
 namespace py = pybind11;
+
+class PoolGraph;
 
 struct DeviceGraphs {
   static DeviceGraphs& of(c10::DeviceIndex device);
@@ -66,6 +69,10 @@ struct DeviceGraphs {
   // to replay inside a capture with an error, instead of waiting forever on this lock). Taken
   // with the GIL released while waiting (lock_device in the .cpp).
   std::recursive_mutex mutex;
+  // Every graph of the device is destroyed through this: one let go of on the capturing thread
+  // while a capture runs (the garbage collector inside the captured function) is destroyed
+  // when that capture ends (core/destroy_after_capture.h has why).
+  DestroyAfterCapture<PoolGraph> graphs_to_destroy;
   at::cuda::CUDAEvent caller_done;  // orders the graphs' stream after a caller's work
   at::cuda::CUDAEvent graphs_done;  // orders a caller's later work after the graphs' stream
 
@@ -119,6 +126,8 @@ class CudaGraphRunner final : public EntryRunner {
   static std::shared_ptr<CudaGraphRunner> capture(const py::object& function, const py::object& owner,
                                                   const py::tuple& args, const py::dict& kwargs,
                                                   const py::tuple& tensors, std::shared_ptr<StateGuard> guard);
+
+  ~CudaGraphRunner() override;  // the graph goes through DeviceGraphs::graphs_to_destroy
 
   py::object run(const Call& call) override;
   bool valid() override;

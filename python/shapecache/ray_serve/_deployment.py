@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 from shapecache import _checks
+from shapecache.ray_serve._placement import SPILL_AFTER_S
 from shapecache.ray_serve._replica import CachedReplica
 from shapecache.ray_serve._shared_dir import SharedDir
 
@@ -16,7 +17,7 @@ STATS_PERIOD_S = 2.0
 
 def deployment(replica_class: type, *, shared_dir=None, max_pending_builds: int = 2,
                stats_period_s: float = STATS_PERIOD_S, stats_max_age_s: float | None = None,
-               spill_after_s: float = 1.0, **options):
+               spill_after_s: float = SPILL_AFTER_S, **options):
     """``serve.deployment(replica_class, **options)`` with the size-affinity router.
 
     `replica_class`: a subclass of ``CachedReplica``; its ``size_keys`` tell the router where a

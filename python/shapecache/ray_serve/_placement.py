@@ -39,6 +39,13 @@ FORMAT_KEY = "shapecache"
 # The sizes a router remembers placing, most recent kept: a stream of ever-new sizes must not
 # grow it without end (a size forgotten is placed again as new).
 MAX_HOMES = 4096
+# How long a request waits for its size's homes before any replica may take it. Ray's router
+# drops a replica whose queue-length probe is not answered in time (0.1 s, backing off to 1 s),
+# and a replica that builds inline holds the GIL in long stretches, answering late: sending
+# the request elsewhere then costs a second build of the size (tens of seconds on the CPU,
+# minutes on a GPU), so it waits for a while first. A home at max_ongoing_requests is passed
+# over at once.
+SPILL_AFTER_S = 10.0
 FORMAT_VERSION = 1
 
 
@@ -107,7 +114,7 @@ class Placement:
 
     max_pending_builds: int = 2
     stats_max_age_s: float = 60.0
-    spill_after_s: float = 1.0
+    spill_after_s: float = SPILL_AFTER_S
     # size -> (replica id, unix seconds): where this router last sent the size
     homes: dict = field(default_factory=dict)
 

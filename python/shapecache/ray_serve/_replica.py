@@ -63,7 +63,11 @@ class CachedReplica:
         recorded there are built now, most built first, up to `prewarm_limit` sizes, stopping
         at the first eviction (the budget is full)."""
         check_size_keys(self.size_keys)
-        sc.stats(cached)  # a clear error now when `cached` is not cached by shapecache
+        try:
+            sc.stats(cached)
+        except TypeError as error:
+            raise TypeError(f"cached={type(cached).__name__} object: expected what sc.cached or sc.wrap returned "
+                            "(a cached function or module, or a wrapped pipeline)") from error
         if prewarm_limit is not None:
             _checks.positive_int("prewarm_limit", prewarm_limit, "or None for every hot size")
         self.cached = cached

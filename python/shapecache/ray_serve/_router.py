@@ -16,7 +16,7 @@ import time
 # the versions this subclass was tested with.
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 
-from shapecache.ray_serve._placement import Placement, ReplicaState
+from shapecache.ray_serve._placement import SPILL_AFTER_S, Placement, ReplicaState
 from shapecache.ray_serve._request_size import PIPELINE_SIZE_KEYS, check_size_keys, request_size
 
 
@@ -26,14 +26,14 @@ class SizeAffinityRouter(PowerOfTwoChoicesRequestRouter):
     size; default ``("height", "width")``), ``max_pending_builds`` (a replica with this many
     builds pending gets no new sizes; default 2), ``stats_max_age_s`` (routing stats older
     than this count as missing; default 60), ``spill_after_s`` (a request whose size's homes
-    have not taken it after this long may go to any replica; default 1)."""
+    have not taken it after this long may go to any replica; default 10)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.initialize_state()  # Ray calls it again with the deployment's request_router_kwargs
 
     def initialize_state(self, size_keys=PIPELINE_SIZE_KEYS, max_pending_builds: int = 2,
-                         stats_max_age_s: float = 60.0, spill_after_s: float = 1.0, **kwargs) -> None:
+                         stats_max_age_s: float = 60.0, spill_after_s: float = SPILL_AFTER_S, **kwargs) -> None:
         if kwargs:
             raise TypeError(f"SizeAffinityRouter got unknown request_router_kwargs {sorted(kwargs)}: expected "
                             "size_keys, max_pending_builds, stats_max_age_s, spill_after_s")

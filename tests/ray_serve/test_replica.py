@@ -1,0 +1,149 @@
+"""CachedReplica without Ray: the sizes a replica says it holds, the routing stats it
+publishes, the shared directory's records and the pre-warm of a replica started after others.
+The replica class imports nothing of Ray; Ray Serve only calls its methods."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+import shapecache as sc
+from shapecache.ray_serve import CachedReplica, SharedDir
+from shapecache.ray_serve._placement import ReplicaState
+from shapecache.testing.models import SmallConvNet
+
+
+class NetReplica(CachedReplica):
+    size_keys = ("size",)
+
+    def __init__(self, shared_dir=None, max_entries=2, **options):
+        torch.manual_seed(0)
+        self.net = SmallConvNet().eval()
+        super().__init__(sc.cached(self.net, backend="eager", max_entries=max_entries), shared_dir=shared_dir, **options)
+
+    def __call__(self, size):
+        with torch.inference_mode(), self.serving(size):
+            return self.cached(torch.ones(1, 3, *size))
+
+
+def held(replica) -> set:
+    return ReplicaState.from_routing_stats("r", replica.record_routing_stats()).sizes
+
+
+def test_a_replica_holds_the_sizes_whose_entries_are_cached():
+    replica = NetReplica(max_entries=2)
+    replica(size=(8, 8))
+    replica(size=(8, 12))
+    assert held(replica) == {(8, 8), (8, 12)}
+    replica(size=(12, 8))  # evicts (8, 8), the least recently used
+    assert held(replica) == {(8, 12), (12, 8)}
+    state = ReplicaState.from_routing_stats("r", replica.record_routing_stats())
+    assert state.entries == 2 and state.pending_builds == 0 and state.published_at is not None
+    assert "ray" not in sys.modules
+
+
+def test_a_size_is_held_while_its_request_runs():
+    replica = NetReplica()
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            seen.append(held(replica))
+            return x
+
+    replica.cached = sc.cached(Probe(), backend="eager")
+    replica(size=(8, 8))
+    assert seen == [{(8, 8)}]
+
+
+def test_a_pipeline_replica_reads_height_and_width():
+    pytest.importorskip("diffusers")
+    from shapecache.testing import tiny_pipelines
+
+    class Painter(CachedReplica):
+        def __init__(self):
+            super().__init__(sc.wrap(tiny_pipelines.stable_diffusion(), backend="eager", prewarm=False))
+
+        def __call__(self, prompt, height, width):
+            return self.serve(prompt, height=height, width=width, num_inference_steps=1, output_type="pt").images
+
+    painter = Painter()
+    painter("a cat", height=32, width=32)
+    painter("a cat", height=32, width=48)
+    assert held(painter) == {(32, 32), (32, 48)}
+    painter.serve("a cat", num_inference_steps=1, output_type="pt")  # no size: served, not noted
+    assert held(painter) == {(32, 32), (32, 48)}
+
+
+def test_a_replica_started_after_others_prewarms_the_fleet_s_hot_sizes(tmp_path):
+    first = NetReplica(shared_dir=tmp_path, max_entries=4)
+    for size in [(8, 8), (8, 12), (8, 8), (16, 16)]:
+        first(size=size)
+    records = [json.loads(line)["size"] for line in (tmp_path / "sizes.jsonl").read_text().splitlines()]
+    assert records == [[8, 8], [8, 12], [16, 16]]  # sizes built on request, each once
+
+    second = NetReplica(shared_dir=tmp_path, max_entries=4)
+    assert sorted(second.prewarmed) == [(8, 8), (8, 12), (16, 16)]
+    assert second.prewarmed[0] == (16, 16)  # largest first
+    assert held(second) == {(8, 8), (8, 12), (16, 16)}
+    misses = sc.stats(second.cached)["misses"]
+    second(size=(8, 12))
+    assert sc.stats(second.cached)["misses"] == misses  # served by the pre-warmed entry
+    # what a replica pre-warms is not the fleet's demand: the records did not grow
+    assert len((tmp_path / "sizes.jsonl").read_text().splitlines()) == 3
+
+
+def test_prewarm_stops_when_the_budget_is_full_and_keeps_to_the_limit(tmp_path):
+    SharedDir(tmp_path).record_sizes([(8, 8), (8, 12), (12, 8), (16, 16), (16, 16)])
+    full = NetReplica(shared_dir=tmp_path, max_entries=2)
+    assert len(full.prewarmed) == 3  # the third evicted the first: stop
+    limited = NetReplica(shared_dir=tmp_path, max_entries=4, prewarm_limit=1)
+    assert limited.prewarmed == [(16, 16)]  # built most often
+
+
+def test_the_shared_directory_sets_the_caches_and_skips_torn_lines(tmp_path, monkeypatch):
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "SHAPECACHE_TUNING_DB", "SHAPECACHE_SHARED_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_REDIS_HOST", "cache.internal")
+    shared = SharedDir(tmp_path / "fleet")
+    env = shared.environment()
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "fleet" / "inductor")
+    assert env["SHAPECACHE_TUNING_DB"] == str(tmp_path / "fleet" / "tuning.json")
+    assert env["TORCHINDUCTOR_REDIS_HOST"] == "cache.internal"
+    shared.apply()
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    assert cache_dir() == env["TORCHINDUCTOR_CACHE_DIR"]
+    with open(tmp_path / "fleet" / "sizes.jsonl", "a") as f:
+        f.write('{"size": [8, 8], "at": 1}\n{"size": [8,\n{"other": 1}\n{"size": [12, 8], "at": 2}\n')
+    assert shared.hot_sizes() == [(12, 8), (8, 8)]  # equal counts: larger first
+    monkeypatch.setenv("SHAPECACHE_SHARED_DIR", str(tmp_path / "fleet"))
+    assert SharedDir.from_option().path == shared.path
+    monkeypatch.delenv("SHAPECACHE_SHARED_DIR")
+    assert SharedDir.from_option() is None
+
+
+@pytest.mark.parametrize(("given", "match"), [
+    ({"prewarm_limit": 0}, "prewarm_limit=0"),
+    ({"shared_dir": 3}, "shared_dir=3"),
+])
+def test_bad_options_are_named(tmp_path, given, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        NetReplica(**given)
+
+
+def test_a_replica_of_an_uncached_object_or_bad_size_keys_is_refused():
+    class Plain(CachedReplica):
+        pass
+
+    with pytest.raises(TypeError, match="cached=Linear object: expected what sc.cached or sc.wrap returned"):
+        Plain(torch.nn.Linear(2, 2))
+
+    class BadKeys(CachedReplica):
+        size_keys = ("height", "")
+
+    with pytest.raises(ValueError, match="size_keys="):
+        BadKeys(sc.cached(torch.nn.Linear(2, 2), backend="eager"))
