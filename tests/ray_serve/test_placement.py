@@ -6,7 +6,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from shapecache.ray_serve._placement import FORMAT_KEY, MAX_HOMES, Placement, ReplicaState, routing_stats
+from shapecache.ray_serve._placement import FORMAT_KEY, HOME_GRACE_S, MAX_HOMES, Placement, ReplicaState, routing_stats
 
 NOW = 1000.0
 MiB = 1 << 20
@@ -56,10 +56,14 @@ def test_new_sizes_of_one_stats_period_spread_over_replicas():
 
 def test_a_size_the_holder_evicted_is_placed_again():
     placement = Placement()
-    placement.routed((32, 32), "a", NOW - 10)
-    # a published after the size was sent, without it: a evicted it
+    placement.routed((32, 32), "a", NOW - 100)
+    # a published long after the size was sent, without it: a evicted it
     replicas = [replica("a", [(8, 8)], bytes=90 * MiB, at=NOW - 1), replica("b", bytes=0)]
     assert placement.rank((32, 32), replicas, NOW)[0] == ["b"]
+    # within HOME_GRACE_S of the choice the size may still wait in the replica (or its clock
+    # runs ahead): still its home
+    placement.routed((32, 32), "a", NOW - 1 - HOME_GRACE_S + 5)
+    assert placement.rank((32, 32), replicas, NOW)[0] == ["a"]
 
 
 def test_spill_over_when_the_homes_are_full_every_other_replica_is_a_later_rank():
@@ -79,6 +83,12 @@ def test_a_replica_over_its_budget_or_with_builds_pending_gets_no_new_size():
     assert Placement(max_pending_builds=2).rank((32, 32), building, NOW)[0] == ["b"]
     # where every replica is over, the new size still goes somewhere
     assert Placement().rank((32, 32), [replica("a", bytes=200 * MiB)], NOW) == [["a"]]
+
+
+def test_a_new_size_offers_every_replica_at_once_a_held_one_waits_for_its_home():
+    replicas = [replica("a", [(64, 64)], bytes=10 * MiB), replica("b", bytes=50 * MiB)]
+    assert Placement().rank((32, 32), replicas, NOW) == [["a"], ["b"]]  # new: built wherever it goes
+    assert Placement().rank((64, 64), replicas, NOW) == [["a"]]  # held: no second build while a answers
 
 
 def test_a_full_replica_gets_no_new_size_while_another_is_free():

@@ -5,6 +5,7 @@ The replica class imports nothing of Ray; Ray Serve only calls its methods."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -42,7 +43,14 @@ def test_a_replica_holds_the_sizes_whose_entries_are_cached():
     assert held(replica) == {(8, 12), (12, 8)}
     state = ReplicaState.from_routing_stats("r", replica.record_routing_stats())
     assert state.entries == 2 and state.pending_builds == 0 and state.published_at is not None
-    assert "ray" not in sys.modules
+
+
+def test_replicas_and_the_policy_import_nothing_of_ray():
+    code = ("import sys; from shapecache.ray_serve import CachedReplica, Placement, SharedDir, request_size; "
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_a_size_is_held_while_its_request_runs():
@@ -82,7 +90,7 @@ def test_a_replica_started_after_others_prewarms_the_fleet_s_hot_sizes(tmp_path)
     first = NetReplica(shared_dir=tmp_path, max_entries=4)
     for size in [(8, 8), (8, 12), (8, 8), (16, 16)]:
         first(size=size)
-    records = [json.loads(line)["size"] for line in (tmp_path / "sizes.jsonl").read_text().splitlines()]
+    records = [json.loads(line)["size"] for line in (tmp_path / NetReplica.sizes_file()).read_text().splitlines()]
     assert records == [[8, 8], [8, 12], [16, 16]]  # sizes built on request, each once
 
     second = NetReplica(shared_dir=tmp_path, max_entries=4)
@@ -93,11 +101,11 @@ def test_a_replica_started_after_others_prewarms_the_fleet_s_hot_sizes(tmp_path)
     second(size=(8, 12))
     assert sc.stats(second.cached)["misses"] == misses  # served by the pre-warmed entry
     # what a replica pre-warms is not the fleet's demand: the records did not grow
-    assert len((tmp_path / "sizes.jsonl").read_text().splitlines()) == 3
+    assert len((tmp_path / NetReplica.sizes_file()).read_text().splitlines()) == 3
 
 
 def test_prewarm_stops_when_the_budget_is_full_and_keeps_to_the_limit(tmp_path):
-    SharedDir(tmp_path).record_sizes([(8, 8), (8, 12), (12, 8), (16, 16), (16, 16)])
+    SharedDir(tmp_path).record_sizes([(8, 8), (8, 12), (12, 8), (16, 16), (16, 16)], NetReplica.sizes_file())
     full = NetReplica(shared_dir=tmp_path, max_entries=2)
     assert len(full.prewarmed) == 3  # the third evicted the first: stop
     limited = NetReplica(shared_dir=tmp_path, max_entries=4, prewarm_limit=1)
@@ -147,3 +155,45 @@ def test_a_replica_of_an_uncached_object_or_bad_size_keys_is_refused():
 
     with pytest.raises(ValueError, match="size_keys="):
         BadKeys(sc.cached(torch.nn.Linear(2, 2), backend="eager"))
+
+
+def test_a_size_that_fails_to_prewarm_is_skipped_and_the_replica_serves(tmp_path, caplog):
+    class NeedsAnImage(NetReplica):
+        def __call__(self, image, size):  # a request needs more than its size: warm_up is not overridden
+            with torch.inference_mode(), self.serving(size):
+                return self.cached(image)
+
+    SharedDir(tmp_path).record_sizes([(8, 8)], NeedsAnImage.sizes_file())
+    with caplog.at_level("WARNING", logger="shapecache"):
+        replica = NeedsAnImage(shared_dir=tmp_path)
+    assert replica.prewarmed == [] and "override warm_up" in caplog.text
+    assert replica(torch.ones(1, 3, 8, 8), size=(8, 8)).shape == (1, 3, 8, 8)
+
+
+def test_deployments_of_other_classes_keep_their_own_records(tmp_path):
+    class Other(NetReplica):
+        pass
+
+    NetReplica(shared_dir=tmp_path)(size=(8, 8))
+    assert Other(shared_dir=tmp_path).prewarmed == []
+
+
+@pytest.mark.parametrize("size", [512, "64x64", (8.5, 8), (True, 8), ()])
+def test_a_bad_size_is_named(size):
+    with pytest.raises(TypeError, match=r"^size=.*: expected a sequence of integers"):
+        with NetReplica().serving(size):
+            pass
+    class Painter(NetReplica):
+        size_keys = ("height", "width")
+
+    with pytest.raises(TypeError, match=r"^size=\(8,\): expected 2 integers, one per size key"):
+        with Painter().serving((8,)):
+            pass
+
+
+def test_a_record_that_cannot_be_written_warns_and_the_request_is_served(tmp_path, caplog):
+    replica = NetReplica(shared_dir=tmp_path)
+    (tmp_path / NetReplica.sizes_file()).mkdir()  # opening it for appending fails
+    with caplog.at_level("WARNING", logger="shapecache"):
+        assert replica(size=(8, 8)).shape == (1, 3, 8, 8)
+    assert "could not record size (8, 8)" in caplog.text

@@ -69,19 +69,23 @@ py::object strong(const py::object& weak_or_none) {
 
 PoolGraph::~PoolGraph() {
   const bool ended = capture_ended_;
-  auto lock = lock_device(graphs_);  // no capture or replay of the device meanwhile
-  try {
-    // Releases the pool when the capture ended (the base's destructor then does nothing). A
-    // capture that did not end keeps its own stream: newer torch's reset() ends it there.
-    if (ended) {
-      reset_keeping_workspaces();
-    } else {
-      reset();
+  try {  // a destructor: nothing may escape (DestroyAfterCapture destroys graphs in noexcept code)
+    auto lock = lock_device(graphs_);  // no capture or replay of the device meanwhile
+    try {
+      // Releases the pool when the capture ended (the base's destructor then does nothing). A
+      // capture that did not end keeps its own stream: newer torch's reset() ends it there.
+      if (ended) {
+        reset_keeping_workspaces();
+      } else {
+        reset();
+      }
+    } catch (const std::exception& e) {
+      TORCH_WARN("shapecache: cleaning up a CUDA graph failed: ", e.what());
     }
+    if (ended) graphs_.generations.graph_released(mempool_id_);
   } catch (const std::exception& e) {
-    TORCH_WARN("shapecache: cleaning up a CUDA graph failed: ", e.what());
+    TORCH_WARN("shapecache: releasing a CUDA graph's pool failed: ", e.what());
   }
-  if (ended) graphs_.generations.graph_released(mempool_id_);
 }
 
 namespace {
@@ -139,6 +143,11 @@ c10::cuda::CUDAStream own_stream(c10::DeviceIndex device) {
 
 DeviceGraphs::DeviceGraphs(c10::DeviceIndex index)
     : device(index), stream(own_stream(index)), idle_stream(own_stream(index)) {}
+
+DestroyAfterCapture<PoolGraph>& DeviceGraphs::graphs_to_destroy() {
+  static auto* deferral = new DestroyAfterCapture<PoolGraph>();  // never destroyed, like the registry
+  return *deferral;
+}
 
 DeviceGraphs& DeviceGraphs::of(c10::DeviceIndex device) {
   // torch.device("cuda") has no index: it names the current device, as torch's calls take it.
@@ -324,8 +333,8 @@ void CudaGraphRunner::capture_graph(const py::object& owner) {
     const uint64_t leases_before = WorkspaceArena::leases_on_this_thread();
     {
       // A graph let go of on this thread meanwhile is destroyed when this block ends, after
-      // the capture (still under the device's lock, which its destructor takes again).
-      auto capturing = graphs.graphs_to_destroy.capturing();
+      // the capture (under this device's lock, recursive; another device's graph takes its own).
+      auto capturing = DeviceGraphs::graphs_to_destroy().capturing();
       graphs.generations.capture(steps);
     }
     uses_workspace_ = WorkspaceArena::leases_on_this_thread() != leases_before;
@@ -349,12 +358,10 @@ void CudaGraphRunner::release() {
   auto lock = lock_device(*device_);  // not while another thread replays it
   static_outputs_.clear();
   output_structure_ = py::none();
-  device_->graphs_to_destroy.destroy(std::move(graph_));  // its pool blocks go back to the pool
+  DeviceGraphs::graphs_to_destroy().destroy(std::move(graph_));  // its pool blocks go back to the pool
 }
 
-CudaGraphRunner::~CudaGraphRunner() {
-  if (device_ != nullptr) device_->graphs_to_destroy.destroy(std::move(graph_));
-}
+CudaGraphRunner::~CudaGraphRunner() { DeviceGraphs::graphs_to_destroy().destroy(std::move(graph_)); }
 
 void CudaGraphRunner::recapture() {
   TORCH_CHECK(!graph_, "cuda_graph: recapture() needs a released graph");

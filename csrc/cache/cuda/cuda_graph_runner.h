@@ -69,10 +69,11 @@ struct DeviceGraphs {
   // to replay inside a capture with an error, instead of waiting forever on this lock). Taken
   // with the GIL released while waiting (lock_device in the .cpp).
   std::recursive_mutex mutex;
-  // Every graph of the device is destroyed through this: one let go of on the capturing thread
-  // while a capture runs (the garbage collector inside the captured function) is destroyed
-  // when that capture ends (core/destroy_after_capture.h has why).
-  DestroyAfterCapture<PoolGraph> graphs_to_destroy;
+  // Every graph, of any device, is destroyed through this: one let go of on a thread while it
+  // captures (the garbage collector inside the captured function) is destroyed when that
+  // capture ends (core/destroy_after_capture.h has why). Process-wide: the capture mode a
+  // destruction could break is the thread's, whichever device the graph is on.
+  static DestroyAfterCapture<PoolGraph>& graphs_to_destroy();
   at::cuda::CUDAEvent caller_done;  // orders the graphs' stream after a caller's work
   at::cuda::CUDAEvent graphs_done;  // orders a caller's later work after the graphs' stream
 
@@ -127,7 +128,7 @@ class CudaGraphRunner final : public EntryRunner {
                                                   const py::tuple& args, const py::dict& kwargs,
                                                   const py::tuple& tensors, std::shared_ptr<StateGuard> guard);
 
-  ~CudaGraphRunner() override;  // the graph goes through DeviceGraphs::graphs_to_destroy
+  ~CudaGraphRunner() override;  // the graph goes through DeviceGraphs::graphs_to_destroy()
 
   py::object run(const Call& call) override;
   bool valid() override;

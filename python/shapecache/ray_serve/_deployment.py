@@ -47,6 +47,9 @@ def deployment(replica_class: type, *, shared_dir=None, max_pending_builds: int 
                         "serve.deployment to choose another router")
     if stats_max_age_s is None:
         stats_max_age_s = max(30.0, 5 * stats_period_s)
+    if stats_max_age_s <= stats_period_s:
+        raise ValueError(f"stats_max_age_s={stats_max_age_s!r} with stats_period_s={stats_period_s!r}: the age must "
+                         "exceed the period, or every replica's stats count as missing")
     router = RequestRouterConfig(
         request_router_class=SizeAffinityRouter,
         request_router_kwargs={"size_keys": list(replica_class.size_keys), "max_pending_builds": max_pending_builds,

@@ -7,20 +7,23 @@ The rules, in the order they are applied:
 1. A request without a size, or one routed while no replica has published fresh stats and
    this router has no home for the size, is left to Ray's default policy (``rank`` returns
    None).
-2. A size's home is a replica that holds it: one whose published stats list the size, or the
-   replica this router last sent the size to (stats lag by up to one period, so the router's
-   own choices fill the gap). Held sizes go to their homes first.
-3. A size without a live home is new: it goes to the replica with the most room, bytes free
-   first (budget minus bytes held; no budget counts as unlimited), then the fewest entries,
-   then the fewest sizes this router placed on it since it last published. Replicas over
-   their budget, with `max_pending_builds` or more builds pending, or with stale stats get no
-   new sizes while another replica can take them.
-4. When every preferred replica is at `max_ongoing_requests` (as the router last heard), or
-   the request has waited `spill_after_s` to be routed (a preferred replica that does not
-   answer Ray's queue-length probe in time), a second rank holds the replicas left, best
-   first: Ray's router tries it instead of waiting (spill-over). Until then the request waits
-   for its size's home (Ray retries the first rank with a short backoff), so one slow probe
-   does not build the size on a second replica.
+2. A size's homes are the replicas whose fresh stats list it, and the replica this router
+   last sent it to (stats lag by up to one period, so the router's own choices fill the
+   gap; a choice is remembered from the moment it is offered to Ray, so a burst of new sizes
+   spreads). A home whose publication omits the size more than HOME_GRACE_S after it was
+   sent there evicted it. Held sizes go to their homes, the one not full and with the most
+   room first.
+3. A size without a home is new: it goes to the replica with the most room, bytes free first
+   (budget minus bytes held; no budget counts as unlimited), then the fewest entries; sizes
+   this router placed on a replica since it last published count against its room.
+   Replicas over their budget, with `max_pending_builds` or more builds pending, or with
+   stale stats get no new sizes while another replica can take them.
+4. A second rank holds the replicas left, best first, which Ray's router tries when the
+   first rank takes nothing (spill-over): at once for a new size (it is built wherever it
+   goes) and for a held size whose homes are all at `max_ongoing_requests` (as the router
+   last heard); for a held size whose homes did not answer Ray's queue-length probe in time,
+   after the request has waited `spill_after_s` (sending it elsewhere builds the size a
+   second time). Ray backs off between its tries.
 5. A replica that dies or leaves the deployment is forgotten (``keep_only``): its sizes have
    no home and are placed again by rule 3.
 """
@@ -46,6 +49,11 @@ MAX_HOMES = 4096
 # minutes on a GPU), so it waits for a while first. A home at max_ongoing_requests is passed
 # over at once.
 SPILL_AFTER_S = 10.0
+# A home is dropped when the replica publishes without the size at least this long after the
+# size was sent to it: until then the size may still wait in the replica (queued behind other
+# requests, or before the call that serves it), and the replica's clock may be ahead of the
+# router's (another host).
+HOME_GRACE_S = 30.0
 FORMAT_VERSION = 1
 
 
@@ -82,7 +90,7 @@ class ReplicaState:
                 published_at=float(ours["published_at"]),
                 full=full,
             )
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             return cls(replica_id, full=full)
 
     def fresh(self, now: float, max_age_s: float) -> bool:
@@ -133,7 +141,9 @@ class Placement:
         else:
             first = [min(replicas, key=lambda r: self._new_size_order(r, fresh[r.replica_id]))]
         ranks = [[r.replica_id for r in first]]
-        if all(r.full for r in first) or waited_s >= self.spill_after_s:
+        # A new size is built wherever it goes: the others follow at once. A held size waits
+        # for its homes unless they are full or have not taken it in spill_after_s.
+        if not holders or all(r.full for r in first) or waited_s >= self.spill_after_s:
             chosen = set(ranks[0])
             rest = sorted((r for r in replicas if r.replica_id not in chosen),
                           key=lambda r: self._new_size_order(r, fresh[r.replica_id]))
@@ -156,14 +166,15 @@ class Placement:
 
     def _holds(self, replica: ReplicaState, size: Size, fresh: bool) -> bool:
         """Rule 2. A replica's sizes include those it is serving now, so a size sent to it is
-        listed from its first publication after the request arrived; a publication after this
-        router's choice that does not list the size means the replica evicted it since."""
+        listed from its first publication after its request starts; a publication more than
+        HOME_GRACE_S after this router's choice that does not list the size means the replica
+        evicted it since."""
         if fresh and size in replica.sizes:
             return True
         home = self.homes.get(size)
         if home is None or home[0] != replica.replica_id:
             return False
-        return replica.published_at is None or replica.published_at <= home[1]
+        return replica.published_at is None or replica.published_at <= home[1] + HOME_GRACE_S
 
     def _new_size_order(self, replica: ReplicaState, fresh: bool) -> tuple:
         """Rule 3, ascending: not full, then able to take new sizes, then most room."""

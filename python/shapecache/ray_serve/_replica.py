@@ -24,7 +24,7 @@ from typing import ClassVar
 import shapecache as sc
 from shapecache import _checks
 from shapecache.ray_serve._placement import routing_stats
-from shapecache.ray_serve._request_size import PIPELINE_SIZE_KEYS, check_size_keys, request_size
+from shapecache.ray_serve._request_size import PIPELINE_SIZE_KEYS, check_size, check_size_keys, request_size
 from shapecache.ray_serve._shared_dir import SharedDir
 
 logger = logging.getLogger("shapecache")
@@ -76,12 +76,21 @@ class CachedReplica:
         self._entries_of: dict[tuple, frozenset] = {}  # size -> the entry ids its last call used
         self._serving: collections.Counter = collections.Counter()  # sizes being served now
         self.shared_dir = SharedDir.from_option(shared_dir)
+        # The fleet's record of this class's sizes: deployments of other classes sharing the
+        # directory keep records of their own.
+        self._sizes_file = self.sizes_file()
         self._warming = False  # sizes built while pre-warming are not recorded as the fleet's demand
         self.prewarmed: list[tuple] = []
         self.prewarm_seconds = 0.0
         if self.shared_dir is not None:
             self.shared_dir.apply()
-            self._prewarm(self.shared_dir.hot_sizes(prewarm_limit))
+            self._prewarm(self.shared_dir.hot_sizes(prewarm_limit, self._sizes_file))
+
+    @classmethod
+    def sizes_file(cls) -> str:
+        """The name, in the shared directory, of the record of the sizes this class's replicas
+        built on request."""
+        return f"sizes.{cls.__qualname__}.jsonl"
 
     def __call__(self, *args, **kwargs):
         return self.serve(*args, **kwargs)
@@ -101,11 +110,14 @@ class CachedReplica:
         """Marks `size` as being served for the duration; afterwards, notes which entries the
         calls inside used, and records a size whose calls built an entry in the shared
         directory."""
-        size = tuple(size)
+        size = check_size(size, len(self.size_keys))
         with self._using(size) as built:
             yield
         if built and self.shared_dir is not None and not self._warming:
-            self.shared_dir.record_sizes([size])
+            try:
+                self.shared_dir.record_sizes([size], self._sizes_file)
+            except OSError as error:  # the request was served: a record it could not write costs a warning
+                logger.warning("shapecache: could not record size %s in %s: %s", size, self.shared_dir.path, error)
 
     def warm_up(self, size: tuple) -> None:
         """Builds the entries of `size` as a request of that size would. Pipelines are warmed
@@ -119,8 +131,8 @@ class CachedReplica:
 
     def sizes_held(self) -> set[tuple]:
         """The sizes whose entries this replica holds, and those it is serving now."""
-        alive = {entry["id"] for entry in sc.stats(self.cached)["entries"]}
-        with self._lock:
+        with self._lock:  # a call ending meanwhile records its entries before or after this snapshot
+            alive = {entry["id"] for entry in sc.stats(self.cached)["entries"]}
             self._entries_of = {s: ids for s, ids in self._entries_of.items() if ids <= alive}
             return set(self._entries_of) | set(self._serving)
 
@@ -133,9 +145,9 @@ class CachedReplica:
     def _using(self, size: tuple):
         """Marks `size` as being served; afterwards, records the entries the call used. Yields
         a list that is true afterwards when the call built an entry."""
-        before = self._entry_hits()
-        with self._lock:
+        with self._lock:  # first: the size is held from the moment its call starts
             self._serving[size] += 1
+        before = self._entry_hits()
         built: list = []
         try:
             yield built
@@ -162,8 +174,13 @@ class CachedReplica:
         self._warming = True
         try:
             for size in sorted(sizes, key=lambda s: -math.prod(s)):
-                with self._using(size):
-                    self.warm_up(size)
+                try:
+                    with self._using(size):
+                        self.warm_up(size)
+                except Exception as error:  # noqa: BLE001 - a replica that cannot pre-warm still serves
+                    logger.warning("shapecache: pre-warming size %s failed (%s: %s); override warm_up where a "
+                                   "request needs more than its size", size, type(error).__name__, error)
+                    continue
                 self.prewarmed.append(size)
                 if sc.stats(self.cached)["evictions"] > evictions:
                     logger.info("shapecache: the budget is full after pre-warming %d of %d hot sizes",

@@ -30,3 +30,17 @@ def request_size(kwargs: Mapping, size_keys: tuple[str, ...]) -> tuple[int, ...]
     if not values or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         return None
     return tuple(values)
+
+
+def check_size(size, keys: int) -> tuple[int, ...]:
+    """`size` as given to ``CachedReplica.serving``: a tuple of integers (one per size key where
+    there are several), or a clear error."""
+    values = size if isinstance(size, Sequence) and not isinstance(size, str) else None
+    try:
+        ok = values is not None and len(values) > 0 and all(int(v) == v and not isinstance(v, bool) for v in values)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or (keys > 1 and len(values) != keys):
+        expected = f"{keys} integers, one per size key" if keys > 1 else "a sequence of integers"
+        raise TypeError(f"size={size!r}: expected {expected}, e.g. (768, 512)")
+    return tuple(int(v) for v in values)

@@ -9,15 +9,19 @@ publishes, after which both hold it and both are its homes.
 
 from __future__ import annotations
 
+import logging
 import time
 
 # Ray's default router, whose choose_replicas serves requests without a size. Its module is
 # private: Ray names it as its default (DEFAULT_REQUEST_ROUTER_PATH), and the `ray` extra pins
 # the versions this subclass was tested with.
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import RequestRouter
 
 from shapecache.ray_serve._placement import SPILL_AFTER_S, Placement, ReplicaState
 from shapecache.ray_serve._request_size import PIPELINE_SIZE_KEYS, check_size_keys, request_size
+
+logger = logging.getLogger("shapecache")
 
 
 class SizeAffinityRouter(PowerOfTwoChoicesRequestRouter):
@@ -31,6 +35,11 @@ class SizeAffinityRouter(PowerOfTwoChoicesRequestRouter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.initialize_state()  # Ray calls it again with the deployment's request_router_kwargs
+
+    # A replica found for a request goes to that request. Ray's default router gives it to the
+    # oldest request waiting (FIFOMixin), which here would be a request of another size, whose
+    # home may be another replica.
+    _fulfill_next_pending_request = RequestRouter._fulfill_next_pending_request
 
     def initialize_state(self, size_keys=PIPELINE_SIZE_KEYS, max_pending_builds: int = 2,
                          stats_max_age_s: float = 60.0, spill_after_s: float = SPILL_AFTER_S, **kwargs) -> None:
@@ -60,11 +69,21 @@ class SizeAffinityRouter(PowerOfTwoChoicesRequestRouter):
         size = self._size_of(pending_request)
         ranks = None
         if size is not None:
-            now = time.time()
-            ranks = self._placement.rank(size, [self._state_of(r) for r in candidate_replicas], now,
-                                         waited_s=now - pending_request.created_at)
+            try:
+                now = time.time()
+                ranks = self._placement.rank(size, [self._state_of(r) for r in candidate_replicas], now,
+                                             waited_s=now - pending_request.created_at)
+            except Exception:  # noqa: BLE001 - a request is never lost to the policy: Ray's default routes it
+                logger.exception("shapecache: size-affinity routing failed; routing by Ray's default policy")
+                ranks = None
         if ranks is None:
             return await super().choose_replicas(candidate_replicas, pending_request)
+        # Sent to the first choice until it answers or its replica publishes: a burst of new
+        # sizes routed before any is accepted spreads instead of landing on one replica.
+        self._placement.routed(size, ranks[0][0], time.time())
+        # Ray retries choose_replicas until a rank takes the request; with backoff between the
+        # tries (without it, a home that is full or does not answer is probed in a busy loop).
+        pending_request.routing_context.should_backoff = True
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         return [[by_id[replica_id] for replica_id in rank] for rank in ranks]
 

@@ -9,7 +9,8 @@ Layout under the directory:
   where two processes could write one entry, so replicas may share it.
 - ``tuning.json``: SHAPECACHE_TUNING_DB, the tuned-convolution records (written by atomic
   replace, merged with what another process wrote meanwhile; see ops/_tuning.py).
-- ``sizes.jsonl``: one line per size a replica built, ``{"size": [...], "at": unix seconds}``,
+- ``sizes.<replica class>.jsonl``: one line per size a replica of that class built on request,
+  ``{"size": [...], "at": unix seconds}``,
   appended with one ``write`` on a file opened ``O_APPEND``. On a local file system each line
   lands whole; on a network file system without atomic appends (NFS) two lines can interleave,
   and the reader skips a line it cannot parse.
@@ -71,24 +72,24 @@ class SharedDir:
             if current != value and name not in REMOTE_CACHE_VARIABLES:
                 logger.warning("shapecache: %s=%s is set, so it is not shared through %s", name, current, self.path)
 
-    def record_sizes(self, sizes) -> None:
-        """Appends the sizes a replica built to the fleet's record."""
+    def record_sizes(self, sizes, name: str = SIZES_FILE) -> None:
+        """Appends the sizes a replica built to the fleet's record `name`."""
         now = time.time()
         lines = "".join(json.dumps({"size": list(size), "at": now}) + "\n" for size in sizes)
         if not lines:
             return
-        fd = os.open(self.path / SIZES_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.path / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, lines.encode())
         finally:
             os.close(fd)
 
-    def hot_sizes(self, limit: int | None = None) -> list[tuple[int, ...]]:
+    def hot_sizes(self, limit: int | None = None, name: str = SIZES_FILE) -> list[tuple[int, ...]]:
         """The sizes the fleet built, most often built first (then the larger first): the
         sizes a new replica builds before it reports ready."""
         counts: collections.Counter = collections.Counter()
         try:
-            with open(self.path / SIZES_FILE) as f:
+            with open(self.path / name) as f:
                 for line in f:
                     try:
                         size = tuple(int(d) for d in json.loads(line)["size"])
