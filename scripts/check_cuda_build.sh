@@ -4,8 +4,8 @@
 # after torch. By default any CUDA toolkit is hidden (a private mount namespace, as root) so
 # that the CUDA code must build from torch's own nvidia-* packages, as on a machine with a
 # driver and no toolkit; --with-toolkit leaves it visible. It builds twice: first with torch's
-# packages alone, where CUDA 13's crt/ and CCCL headers are missing, which must give a CPU-only
-# build and a warning naming the packages to install; then with those packages.
+# packages alone, where CUDA 13's crt/ and CCCL headers are missing, which must stop with an
+# error naming the packages to install (and the CPU-only switch); then with those packages.
 #
 #   scripts/check_cuda_build.sh [--with-toolkit] [--wheels DIR] [--venv DIR]
 #
@@ -66,13 +66,19 @@ fi
 pip install -q scikit-build-core ninja
 cuda="$(python -c "import torch; print(torch.version.cuda)")"
 python -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
-step "a first build with torch's packages alone: CPU-only, with a warning that names what to install"
+step "a first build with torch's packages alone: it stops, naming what to install"
 log="$(mktemp)"
-pip install --no-build-isolation --no-deps -v -C build-dir="$(mktemp -d)" "$root" > "$log" 2>&1 || { tail -n 60 "$log"; exit 1; }
-grep -E -A4 "CMake Warning" "$log" | sed 's/^ *//' | grep -v '^$' || true
-python -c "import shapecache._build_info as i; assert not i.WITH_CUDA; print('WITH_CUDA:', i.WITH_CUDA)"
-# What the warning named (cmake/cuda_paths.py): on CUDA 13, the crt/ and CCCL headers.
+if pip install --no-build-isolation --no-deps -v -C build-dir="$(mktemp -d)" "$root" > "$log" 2>&1; then
+  echo "check_cuda_build: the build without CUDA 13's crt/ and CCCL headers did not stop" >&2
+  exit 1
+fi
+grep -E -A6 "CMake Error" "$log" | sed 's/^ *//' | grep -v '^$' || true
+grep -q "SHAPECACHE_CPU_ONLY=ON" "$log" || { echo "check_cuda_build: the error does not name the CPU-only switch" >&2; exit 1; }
+# What the error named (cmake/cuda_paths.py): on CUDA 13, the crt/ and CCCL headers.
 mapfile -t needed < <(python "$root/cmake/cuda_paths.py" --cuda-version "$cuda" | sed -n 's/^INSTALL=//p' | tr '|' '\n' | grep .)
+for package in "${needed[@]}"; do
+  grep -qF "$package" "$log" || { echo "check_cuda_build: the error does not name $package" >&2; exit 1; }
+done
 step "installing what it named: ${needed[*]}"
 pip install -q ${wheels:+--find-links "$wheels"} "${needed[@]}"
 step "building shapecache (--no-build-isolation)"

@@ -44,18 +44,12 @@ def cpu_only_reason(info=None, torch_cuda: str | None = None) -> str | None:
         torch_cuda = torch.version.cuda
     if info.WITH_CUDA or not torch_cuda:
         return None
-    if info.CPU_ONLY_ASKED:
-        why = "it was built with SHAPECACHE_CPU_ONLY=ON"
-        fix = "rebuild it without that option"
-    else:
-        missing = ", ".join(item for item in info.CUDA_MISSING.split(";") if item) or "the CUDA headers"
-        install = " ".join(f"'{item}'" for item in info.CUDA_INSTALL.split(";") if item)
-        why = f"{missing} were not found when it was built"
-        fix = (f"pip install {install}, then " if install else "install the CUDA headers of CUDA "
-               f"{torch_cuda} (a toolkit, or pip's nvidia-* packages), then ")
-        fix += "pip install --no-build-isolation --no-deps --force-reinstall <shapecache source>"
+    # On a CUDA torch the build has CUDA code unless it was asked not to: where the CUDA headers
+    # are missing, it stops (CMakeLists.txt), and another torch is refused at import.
+    why = "it was built with SHAPECACHE_CPU_ONLY=ON" if info.CPU_ONLY_ASKED else "its build recorded no CUDA code"
     return (f"this shapecache has no CUDA code although torch {torch.__version__} has CUDA {torch_cuda}: {why}. "
-            f"Calls on CUDA tensors run eager, with no CUDA graphs; to build the CUDA code, {fix}")
+            "Calls on CUDA tensors run eager, with no CUDA graphs; to build the CUDA code, rebuild it without "
+            "SHAPECACHE_CPU_ONLY (pip install --no-build-isolation --no-deps --force-reinstall <shapecache source>)")
 
 
 _warned = False
