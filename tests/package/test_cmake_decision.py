@@ -70,8 +70,9 @@ def test_a_cuda_torch_with_the_headers_found_builds_the_cuda_code(tmp_path):
 def test_missing_headers_stop_the_build_naming_the_packages_and_the_cpu_only_switch(tmp_path):
     partial = toolkit(tmp_path / "cuda-12.8", ["cuda_runtime_api.h", "cublas_v2.h"])
     output = configure(tmp_path, "-DSHAPECACHE_TORCH_CUDA=12.8", toolkit_root=partial, succeeds=False)
-    assert "CMake Error" in output and "torch has CUDA 12.8 but crt/host_config.h;nv/target" in output
-    assert "nvidia-cuda-nvcc-cu12==12.8.*" in output and "nvidia-cuda-cccl-cu12==12.8.*" in output
+    assert "CMake Error" in output and "torch has CUDA 12.8 but crt/host_config.h, nv/target" in output
+    # a command to paste: each requirement quoted (they hold '*'), separated by spaces
+    assert "pip install 'nvidia-cuda-nvcc-cu12==12.8.*' 'nvidia-cuda-cccl-cu12==12.8.*' " in output and "' and build again" in output
     assert "CMAKE_ARGS=-DSHAPECACHE_CPU_ONLY=ON" in output
     assert not (tmp_path / "build" / "_build_info.py").exists()  # nothing recorded: nothing is built
     # ... and with the switch it names, the same machine builds without CUDA code
