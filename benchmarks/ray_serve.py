@@ -234,7 +234,7 @@ def main(argv=None) -> int:
                     failures.append(f"{kind}/{router}: {type(error).__name__}: {error}")
                 print(f"  {kind:8} {router:9} done", flush=True)
         if affinity_dir is not None:
-            hot = SharedDir(affinity_dir).hot_sizes(name=ModelReplica.sizes_file())
+            hot = SharedDir(affinity_dir).hot_sizes(ModelReplica.sizes_file())
             for label, directory in (("cold", tempfile.mkdtemp(prefix="shapecache-cold-")), ("shared", affinity_dir)):
                 try:
                     new_replica[label] = new_replica_run(label, args, SharedDir(directory), hot)

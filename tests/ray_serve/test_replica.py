@@ -114,7 +114,8 @@ def test_prewarm_stops_when_the_budget_is_full_and_keeps_to_the_limit(tmp_path):
 
 def test_the_shared_directory_sets_the_caches_and_skips_torn_lines(tmp_path, monkeypatch):
     for name in ("TORCHINDUCTOR_CACHE_DIR", "SHAPECACHE_TUNING_DB", "SHAPECACHE_SHARED_DIR"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded, so that what apply() sets is undone after the test
+        monkeypatch.delenv(name)
     monkeypatch.setenv("TORCHINDUCTOR_REDIS_HOST", "cache.internal")
     shared = SharedDir(tmp_path / "fleet")
     env = shared.environment()
@@ -125,9 +126,9 @@ def test_the_shared_directory_sets_the_caches_and_skips_torn_lines(tmp_path, mon
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     assert cache_dir() == env["TORCHINDUCTOR_CACHE_DIR"]
-    with open(tmp_path / "fleet" / "sizes.jsonl", "a") as f:
+    with open(tmp_path / "fleet" / NetReplica.sizes_file(), "a") as f:
         f.write('{"size": [8, 8], "at": 1}\n{"size": [8,\n{"other": 1}\n{"size": [12, 8], "at": 2}\n')
-    assert shared.hot_sizes() == [(12, 8), (8, 8)]  # equal counts: larger first
+    assert shared.hot_sizes(NetReplica.sizes_file()) == [(12, 8), (8, 8)]  # equal counts: larger first
     monkeypatch.setenv("SHAPECACHE_SHARED_DIR", str(tmp_path / "fleet"))
     assert SharedDir.from_option().path == shared.path
     monkeypatch.delenv("SHAPECACHE_SHARED_DIR")

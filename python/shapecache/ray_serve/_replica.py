@@ -84,7 +84,7 @@ class CachedReplica:
         self.prewarm_seconds = 0.0
         if self.shared_dir is not None:
             self.shared_dir.apply()
-            self._prewarm(self.shared_dir.hot_sizes(prewarm_limit, self._sizes_file))
+            self._prewarm(self.shared_dir.hot_sizes(self._sizes_file, prewarm_limit))
 
     @classmethod
     def sizes_file(cls) -> str:

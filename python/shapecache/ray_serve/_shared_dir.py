@@ -34,7 +34,6 @@ logger = logging.getLogger("shapecache")
 
 ENVIRONMENT_VARIABLE = "SHAPECACHE_SHARED_DIR"
 REMOTE_CACHE_VARIABLES = ("TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "TORCHINDUCTOR_REDIS_HOST", "TORCHINDUCTOR_REDIS_PORT")
-SIZES_FILE = "sizes.jsonl"
 
 
 class SharedDir:
@@ -72,8 +71,9 @@ class SharedDir:
             if current != value and name not in REMOTE_CACHE_VARIABLES:
                 logger.warning("shapecache: %s=%s is set, so it is not shared through %s", name, current, self.path)
 
-    def record_sizes(self, sizes, name: str = SIZES_FILE) -> None:
-        """Appends the sizes a replica built to the fleet's record `name`."""
+    def record_sizes(self, sizes, name: str) -> None:
+        """Appends the sizes a replica built to the fleet's record `name` (one per replica class,
+        ``CachedReplica.sizes_file()``)."""
         now = time.time()
         lines = "".join(json.dumps({"size": list(size), "at": now}) + "\n" for size in sizes)
         if not lines:
@@ -84,7 +84,7 @@ class SharedDir:
         finally:
             os.close(fd)
 
-    def hot_sizes(self, limit: int | None = None, name: str = SIZES_FILE) -> list[tuple[int, ...]]:
+    def hot_sizes(self, name: str, limit: int | None = None) -> list[tuple[int, ...]]:
         """The sizes the fleet built, most often built first (then the larger first): the
         sizes a new replica builds before it reports ready."""
         counts: collections.Counter = collections.Counter()
