@@ -147,13 +147,20 @@ def wait(dispatchers, timeout: float | None) -> bool:
     for device in _C.make_all_builds_ready():
         wake(device)
     deadline = None if timeout is None else time.monotonic() + timeout
-    while any(d.pending_builds for d in dispatchers):
+    while any(d.pending_builds for d in dispatchers) or _settling():
         if deadline is not None and time.monotonic() >= deadline:
             return False
         # A short sleep, not a condition: a build ends on the worker, a cancellation on any
         # thread, and both are rare beside a build's seconds.
         time.sleep(0.01)
     return True
+
+
+def _settling() -> bool:
+    """A worker has installed the last build of the process and is still restoring what a build
+    changes (the switch interval, the frozen objects): a wait that returned now would leave the
+    caller in the build's settings."""
+    return _gil_turns["builds"] > 0 and _C.pending_builds() == 0
 
 
 def _at_exit() -> None:
