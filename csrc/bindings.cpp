@@ -95,10 +95,6 @@ std::unique_ptr<ShapeDispatcher> make_dispatcher(py::object function, py::object
                                            std::move(run_on_fake_tensors));
 }
 
-py::object device_of(const BuildHandle& handle) {
-  return py::reinterpret_steal<py::object>(THPDevice_New(handle.device()));
-}
-
 // A native runner called from Python (a build's first run, a replay timed): with the call's
 // tensors in key order, which is all such a runner reads of a call.
 py::object run_on_tensors(EntryRunner& runner, const py::args& tensors) {
@@ -172,10 +168,8 @@ void bind_cache(py::module_& m) {
       .def_readonly("guard", &BuiltEntry::guard)
       .def_readonly("failure", &BuiltEntry::failure);
 
-  py::class_<BuildHandle>(m, "BuildHandle", "All a builder may do to its cache (csrc/cache/build_handle.h).")
-      .def_property_readonly("device", &device_of)
-      .def_property_readonly("run_call", &BuildHandle::run_call)
-      .def_property_readonly("tensors", &BuildHandle::tensors)
+  py::class_<BuildHandle>(m, "BuildHandle", py::dynamic_attr(),
+                          "All a builder may do to its cache (csrc/cache/build_handle.h).")
       .def("set_shared_bytes", &BuildHandle::set_shared_bytes, py::arg("pool") = py::none(),
            py::arg("workspace") = py::none())
       .def("could_fit", &BuildHandle::could_fit, py::arg("bytes"))
@@ -214,6 +208,7 @@ void bind_cache(py::module_& m) {
   py::class_<StateGuard, std::shared_ptr<StateGuard>>(m, "StateGuard",
                                                       "What an entry was built from (csrc/cache/state_guard.h).")
       .def(py::init<>())
+      .def(py::init<const py::list&>(), py::arg("record"))
       .def("add_dict", &StateGuard::add_dict, py::arg("dict"), py::arg("path"), py::arg("keys") = py::none())
       .def("add_tensor", &StateGuard::add_tensor, py::arg("tensor"), py::arg("path"), py::arg("check_version") = true)
       .def("add_cell", &StateGuard::add_cell, py::arg("cell"), py::arg("path"))

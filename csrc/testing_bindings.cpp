@@ -272,7 +272,7 @@ void bind_testing(py::module_& m) {
   m.def(
       "build_handle",
       [](const std::shared_ptr<ShapeCache>& cache, c10::Device device) {
-        return BuildHandle(cache, device, /*run_call=*/false);
+        return BuildHandle::to_python(BuildHandle(cache, device, /*run_call=*/false));
       },
       py::arg("cache"), py::arg("device"), "A BuildHandle on `device` of `cache`, as a builder gets one.");
 

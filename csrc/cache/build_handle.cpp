@@ -1,6 +1,19 @@
 #include "cache/build_handle.h"
 
+#include <torch/csrc/Device.h>
+
 namespace shapecache {
+
+py::object BuildHandle::to_python(BuildHandle handle) {
+  py::object device = py::reinterpret_steal<py::object>(THPDevice_New(handle.device_));
+  const bool run_call = handle.run_call_;
+  py::tuple tensors = handle.tensors_;
+  py::object object = py::cast(std::move(handle));
+  object.attr("device") = device;
+  object.attr("run_call") = py::bool_(run_call);
+  object.attr("tensors") = tensors;
+  return object;
+}
 
 void BuildHandle::set_shared_bytes(std::optional<int64_t> pool, std::optional<int64_t> workspace) {
   SharedBytes bytes = cache_->shared_bytes(device_);  // a figure not given stays as it is

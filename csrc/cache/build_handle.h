@@ -27,9 +27,9 @@ class BuildHandle {
   BuildHandle(std::shared_ptr<ShapeCache> cache, c10::Device device, bool run_call, py::tuple tensors = py::tuple())
       : cache_(std::move(cache)), device_(device), run_call_(run_call), tensors_(std::move(tensors)) {}
 
-  const c10::Device& device() const { return device_; }
-  bool run_call() const { return run_call_; }
-  const py::tuple& tensors() const { return tensors_; }
+  // As a builder gets it: `device`, `run_call` and `tensors` are plain attributes of the
+  // Python object, which a builder reads without a call back into C++.
+  static py::object to_python(BuildHandle handle);
 
   // Charges the device's shared bytes; a figure not given stays as it is. May evict.
   void set_shared_bytes(std::optional<int64_t> pool, std::optional<int64_t> workspace);

@@ -182,7 +182,7 @@ void MissPolicy::after_first_run(const Call& call) {
   if (runner->valid()) return;
   // Its own run changed what it reads (BatchNorm's statistics in training): this run was the
   // call's one update, and its output is the answer, but every later call would find the entry
-  // stale and rebuild it. As an inline build finds at its first run (compile.py).
+  // stale and rebuild it. As an inline build finds at its first run (build()).
   entry = lru.find(call.key);
   const std::string changed = entry != nullptr ? entry->changed() : "the entry";
   if (entry != nullptr && lru.pin_count(call.key) == 0) auto stale = lru.erase(call.key);
@@ -303,6 +303,13 @@ py::object MissPolicy::build(const ShapeKey& key, const c10::Device& device, con
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   py::object output = run_call ? built.output : py::none();
   if (generation != generation_) return output;  // cleared while building: the result is dropped
+  if (built.ran_call && built.guard && !built.guard->check()) {
+    // The build's run, the call's one run, changed what the entry reads (BatchNorm's
+    // statistics in training): its output is the answer, but every later call would find the
+    // entry stale and build it again.
+    built.runner = py::none();
+    built.failure = "the call updates what it reads: " + built.guard->changed();
+  }
   if (built.runner.is_none()) {
     // Nothing could be built for the bucket (the compiler failed where the plain call did not).
     // Inline, the output is the plain call's.
@@ -319,7 +326,7 @@ py::object MissPolicy::build(const ShapeKey& key, const c10::Device& device, con
 
 std::optional<BuiltEntry> MissPolicy::run_builder(const c10::Device& device, const py::tuple& args,
                                                   const py::dict& kwargs, const py::tuple& tensors, bool run_call) {
-  py::object handle = py::cast(BuildHandle(cache_, device, run_call, tensors));
+  py::object handle = BuildHandle::to_python(BuildHandle(cache_, device, run_call, tensors));
   for (int attempt = 0;; ++attempt) {
     try {
       py::object result;
@@ -354,7 +361,7 @@ void MissPolicy::release_device_memory(const c10::Device& device) {
     auto evicted = cache_->evict_unpinned(device);
   }  // the evicted entries are destroyed before the allocator's cache is emptied
   if (services_.release_device_memory.is_none()) return;
-  services_.release_device_memory(BuildHandle(cache_, device, /*run_call=*/false));
+  services_.release_device_memory(BuildHandle::to_python(BuildHandle(cache_, device, /*run_call=*/false)));
 }
 
 py::object MissPolicy::run_uncached_after_out_of_memory(const c10::Device& device, const py::tuple& args,

@@ -25,8 +25,9 @@
 //   - Given up: a bucket runs uncached until clear(), with one warning, when its build failed
 //     where the plain call did not, its entry raised where the plain call did not, its entry
 //     can never fit, it was found stale kInvalidationsBeforeUncached times in a row by the
-//     same change, or its first run (of an entry built without running the call) made it
-//     stale. The plain call's own exceptions reach the user as themselves.
+//     same change, or its first run made it stale (the call updates what it reads: checked
+//     right after an inline build, at the first hit of an entry built without running the
+//     call). The plain call's own exceptions reach the user as themselves.
 //   - Transparent: inside a build or a trace nothing is built (call_scope.h).
 //   - Warnings: each kind once per function. Inline, a warning turned into an error (-W error)
 //     raises from the call; in the background, where no caller would see it, it is reported

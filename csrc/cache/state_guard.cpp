@@ -76,6 +76,33 @@ std::string key_text(const py::object& key) {
 
 }  // namespace
 
+StateGuard::StateGuard(const py::list& record) {
+  for (py::handle item : record) {
+    const py::tuple entry = py::reinterpret_borrow<py::tuple>(item);
+    if (entry.size() != 4) throw py::value_error("StateGuard(record): each item is (kind, object, path, option)");
+    const std::string kind = entry[0].cast<std::string>();
+    const py::object object = entry[1];
+    std::string path = entry[2].cast<std::string>();
+    const py::object option = entry[3];
+    if (kind == "dict") {
+      add_dict(object.cast<py::dict>(), std::move(path), option);
+    } else if (kind == "tensor") {
+      add_tensor(object, std::move(path), option.is_none() || option.cast<bool>());
+    } else if (kind == "cell") {
+      add_cell(object, std::move(path));
+    } else if (kind == "list") {
+      add_list(object.cast<py::list>(), std::move(path));
+    } else if (kind == "type") {
+      add_type(object, std::move(path));
+    } else if (kind == "class") {
+      add_class(object.cast<py::type>(), std::move(path));
+    } else {
+      throw py::value_error("StateGuard(record): kind=" + kind +
+                            " is not one of 'dict', 'tensor', 'cell', 'list', 'type', 'class'");
+    }
+  }
+}
+
 void StateGuard::add_dict(const py::dict& dict, std::string path, const py::object& keys) {
   watch(dict.ptr());
   GuardedDict guarded{dict, version_of(dict.ptr()), keys.is_none(), {}, std::move(path)};

@@ -43,6 +43,13 @@ namespace py = pybind11;
 
 class StateGuard {
  public:
+  StateGuard() = default;
+  // A guard over a whole record, made in one call from Python (guards.py collects it): a list
+  // of (kind, object, path, option) with kind one of "dict" (option: keys, or None for all),
+  // "tensor" (option: check_version), "cell", "list", "type", "class" (option: None), each
+  // added as the add_ method of its kind.
+  explicit StateGuard(const py::list& record);
+
   // Guards `dict`'s items: every item when `keys` is None (an added or removed key counts as
   // a change), else the items of those keys (a key absent now must stay absent).
   void add_dict(const py::dict& dict, std::string path, const py::object& keys);

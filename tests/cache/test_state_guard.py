@@ -103,12 +103,13 @@ def test_an_inference_tensor_is_guarded_without_its_version():
 
 def test_a_list_is_guarded_item_by_item():
     holder = {"merged": ["a"], "scales": [1.0, 2.0]}
-    guard = guards.Guarded()
-    guard._value(holder, "layer", 1)
+    recorded = guards.Guarded()
+    recorded._value(holder, "layer", 1)
+    guard = _C.StateGuard(recorded.record)
     holder["scales"][1] = float("2.0")  # the same value
-    assert guard.guard.check()
+    assert guard.check()
     holder["merged"].pop()  # what peft's unmerge does
-    assert not guard.guard.check() and guard.guard.changed == "layer['merged'] (a list) changed"
+    assert not guard.check() and guard.changed == "layer['merged'] (a list) changed"
 
 
 def test_a_closure_cell_is_guarded_by_what_it_holds():
@@ -222,3 +223,16 @@ def test_a_function_is_guarded_by_the_globals_it_names_and_the_trees_they_hold()
 
 
 MODEL = None
+
+
+def test_a_record_is_one_call_and_a_bad_kind_is_named():
+    d = {"scale": 2.0}
+    t = torch.ones(2)
+    guard = _C.StateGuard([("dict", d, "d", None), ("tensor", t, "t", True), ("type", t, "t", None)])
+    assert guard.check() and guard.dict_count == 1 and guard.tensor_count == 1
+    t.add_(1)
+    assert not guard.check() and guard.changed == "t was updated in place"
+    with pytest.raises(ValueError, match="kind=module is not one of 'dict', 'tensor'"):
+        _C.StateGuard([("module", d, "d", None)])
+    with pytest.raises(ValueError, match=r"each item is \(kind, object, path, option\)"):
+        _C.StateGuard([("dict", d)])

@@ -74,11 +74,6 @@ def build_compiled(function, args, kwargs, handle, context: BuildContext, asked:
                 # What a first run would update (BatchNorm's statistics in training) shows on
                 # the entry's first hit instead: the guard finds it stale (shape_dispatcher.h).
                 return BuiltEntry(compiled.runner, held.bytes(None), None, "compile", compiled.guard, ran_call=False)
-            if not compiled.guard.check():
-                # The graph updated what it reads (its first run was the call's one update, so its
-                # output is the answer): an entry would be stale after each call.
-                return BuiltEntry(runner=None, bytes=0, output=output, backend="uncached",
-                                  failure=f"the call updates what it reads: {compiled.guard.changed}")
             return BuiltEntry(runner=compiled.runner, bytes=held.bytes(output), output=output, backend="compile",
                               guard=compiled.guard)
     if not run_call:

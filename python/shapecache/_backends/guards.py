@@ -51,7 +51,8 @@ class Guarded:
     """Collects what an entry depends on, once per object."""
 
     def __init__(self, python_only: bool = False, collect: list | None = None):
-        self.guard = _C.StateGuard()
+        # (kind, object, path, option) per item, made into a _C.StateGuard in one call
+        self.record: list[tuple] = []
         self._collect = collect  # receives every dict guarded, when given
         self._seen: set[int] = set()
         # Python state alone: no tensors, and not the dicts that hold parameters and buffers
@@ -72,7 +73,7 @@ class Guarded:
 
     def tensor(self, tensor: torch.Tensor, path: str) -> None:
         if not self._python_only and self._first(tensor):
-            self.guard.add_tensor(tensor, path)
+            self.record.append(("tensor", tensor, path, True))
 
     def function(self, function, path: str, roots: dict) -> None:
         """The globals `function`'s code names and its closure cells; modules found there are
@@ -87,11 +88,11 @@ class Guarded:
         code = function.__code__
         names = [name for name in code.co_names if name in function.__globals__]
         if names:
-            self.guard.add_dict(function.__globals__, f"{function.__module__} (globals)", names)
+            self.record.append(("dict", function.__globals__, f"{function.__module__} (globals)", names))
         for name in names:
             self._found(function.__globals__[name], f"{function.__module__}.{name}", roots)
         for name, cell in zip(code.co_freevars, function.__closure__ or (), strict=True):
-            self.guard.add_cell(cell, f"{function.__qualname__}.<{name}>")
+            self.record.append(("cell", cell, f"{function.__qualname__}.<{name}>", None))
             try:
                 self._found(cell.cell_contents, f"{function.__qualname__}.<{name}>", roots)
             except ValueError:  # an empty cell
@@ -102,7 +103,7 @@ class Guarded:
                      "_global_forward_hooks_always_called"):
             hooks = getattr(_module_globals, name, None)
             if isinstance(hooks, dict):
-                self.guard.add_dict(hooks, f"torch.nn.modules.module.{name}")
+                self.record.append(("dict", hooks, f"torch.nn.modules.module.{name}", None))
 
     def _found(self, value, path: str, roots: dict) -> None:
         if isinstance(value, torch.nn.Module):
@@ -120,7 +121,7 @@ class Guarded:
                     self._value(item, f"{path}[{key!r}]", depth)
         elif isinstance(value, (list, tuple)):
             if type(value) is list and len(value) <= _LIST_ITEMS and self._first(value):
-                self.guard.add_list(value, path)
+                self.record.append(("list", value, path, None))
             for i, item in enumerate(value[:_LIST_ITEMS]):
                 self._value(item, f"{path}[{i}]", depth)
         elif depth > 0 and not isinstance(value, _NOT_WALKED) and isinstance(getattr(value, "__dict__", None), dict):
@@ -133,15 +134,15 @@ class Guarded:
     def _classes(self, obj, path: str) -> None:
         """Which class `obj` is, and the attributes of its classes up to torch's and Python's
         own (a method patched on a class is a change of every instance)."""
-        self.guard.add_type(obj, path)
+        self.record.append(("type", obj, path, None))
         for cls in type(obj).__mro__:
             if cls in (torch.nn.Module, object):
                 break
             if self._first(cls):
-                self.guard.add_class(cls, f"class {cls.__module__}.{cls.__qualname__}")
+                self.record.append(("class", cls, f"class {cls.__module__}.{cls.__qualname__}", None))
 
     def _add_dict(self, d: dict, path: str) -> None:
-        self.guard.add_dict(d, path)
+        self.record.append(("dict", d, path, None))
         if self._collect is not None:
             self._collect.append(d)
 
@@ -197,7 +198,7 @@ def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensor
             guarded.module(module, path)
     for path, tensor in tensors:
         guarded.tensor(tensor, path)
-    return guarded.guard
+    return _C.StateGuard(guarded.record)
 
 
 def _reached_modules(roots, reached: set) -> list:
