@@ -9,43 +9,32 @@
   (measured when the bucket is built), else eager; ``"eager"`` elsewhere (on the CPU,
   inductor's builds cost seconds per bucket and need a C++ toolchain, for a smaller gain).
 
-The C++ cache calls a builder on a miss with the call's arguments and a ``_C.BuildHandle``
-(the device, whether to run the call, and all the builder may do to the cache); it returns a
-``_C.BuiltEntry`` (``csrc/cache/built_entry.h``). Inline, the builder runs the call and returns
-its output; in the background (``handle.run_call`` false) the call has run already, uncached,
-and the builder only builds: it runs nothing that would repeat the call's effects.
+Each backend's builder is a ``Builder`` (entry.py) registered under the backend's name; the
+C++ cache calls the one ``make_builder`` returns on a miss, with the call's arguments and a
+``_C.BuildHandle``, and it returns a ``_C.BuiltEntry`` (``csrc/cache/built_entry.h``).
 """
 
 from __future__ import annotations
 
-import importlib
 import warnings
 from collections.abc import Callable
 
 import torch
 
+import shapecache._backends.compile
+import shapecache._backends.cuda_graph
+import shapecache._backends.eager  # noqa: F401  (each of the three registers its builders)
 from shapecache._backends.disk_cache import disk_cache_counts, disk_cache_state
-from shapecache._backends.entry import BuildContext, BuiltEntry
+from shapecache._backends.entry import BUILDERS, BuildContext, Builder, BuiltEntry
 from shapecache._extension import _C
 
-BACKENDS = ("auto", "eager", "compile", "cuda_graph", "compile+cuda_graph")
+BACKENDS = ("auto", "eager", "compile", "cuda_graph", "compile+cuda_graph")  # "auto" picks a builder per device
 GRAPH_BACKENDS = ("cuda_graph", "compile+cuda_graph")
 
-# The builder of each backend a bucket can be built with, by name: "module:function", imported
-# on first use (the compile and graph backends load torch.export and inductor). Each is called
-# as builder(function, args, kwargs, handle, context, asked) with `asked` the backend the user
-# asked for ("auto" keeps a graph only where it is faster).
-BUILDERS = {
-    "eager": "shapecache._backends.eager:build_eager",
-    "compile": "shapecache._backends.compile:build_compiled",
-    "cuda_graph": "shapecache._backends.cuda_graph:build_cuda_graph",
-    "compile+cuda_graph": "shapecache._backends.cuda_graph:build_compiled_cuda_graph",
-}
-
-
 # The package's seam: what the rest of shapecache uses of the backends.
-__all__ = ["BACKENDS", "GRAPH_BACKENDS", "BuildContext", "BuiltEntry", "builds_in_background", "check_available",
-           "disk_cache_counts", "disk_cache_state", "dynamo_entry_point", "make_builder", "resolve_backend"]
+__all__ = ["BACKENDS", "BUILDERS", "GRAPH_BACKENDS", "BuildContext", "Builder", "BuiltEntry", "builds_in_background",
+           "check_available", "disk_cache_counts", "disk_cache_state", "dynamo_entry_point", "make_builder",
+           "resolve_backend"]
 
 def check_available(backend: str) -> None:
     """Raises ValueError when `backend` cannot run here at all."""
@@ -92,20 +81,12 @@ def make_builder(function: Callable, backend: str, context: BuildContext) -> Cal
             warned.append(True)
             warnings.warn(f"shapecache: backend={backend!r} got tensors on {device}; such calls run eager",
                           RuntimeWarning, stacklevel=2)
-        return builder_of(chosen)(function, args, kwargs, handle, context, backend)
+        return BUILDERS[chosen].build(function, args, kwargs, handle, context, backend)
 
     return build
-
-
-def builder_of(name: str) -> Callable:
-    """The builder registered for backend `name` (BUILDERS)."""
-    module, function = BUILDERS[name].split(":")
-    return getattr(importlib.import_module(module), function)
 
 
 def dynamo_entry_point(function: Callable) -> Callable:
     """`function` behind an entry point of its own for ``torch.compile`` (see compile.py): one
     code object per artifact, so that Dynamo's per-code recompile limit never applies."""
-    from shapecache._backends.compile import entry_point
-
-    return entry_point(function)
+    return shapecache._backends.compile.entry_point(function)

@@ -29,57 +29,61 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from shapecache._backends import exported, guards
-from shapecache._backends.entry import BuildContext, BuiltEntry
+from shapecache._backends.entry import BuildContext, Builder, BuiltEntry, register
 from shapecache._backends.exported import _first_line
 from shapecache._backends.host_memory import resident_bytes, return_free_memory
 
 
-def build_compiled(function, args, kwargs, handle, context: BuildContext, asked: str) -> BuiltEntry:
-    """The bucket's entry: one exported graph compiled by inductor (exported.py), or where the
-    call cannot be exported whole or the options ask for another backend, Dynamo's build.
+@register
+class CompiledBuilder(Builder):
+    name = "compile"
 
-    Every failure falls back: where export fails, Dynamo builds; where the compiler fails, or
-    the call writes Python state it reads (which a graph would not replay), nothing is kept
-    and the bucket runs uncached (the dispatcher remembers it). The call's own exceptions
-    reach the caller from the plain call, before anything else is tried.
+    def build(self, function, args, kwargs, handle, context: BuildContext, asked: str) -> BuiltEntry:
+        """The bucket's entry: one exported graph compiled by inductor (exported.py), or where the
+        call cannot be exported whole or the options ask for another backend, Dynamo's build.
 
-    In the background (``handle.run_call`` false) the call ran already: the graph is traced
-    and compiled, never run. Dynamo compiles only by running the call, which would repeat its
-    effects, so a bucket that needs Dynamo is not built there (it runs uncached)."""
-    device, run_call = handle.device, handle.run_call
-    options = context.compile_options
-    if exported.handles(options):
-        if device.type == "cpu":
-            exported.warm_up(options)  # the compiler's start-up is not this entry's (host_memory.py)
-        try:
-            with _held_bytes(device) as held:
-                compiled = exported.compile_call(function, args, kwargs, handle.tensors, context.parameter_names,
-                                                 context.has_owner, options)
-                output = compiled.runner(*handle.tensors) if run_call else None
-        except exported.ExportFailed as failure:
-            if not run_call:
-                return not_built(function, args, kwargs, f"torch.export could not capture it as one graph ({failure}), "
-                                 "and Dynamo compiles only by running the call again", run_call=False)
-            function(*args, **kwargs)  # a call that fails by itself raises its own error here, and builds nothing
-            _warn_once(function, f"torch.export could not capture it as one graph ({failure}); its buckets are "
-                       "compiled by Dynamo, whose compiled code stays in memory after eviction")
-        except exported.WritesState as written:
-            return not_built(function, args, kwargs, f"the call writes {written}, which a compiled graph would not "
-                             "write again on later calls", run_call=run_call)
-        except Exception as error:  # noqa: BLE001  (inductor's failures share no base class)
-            return not_built(function, args, kwargs, f"building it failed: {type(error).__name__}: {_first_line(error)}",
-                             run_call=run_call)
-        else:
-            if not run_call:
-                # What a first run would update (BatchNorm's statistics in training) shows on
-                # the entry's first hit instead: the guard finds it stale (shape_dispatcher.h).
-                return BuiltEntry(compiled.runner, held.bytes(None), None, "compile", compiled.guard, ran_call=False)
-            return BuiltEntry(runner=compiled.runner, bytes=held.bytes(output), output=output, backend="compile",
-                              guard=compiled.guard)
-    if not run_call:
-        return not_built(function, args, kwargs, "its compile options need Dynamo, which compiles only by running the "
-                         "call again", run_call=False)
-    return _build_with_dynamo(function, context, args, kwargs, device)
+        Every failure falls back: where export fails, Dynamo builds; where the compiler fails, or
+        the call writes Python state it reads (which a graph would not replay), nothing is kept
+        and the bucket runs uncached (the dispatcher remembers it). The call's own exceptions
+        reach the caller from the plain call, before anything else is tried.
+
+        In the background (``handle.run_call`` false) the call ran already: the graph is traced
+        and compiled, never run. Dynamo compiles only by running the call, which would repeat its
+        effects, so a bucket that needs Dynamo is not built there (it runs uncached)."""
+        device, run_call = handle.device, handle.run_call
+        options = context.compile_options
+        if exported.handles(options):
+            if device.type == "cpu":
+                exported.warm_up(options)  # the compiler's start-up is not this entry's (host_memory.py)
+            try:
+                with _held_bytes(device) as held:
+                    compiled = exported.compile_call(function, args, kwargs, handle.tensors, context.parameter_names,
+                                                     context.has_owner, options)
+                    output = compiled.runner(*handle.tensors) if run_call else None
+            except exported.ExportFailed as failure:
+                if not run_call:
+                    return not_built(function, args, kwargs, f"torch.export could not capture it as one graph ({failure}), "
+                                     "and Dynamo compiles only by running the call again", run_call=False)
+                function(*args, **kwargs)  # a call that fails by itself raises its own error here, and builds nothing
+                _warn_once(function, f"torch.export could not capture it as one graph ({failure}); its buckets are "
+                           "compiled by Dynamo, whose compiled code stays in memory after eviction")
+            except exported.WritesState as written:
+                return not_built(function, args, kwargs, f"the call writes {written}, which a compiled graph would not "
+                                 "write again on later calls", run_call=run_call)
+            except Exception as error:  # noqa: BLE001  (inductor's failures share no base class)
+                return not_built(function, args, kwargs, f"building it failed: {type(error).__name__}: {_first_line(error)}",
+                                 run_call=run_call)
+            else:
+                if not run_call:
+                    # What a first run would update (BatchNorm's statistics in training) shows on
+                    # the entry's first hit instead: the guard finds it stale (shape_dispatcher.h).
+                    return BuiltEntry(compiled.runner, held.bytes(None), None, "compile", compiled.guard, ran_call=False)
+                return BuiltEntry(runner=compiled.runner, bytes=held.bytes(output), output=output, backend="compile",
+                                  guard=compiled.guard)
+        if not run_call:
+            return not_built(function, args, kwargs, "its compile options need Dynamo, which compiles only by running the "
+                             "call again", run_call=False)
+        return _build_with_dynamo(function, context, args, kwargs, device)
 
 
 def not_built(function, args, kwargs, reason: str, *, run_call: bool = True) -> BuiltEntry:

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 from shapecache import _timing
 from shapecache._backends import graph_pool, guards
 from shapecache._backends.compile import entry_point
-from shapecache._backends.entry import BuildContext, BuiltEntry
+from shapecache._backends.entry import BuildContext, Builder, BuiltEntry, register
 from shapecache._extension import _C
 
 _warm_up_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -28,15 +28,26 @@ def warm_up_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def build_cuda_graph(function, args, kwargs, handle, context: BuildContext, asked: str) -> BuiltEntry:
+@register
+class CudaGraphBuilder(Builder):
     """The bucket captured from the function itself; with ``backend="auto"``, kept only where
     its replay beats the eager call."""
-    return _build_graph(function, args, kwargs, handle, context, compiled=False, keep_only_if_faster=asked == "auto")
+
+    name = "cuda_graph"
+
+    def build(self, function, args, kwargs, handle, context: BuildContext, asked: str) -> BuiltEntry:
+        return _build_graph(function, args, kwargs, handle, context, compiled=False,
+                            keep_only_if_faster=asked == "auto")
 
 
-def build_compiled_cuda_graph(function, args, kwargs, handle, context: BuildContext, asked: str) -> BuiltEntry:
+@register
+class CompiledCudaGraphBuilder(Builder):
     """The bucket's ``torch.compile`` graph, captured."""
-    return _build_graph(function, args, kwargs, handle, context, compiled=True, keep_only_if_faster=False)
+
+    name = "compile+cuda_graph"
+
+    def build(self, function, args, kwargs, handle, context: BuildContext, asked: str) -> BuiltEntry:
+        return _build_graph(function, args, kwargs, handle, context, compiled=True, keep_only_if_faster=False)
 
 
 def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compiled: bool,
