@@ -144,9 +144,9 @@ def unet_rows(device, args) -> list:
         sc.uncached(holder)
         rows.append(("torch.compile (guards hit)", median_us(torch.compile(holder, dynamic=False), x, args.calls, device)))
     # What a hit adds when the call ran every module of the UNet: the guard over its whole tree.
-    from shapecache._backends import guards
+    from shapecache._backends import record_guard
 
-    guard = guards.record({"unet": holder.unet})
+    guard = record_guard({"unet": holder.unet})
     check = guard.check
     median, _ = median_us(lambda _: check(), x, args.calls, device)
     notes.append(f"a guard over the whole UNet ({guard.dict_count} dicts, {guard.tensor_count} tensors), as a hit of a "

@@ -42,9 +42,9 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from shapecache.ray_serve import CachedReplica, SharedDir, deployment  # noqa: E402
-from shapecache.ray_serve._deployment import STATS_PERIOD_S  # noqa: E402
 
 MiB = 1 << 20
+STATS_PERIOD_S = 2.0  # how often each replica publishes what it holds (deployment's stats_period_s)
 ALL_SIZES = [(256, 256), (256, 192), (192, 256), (192, 192), (128, 256), (256, 128), (128, 128), (128, 192)]
 COMPILE_OPTIONS = {
     "frozen": {"options": {"freezing": True, "cpp.weight_prepack": False}},  # the FX graph cache keeps these
@@ -60,7 +60,7 @@ class ModelReplica(CachedReplica):
         import torch
 
         import shapecache as sc
-        from shapecache.scenarios._models import build_model
+        from shapecache.scenarios import build_model
 
         torch.set_num_threads(1)
         self.torch, self.sc, self.model_name = torch, sc, model
@@ -127,7 +127,7 @@ def run_stream(handle, stream: list) -> list:
 def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
     options = dict(num_replicas=2, max_ongoing_requests=4, ray_actor_options={"num_cpus": 0.5})
     if router == "affinity":
-        app = deployment(ModelReplica, shared_dir=shared.path, **options)
+        app = deployment(ModelReplica, shared_dir=shared.path, stats_period_s=STATS_PERIOD_S, **options)
     else:  # Ray's default router (power of two choices), the same replicas
         options["ray_actor_options"]["runtime_env"] = {"env_vars": shared.environment()}
         app = serve.deployment(ModelReplica, **options)

@@ -1,6 +1,6 @@
 """``python -m shapecache demo|repro|serve`` (see shapecache.scenarios)."""
 
-from shapecache.scenarios._cli import main
+from shapecache.scenarios import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -28,8 +28,8 @@ from shapecache._backends import (
     builds_in_background,
     check_available,
     make_builder,
+    release_device_memory,
 )
-from shapecache._backends.graph_pool import release_device_memory
 from shapecache._extension import _C
 from shapecache._holder import HOLDER, CacheHolder, holder_on
 from shapecache.buckets import call_on_fake_tensors, check_buckets, positional_parameter_names, resolve_buckets

@@ -142,7 +142,7 @@ FROZEN_SIZE_LOOP = """
 import gc, json, sys, torch
 import torch._inductor.config as inductor_config
 import shapecache as sc
-from shapecache._backends.host_memory import resident_bytes, return_free_memory
+from shapecache._host_memory import resident_bytes, return_free_memory
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(
@@ -170,7 +170,7 @@ print(json.dumps({"weights": sum(p.nbytes for p in model.parameters()), "residen
 
 
 def skip_without_resident_figures():
-    from shapecache._backends.host_memory import resident_bytes
+    from shapecache._host_memory import resident_bytes
 
     if resident_bytes() is None:
         pytest.skip("the system reports no resident memory figures here (no /proc/self/status)")
@@ -224,7 +224,7 @@ def test_a_byte_budget_bounds_the_cache_and_the_process():
 FIRST_ENTRIES = """
 import gc, json, torch
 import shapecache as sc
-from shapecache._backends.host_memory import resident_bytes, return_free_memory
+from shapecache._host_memory import resident_bytes, return_free_memory
 
 
 class ConvAttention(torch.nn.Module):
@@ -262,7 +262,7 @@ print(json.dumps({"weights": sum(p.nbytes for p in model.parameters()), "entries
 def test_the_first_entry_of_a_process_is_charged_what_it_keeps_not_the_compilers_start_up():
     # The compiler's start-up (70 to 140 MiB resident) is not the first entry's: each entry is
     # charged what clearing gives back. The Linear weights are packed by MKL into buffers many
-    # times their size, mostly untouched: untouched pages are not charged (host_memory.py).
+    # times their size, mostly untouched: untouched pages are not charged (shapecache/_host_memory.py).
     import json
     import subprocess
     import sys

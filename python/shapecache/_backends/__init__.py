@@ -26,6 +26,8 @@ import shapecache._backends.cuda_graph
 import shapecache._backends.eager  # noqa: F401  (each of the three registers its builders)
 from shapecache._backends.disk_cache import disk_cache_counts, disk_cache_state
 from shapecache._backends.entry import BUILDERS, BuildContext, Builder, BuiltEntry
+from shapecache._backends.graph_pool import release_device_memory
+from shapecache._backends.guards import record as record_guard
 from shapecache._extension import _C
 
 BACKENDS = ("auto", "eager", "compile", "cuda_graph", "compile+cuda_graph")  # "auto" picks a builder per device
@@ -34,7 +36,7 @@ GRAPH_BACKENDS = ("cuda_graph", "compile+cuda_graph")
 # The package's seam: what the rest of shapecache uses of the backends.
 __all__ = ["BACKENDS", "BUILDERS", "GRAPH_BACKENDS", "BuildContext", "Builder", "BuiltEntry", "builds_in_background",
            "check_available", "disk_cache_counts", "disk_cache_state", "dynamo_entry_point", "make_builder",
-           "resolve_backend"]
+           "record_guard", "release_device_memory", "resolve_backend"]
 
 def check_available(backend: str) -> None:
     """Raises ValueError when `backend` cannot run here at all."""

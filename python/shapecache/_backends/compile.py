@@ -30,8 +30,8 @@ from torch.utils._pytree import tree_leaves
 
 from shapecache._backends import exported, guards
 from shapecache._backends.entry import BuildContext, Builder, BuiltEntry, register
-from shapecache._backends.exported import _first_line
-from shapecache._backends.host_memory import resident_bytes, return_free_memory
+from shapecache._backends.exported import first_line
+from shapecache._host_memory import resident_bytes, return_free_memory
 
 
 @register
@@ -54,7 +54,7 @@ class CompiledBuilder(Builder):
         options = context.compile_options
         if exported.handles(options):
             if device.type == "cpu":
-                exported.warm_up(options)  # the compiler's start-up is not this entry's (host_memory.py)
+                exported.warm_up(options)  # the compiler's start-up is not this entry's (shapecache/_host_memory.py)
             try:
                 with _held_bytes(device) as held:
                     compiled = exported.compile_call(function, args, kwargs, handle.tensors, context.parameter_names,
@@ -71,7 +71,7 @@ class CompiledBuilder(Builder):
                 return not_built(function, args, kwargs, f"the call writes {written}, which a compiled graph would not "
                                  "write again on later calls", run_call=run_call)
             except Exception as error:  # noqa: BLE001  (inductor's failures share no base class)
-                return not_built(function, args, kwargs, f"building it failed: {type(error).__name__}: {_first_line(error)}",
+                return not_built(function, args, kwargs, f"building it failed: {type(error).__name__}: {first_line(error)}",
                                  run_call=run_call)
             else:
                 if not run_call:
@@ -100,7 +100,7 @@ def _build_with_dynamo(function, context, args, kwargs, device) -> BuiltEntry:
         with _held_bytes(device) as held:
             output = runner(*args, **kwargs)
     except Exception as error:  # noqa: BLE001
-        return not_built(function, args, kwargs, f"torch.compile failed: {type(error).__name__}: {_first_line(error)}")
+        return not_built(function, args, kwargs, f"torch.compile failed: {type(error).__name__}: {first_line(error)}")
     if not compiled():
         warnings.warn(
             f"shapecache: torch.compile made no graph for a new bucket of {getattr(function, '__qualname__', function)}; "
@@ -129,7 +129,7 @@ class _HeldBytes:
 @contextlib.contextmanager
 def _held_bytes(device):
     """Measures what the block leaves allocated on `device`: on the CPU, what it leaves resident
-    (host_memory.py), inductor's compiled module with what it keeps (frozen constants among them).
+    (shapecache/_host_memory.py), inductor's compiled module with what it keeps (frozen constants among them).
     On both sides the garbage collector runs and the heap's free pages are given back, so that
     neither garbage nor freed pages of the build or of earlier evictions are counted (a
     collection and a trim cost milliseconds; a build, seconds)."""
@@ -201,7 +201,7 @@ def fresh_code_copy(function: types.FunctionType) -> types.FunctionType:
 
 def allocated_bytes(device: torch.device) -> int:
     """Bytes allocated on `device` now: the CUDA caching allocator's figure, or on the CPU the
-    process's resident anonymous memory (see host_memory.py); 0 where neither can be read."""
+    process's resident anonymous memory (see shapecache/_host_memory.py); 0 where neither can be read."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
     if device.type == "cpu":

@@ -143,7 +143,7 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
                 program = torch.export.export(module, tensors, strict=False)
             graph = program.module()
         except Exception as error:  # noqa: BLE001  (export's failures share no base class)
-            raise ExportFailed(f"{type(error).__name__}: {_first_line(error)}") from error
+            raise ExportFailed(f"{type(error).__name__}: {first_line(error)}") from error
         finally:
             _take_back_fake_tensors(saved)
         if module.trace.state_written:
@@ -274,7 +274,7 @@ def warm_up(compile_options: dict) -> None:
     """Builds and runs a small graph of the operators diffusion models use, once per process and
     set of compile options, and drops it: inductor's one-time start-up (the modules it imports,
     its caches, the kernel runtime) then happens outside the first entry's measurement
-    (host_memory.py). A failure here is left for the real build to raise."""
+    (shapecache/_host_memory.py). A failure here is left for the real build to raise."""
     key = repr(sorted(compile_options.items(), key=repr))
     with _build_lock:
         if key in _warmed_up:
@@ -414,6 +414,6 @@ def _forget_modules(modules: list) -> None:
     modules.clear()
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else ""

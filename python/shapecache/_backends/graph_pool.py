@@ -38,7 +38,7 @@ def release_device_memory(handle) -> None:
     gc.collect()
     # Invariant 1: torch.cuda is touched for a CUDA device only (CPU use never initializes it).
     if device.type == "cpu":
-        from shapecache._backends.host_memory import return_free_memory
+        from shapecache._host_memory import return_free_memory
 
         return_free_memory()
     if device.type == "cuda":

@@ -57,7 +57,7 @@ def reset_peak(device) -> bool:
 def _peak_resident() -> int:
     """VmHWM, the peak resident size since the process started or reset_peak; ru_maxrss where
     /proc cannot be read."""
-    from shapecache._backends.host_memory import process_status_bytes
+    from shapecache._host_memory import process_status_bytes
 
     peak = process_status_bytes("VmHWM")
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -12,7 +12,7 @@ A budget becomes a real limit, on whichever device a test or a scenario runs:
   (RLIMIT_AS counts every mapping, reserved or not, and RLIMIT_RSS is ignored by Linux). The
   hard limit is never touched, so lifting the cap restores the soft limit exactly.
   The data segment counts address space that is reserved and never written, which a cache's
-  budget does not (it counts resident memory, see ``shapecache._backends.host_memory``): a
+  budget does not (it counts resident memory, see ``shapecache._host_memory``): a
   frozen model with Linear layers reserves more than it writes (MKL's packed weights) and
   meets this cap sooner than its resident memory says.
 
@@ -59,7 +59,7 @@ class MemoryCap:
 
 def data_segment_bytes() -> int:
     """This process's data segment (VmData), the figure RLIMIT_DATA is compared with."""
-    from shapecache._backends.host_memory import process_status_bytes
+    from shapecache._host_memory import process_status_bytes
 
     size = process_status_bytes("VmData")
     if size is None:

@@ -1,0 +1,55 @@
+"""Each subpackage of shapecache is used from outside only through its seam: the names its
+``__init__`` exports (``__all__``), never a private module of it. Checked over the library and
+the benchmarks, by reading their imports."""
+
+import ast
+import importlib
+from pathlib import Path
+
+import shapecache
+
+ROOT = Path(shapecache.__file__).parent
+SOURCES = [*ROOT.rglob("*.py"), *(Path(__file__).parents[2] / "benchmarks").glob("*.py")]
+SUBPACKAGES = ["_backends", "diffusers", "ops", "ray_serve", "scenarios"]
+
+
+def owner(path: Path) -> str | None:
+    """The subpackage `path` belongs to, if any."""
+    try:
+        parts = path.relative_to(ROOT).parts
+    except ValueError:
+        return None
+    return parts[0] if len(parts) > 1 else None
+
+
+def reach_ins(sources=SOURCES):
+    found = []
+    for path in sources:
+        inside = owner(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                modules = [(node.module, [alias.name for alias in node.names])]
+            elif isinstance(node, ast.Import):
+                modules = [(alias.name, []) for alias in node.names]
+            else:
+                continue
+            for module, names in modules:
+                parts = module.split(".")
+                if parts[0] != "shapecache" or len(parts) < 2 or parts[1] not in SUBPACKAGES or parts[1] == inside:
+                    continue
+                if len(parts) > 2:
+                    found.append(f"{path.name}:{node.lineno} imports {module}")
+                    continue
+                exported = importlib.import_module(module).__all__
+                found += [f"{path.name}:{node.lineno} imports {module}.{name}" for name in names if name not in exported]
+    return found
+
+
+def test_no_module_reaches_into_another_subpackage():
+    assert reach_ins() == []
+
+
+def test_the_check_sees_a_reach_in(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from shapecache._backends.guards import record\nfrom shapecache._backends import _C\n")
+    assert reach_ins([bad]) == ["bad.py:1 imports shapecache._backends.guards", "bad.py:2 imports shapecache._backends._C"]
