@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable, Mapping
 from shapecache import _checks
 from shapecache._extension import _C
 
+__all__ = ["exact", "multiple_of", "one_of", "power_of_two"]
+
 BucketPolicy = _C.BucketPolicy
 
 

@@ -25,6 +25,8 @@ from shapecache._checks import INT64_MAX
 if TYPE_CHECKING:  # parsing needs no torch: the pytest plugin checks budgets without loading it
     import torch
 
+__all__ = ["Budget", "parse_budget"]
+
 DEFAULT_FRACTION = 0.5
 
 _UNITS = {

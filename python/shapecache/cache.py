@@ -36,6 +36,8 @@ from shapecache.buckets import call_on_fake_tensors, check_buckets, positional_p
 from shapecache.budget import Budget, format_bytes, parse_budget
 from shapecache.statistics import CacheStats
 
+__all__ = ["CachedFunction", "cached", "clear", "stats", "uncached", "wait"]
+
 
 def disabled_by_environment() -> bool:
     """Whether SHAPECACHE_DISABLE asks every wrapper to be a passthrough."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TypedDict
 
+__all__ = ["CacheStats", "DeviceStats", "EntryStats", "PipelineStats", "PrewarmRecord"]
+
 
 class EntryStats(TypedDict):
     """One compiled entry: one bucket of one cached function on one device. The keys, in this

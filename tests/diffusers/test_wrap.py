@@ -261,3 +261,30 @@ def test_background_prewarm_queues_every_size_largest_first_and_runs_nothing():
     assert built == [(24, 24), (16, 24), (16, 16)]  # latents of 48x48, 32x48, 32x32 (the VAE halves each side)
     pipe(**text_inputs(), height=48, width=48, num_inference_steps=2, output_type="latent")
     assert sc.stats(pipe)["components"]["denoiser"]["hits"] == 2
+
+
+def test_wrap_takes_compile_options_and_buckets_per_component_as_cached_does():
+    pipe = tp.stable_diffusion()
+    with pytest.raises(ValueError, match="compile_options were given with backend='eager'"):
+        sc.wrap(pipe, backend="eager", compile_options={"mode": "default"})
+    with pytest.raises(ValueError, match="'text_encoder' is not a component of this pipeline; expected 'denoiser' or "
+                                         "'vae_decoder'"):
+        sc.wrap(pipe, buckets={"text_encoder": {}})
+    # a bucket of an argument the decoder's forward lacks: named, and nothing is left wrapped
+    with pytest.raises(ValueError, match=r"buckets\['vae_decoder'\]: the function has no argument 'latents'; its "
+                                         r"arguments are \['sample', 'latent_embeds'\]"):
+        sc.wrap(pipe, backend="eager", buckets={"denoiser": {"sample": {2: sc.multiple_of(8)}},
+                                                "vae_decoder": {"latents": {2: sc.multiple_of(8)}}})
+    assert "forward" not in pipe.unet.__dict__ and "forward" not in pipe.vae.decoder.__dict__
+    assert not hasattr(pipe, "_shapecache")
+
+    sc.wrap(pipe, sizes=[(32, 32), (48, 32)], backend="eager",
+            buckets={"denoiser": {"sample": {2: sc.multiple_of(32), 3: sc.multiple_of(32)}}})
+    # 32 and 48 pixels are 16 and 24 latent rows: one denoiser bucket of 32 x 32, two decoder entries
+    components = sc.stats(pipe)["components"]
+    assert [e["bucket"].split("sample=")[1][:22] for e in components["denoiser"]["entries"]] == ["(2, 4, 32, 32) float32"]
+    assert components["vae_decoder"]["builds"] == 2
+    sc.uncached(pipe)
+    compiled = tp.stable_diffusion()
+    sc.wrap(compiled, backend="compile", compile_options={"options": {"freezing": False}})
+    assert compiled.unet.forward.options.compile_options == {"options": {"freezing": False}}

@@ -11,10 +11,11 @@ serve it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,7 @@ from shapecache import _checks
 from shapecache._backends import builds_in_background, disk_cache_counts, disk_cache_state
 from shapecache._extension import _C
 from shapecache._holder import HOLDER, CacheHolder, holder_on
+from shapecache.buckets import check_buckets
 from shapecache.budget import format_bytes
 from shapecache.cache import CacheOptions, cache_module, disabled_by_environment, make_cache, uncached
 from shapecache.diffusers._families import Family, family_of
@@ -82,6 +84,8 @@ def wrap(
     *,
     budget=None,
     backend: str = "auto",
+    compile_options: dict | None = None,
+    buckets: Mapping | None = None,
     tune_convs: bool = False,
     prewarm: bool = True,
     max_entries: int | None = None,
@@ -97,7 +101,12 @@ def wrap(
         sizes: (height, width) pairs to build before the first call (any order, duplicates
             allowed); built largest first when `prewarm` is true. See ``prewarm`` for
             `batch_size`, `guidance`, `text_length` and `progress`.
-        budget, backend, max_entries: as for ``sc.cached``; the budget covers both components.
+        budget, backend, compile_options, max_entries: as for ``sc.cached``; the budget covers
+            both components.
+        buckets: per component, as ``sc.cached`` takes them for that component's forward:
+            ``{"denoiser": {"sample": {2: sc.multiple_of(16), 3: sc.multiple_of(16)}}}`` pads
+            a UNet's latents so that nearby sizes share one entry ("vae_decoder" for the
+            decoder). docs/buckets.md says what padding changes.
         tune_convs: route both components' Conv2d layers through the tuned convolution.
             Pre-warming then tunes every size's convolutions before the first call.
         build: as for ``sc.cached``. With "background", pre-warming queues each size's
@@ -108,27 +117,53 @@ def wrap(
     if isinstance(holder_on(pipe), PipelineHolder):
         raise ValueError(f"{type(pipe).__name__} is wrapped already; call shapecache.uncached(pipe) first")
     options = CacheOptions.from_arguments(
-        budget=budget, backend=backend, buckets=None, max_entries=max_entries, compile_options=None,
+        budget=budget, backend=backend, buckets=None, max_entries=max_entries, compile_options=compile_options,
         tune_convs=tune_convs, build=build,
     )
     checked_sizes = _check_sizes(pipe, family, sizes) if sizes is not None else []
-    if disabled_by_environment():  # checked like any call, then left alone
-        return pipe
     components = {"denoiser": getattr(pipe, family.denoiser_attribute)}
     decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
     if isinstance(decoder, torch.nn.Module):
         components["vae_decoder"] = decoder
+    buckets_of = _check_component_buckets(buckets, components)
+    if disabled_by_environment():  # checked like any call, then left alone
+        return pipe
     for name, module in components.items():
         if holder_on(module) is not None:
             raise ValueError(f"the pipeline's {name} is cached already; call shapecache.uncached on it first")
 
     cache = make_cache(options)
-    for module in components.values():
-        cache_module(module, options, cache)
+    wrapped = []
+    for name, module in components.items():
+        try:
+            cache_module(module, dataclasses.replace(options, buckets=buckets_of.get(name)), cache)
+        except (TypeError, ValueError) as error:  # a bucket names what the component's forward lacks
+            for done in wrapped:
+                uncached(done)
+            raise type(error)(f"buckets[{name!r}]: {str(error).removeprefix('buckets: ')}") from None
+        wrapped.append(module)
     object.__setattr__(pipe, HOLDER, PipelineHolder(pipe, family, options, cache, components))
     if prewarm and checked_sizes:
         _prewarm(pipe, checked_sizes, batch_size, guidance, text_length, progress)
     return pipe
+
+
+def _check_component_buckets(buckets, components: dict) -> dict:
+    """`buckets` of wrap: None, or a dict from component names to what ``sc.cached`` takes."""
+    if buckets is None:
+        return {}
+    if not isinstance(buckets, Mapping):
+        raise TypeError(f"buckets={buckets!r}: expected a dict from a component ({', '.join(map(repr, components))}) "
+                        "to its buckets, e.g. {'denoiser': {'sample': {2: sc.multiple_of(16), 3: sc.multiple_of(16)}}}")
+    for name, component_buckets in buckets.items():
+        if name not in components:
+            raise ValueError(f"buckets={buckets!r}: {name!r} is not a component of this pipeline; "
+                             f"expected {' or '.join(map(repr, components))}")
+        try:
+            check_buckets(component_buckets)
+        except TypeError as error:
+            raise TypeError(f"buckets[{name!r}]: {error}") from None
+    return dict(buckets)
 
 
 def prewarm(pipe, sizes: Iterable, *, batch_size: int = 1, guidance: bool | None = None,

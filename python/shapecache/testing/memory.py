@@ -16,6 +16,8 @@ import torch
 
 from shapecache.budget import format_bytes, parse_budget
 
+__all__ = ["MemoryFigures", "VramMonitor", "memory_figures", "reset_peak"]
+
 
 @dataclass(frozen=True)
 class MemoryFigures:

@@ -30,6 +30,8 @@ import torch
 
 from shapecache.budget import format_bytes
 
+__all__ = ["CapUnavailable", "MemoryCap", "allocation_failure", "cap_cuda_memory", "cap_data_segment", "out_of_memory"]
+
 
 class CapUnavailable(RuntimeError):
     """No cap can be set here (no RLIMIT_DATA, no /proc/self/status, no CUDA device)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["SIZES", "ConvNet", "SmallConvNet"]
+
 # Six distinct (height, width) sizes, as a diffusion service sees them.
 SIZES = [(8, 8), (8, 12), (12, 8), (16, 16), (16, 24), (24, 16)]
 

@@ -28,6 +28,8 @@ import os
 
 import pytest
 
+__all__ = ["MemoryBudgetExceeded", "vram_monitor"]
+
 _CAP = pytest.StashKey[tuple]()  # item -> (its MemoryCap, where the budget was set)
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["flux", "stable_diffusion", "stable_diffusion_3", "stable_diffusion_xl"]
+
 WORDS = ["<pad>", "<unk>", "<bos>", "<eos>", "a", "an", "photo", "painting", "of", "the", "cat", "dog",
          "astronaut", "horse", "riding", "on", "moon", "red", "blue", "small", "big", "city", "at", "night"]
 
