@@ -221,8 +221,6 @@ void bind_testing(py::module_& m) {
       .def_property_readonly("counters", [](const IntLru& lru) {
         const LruCounters& c = lru.counters();
         py::dict d;
-        d["hits"] = c.hits;
-        d["misses"] = c.misses;
         d["inserts"] = c.inserts;
         d["rejections"] = c.rejections;
         d["evictions"] = c.evictions;

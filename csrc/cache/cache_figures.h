@@ -15,7 +15,7 @@ namespace shapecache {
   X(pool_bytes, true, "the device's CUDA graph pool (the generations in use)")                         \
   X(workspace_bytes, true, "the tuned convolutions' workspace arena")                                  \
   X(peak_bytes, true, "the highest `bytes` ever accounted")                                            \
-  X(entries, false, "entries held (the totals list them instead)")                                     \
+  X(entry_count, false, "entries held (the totals list them: `entries`)")                              \
   X(evictions, true, "entries evicted to make room")                                                   \
   X(rejections, true, "entries that could not fit and were not kept")                                  \
   X(pool_rebuilds, true, "times every graph of the device was captured again, largest first")

@@ -26,7 +26,8 @@ EntryLru& ShapeCache::lru(const c10::Device& device) {
   // Python may have re-entered and created it meanwhile.
   it = devices_.find(device);
   if (it != devices_.end()) return *it->second.lru;
-  DeviceCache created{std::make_unique<EntryLru>(budget, max_entries_), SharedBytes{}};
+  DeviceCache created;
+  created.lru = std::make_unique<EntryLru>(budget, max_entries_);
   device_order_.push_back(device);
   return *devices_.emplace(device, std::move(created)).first->second.lru;
 }
@@ -143,8 +144,9 @@ struct DeviceListing {
   std::vector<EntryFigures> entries;
 };
 
-py::object bytes_or_none(int64_t bytes) {
-  return bytes == EntryLru::kUnlimited ? py::object(py::none()) : py::object(py::int_(bytes));
+// A limit as Python reads it: None for no limit.
+py::object limit_or_none(int64_t limit) {
+  return limit == EntryLru::kUnlimited ? py::object(py::none()) : py::object(py::int_(limit));
 }
 
 }  // namespace
@@ -163,7 +165,7 @@ py::dict ShapeCache::stats(std::optional<uint64_t> function_id) const {
     f.pool_bytes = cache.shared.pool;
     f.workspace_bytes = cache.shared.workspace;
     f.peak_bytes = c.peak_bytes;
-    f.entries = static_cast<int64_t>(lru.size());
+    f.entry_count = static_cast<int64_t>(lru.size());
     f.evictions = c.evictions;
     f.rejections = c.rejections;
     f.pool_rebuilds = cache.pool_rebuilds;
@@ -182,7 +184,7 @@ py::dict ShapeCache::stats(std::optional<uint64_t> function_id) const {
   py::dict per_device;
   for (const DeviceListing& listing : devices) {
     py::dict figures;
-    figures["budget"] = bytes_or_none(listing.budget);
+    figures["budget"] = limit_or_none(listing.budget);
     listing.figures.for_each([&](const char* name, int64_t value, bool) { figures[name] = value; });
     per_device[py::str(listing.name)] = figures;
 #define SHAPECACHE_FIGURE_SUM(name, summed, what) \
@@ -198,7 +200,7 @@ py::dict ShapeCache::stats(std::optional<uint64_t> function_id) const {
   totals.for_each([&](const char* name, int64_t value, bool summed) {
     if (summed) out[name] = value;
   });
-  out["max_entries"] = bytes_or_none(max_entries_);
+  out["max_entries"] = limit_or_none(max_entries_);
   out["devices"] = per_device;
   out["entries"] = entries;
   return out;

@@ -30,8 +30,6 @@
 namespace shapecache {
 
 struct LruCounters {
-  int64_t hits = 0;        // finds that found an entry
-  int64_t misses = 0;      // finds that found none
   int64_t inserts = 0;     // entries accepted
   int64_t rejections = 0;  // insertions refused because the entry could not fit
   int64_t evictions = 0;   // entries removed to make room (not erase/clear)
@@ -61,14 +59,11 @@ class BudgetedLru {
     check_limits(budget_bytes, max_entries);
   }
 
-  // The entry for `key`, or nullptr; counts a hit or a miss, and a hit becomes most recent.
+  // The entry for `key`, or nullptr; a found entry becomes most recent. (Hits and misses are
+  // the caller's to count: a miss policy also looks entries up that no call asked for.)
   Value* find(const Key& key) {
     auto it = index_.find(key);
-    if (it == index_.end()) {
-      ++counters_.misses;
-      return nullptr;
-    }
-    ++counters_.hits;
+    if (it == index_.end()) return nullptr;
     order_.splice(order_.begin(), order_, it->second);
     return &it->second->value;
   }

@@ -39,7 +39,7 @@ class DeviceStats(TypedDict):
     pool_bytes: int
     workspace_bytes: int
     peak_bytes: int
-    entries: int
+    entry_count: int
     evictions: int
     rejections: int
     pool_rebuilds: int

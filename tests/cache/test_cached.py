@@ -50,7 +50,7 @@ def test_max_entries_evicts_least_recently_used_and_outputs_stay_equal(conv_net)
     assert st["evictions"] == 3 and st["hits"] == 1 and st["misses"] == 5
     held = [e["bucket"] for e in st["entries"]]
     assert held == [f"x=(1, 3, {h}, {w}) float32 cpu" for h, w in (sizes[4], sizes[3])]
-    assert st["devices"]["cpu"]["entries"] == 2
+    assert st["devices"]["cpu"]["entry_count"] == 2
 
 
 def test_function_decorator_bare_and_with_options():

@@ -109,7 +109,7 @@ def routing_stats(sizes: Iterable[Size], figures: Mapping, published_at: float) 
             "sizes": sorted(list(size) for size in sizes),
             "bytes": int(figures["bytes"]),
             "budget": figures["budget"],
-            "entries": len(figures["entries"]) if isinstance(figures["entries"], list) else int(figures["entries"]),
+            "entries": len(figures["entries"]),
             "pending_builds": int(figures["pending_builds"]),
             "published_at": published_at,
         }
