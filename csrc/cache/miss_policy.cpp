@@ -1,8 +1,10 @@
 #include "cache/miss_policy.h"
 
+#include <c10/util/Exception.h>
 #include <torch/csrc/Device.h>
 
 #include <chrono>
+#include <new>
 #include <sstream>
 
 #include "cache/build_handle.h"
@@ -158,6 +160,25 @@ py::object MissPolicy::cropped(const Call& call, py::object out) {
   if (!call.padded) return out;
   if (std::optional<py::object> cropped = CropPlans::crop(call, out)) return std::move(*cropped);
   return run_unpadded(call, "the padded call returned other outputs than the plain call's");
+}
+
+std::string MissPolicy::failure_of_entry(bool eager) {
+  try {
+    throw;
+  } catch (py::error_already_set& error) {
+    if (eager || !error.matches(PyExc_Exception) || error.matches(PyExc_RecursionError) ||
+        may_be_out_of_memory(error)) {
+      throw;
+    }
+    return describe_error(error);
+  } catch (const c10::OutOfMemoryError&) {
+    throw;  // the call's own, as a Python out-of-memory error is
+  } catch (const std::bad_alloc&) {
+    throw;
+  } catch (const std::exception& error) {
+    // A runner's own C++ error (a CUDA graph's replay, c10::Error): as any failing entry.
+    return first_line(error.what());
+  }
 }
 
 py::object MissPolicy::entry_failed(Call& call, const std::string& failure) {

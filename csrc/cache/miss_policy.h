@@ -93,6 +93,11 @@ class MissPolicy : public QueuedBuildRunner {
   void note_hit(const ShapeKey& key) {
     if (!invalidations_in_a_row_.empty()) invalidations_in_a_row_.erase(key);
   }
+  // Called in a catch block, where running an entry for a call raised: rethrows what is the
+  // call's own to report (an eager entry's error, since an eager entry is the plain call; an
+  // interrupt; out of memory; the recursion limit, which a second run would reach again at
+  // every level of a recursive function); else returns the failure, named, for entry_failed.
+  static std::string failure_of_entry(bool eager);
   // The entry raised `failure` where it was run for `call` (its pin released): the uncached
   // call tells whose error it is. Its own: it propagates and the entry stays. Not: the bucket
   // is given up, and the uncached call's output is returned.

@@ -1,11 +1,7 @@
 #include "cache/shape_dispatcher.h"
 
-#include <c10/util/Exception.h>
-
 #include <atomic>
 #include <chrono>
-#include <exception>
-#include <new>
 #include <optional>
 #include <utility>
 
@@ -113,24 +109,8 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
   py::object out;
   try {
     out = runner->run(call);
-  } catch (py::error_already_set& error) {
-    // The call's own to report: an eager entry's error (it is the plain call), an interrupt,
-    // out of memory, or the recursion limit (which a second run would reach again at every
-    // level of a recursive function).
-    if (eager || !error.matches(PyExc_Exception) || error.matches(PyExc_RecursionError) ||
-        may_be_out_of_memory(error)) {
-      throw;
-    }
-    const std::string failure = describe_error(error);
-    pin.release();
-    return miss_.cropped(call, miss_.entry_failed(call, failure));
-  } catch (const c10::OutOfMemoryError&) {
-    throw;  // the call's own, as a Python out-of-memory error is
-  } catch (const std::bad_alloc&) {
-    throw;
-  } catch (const std::exception& error) {
-    // A runner's own C++ error (a CUDA graph's replay, c10::Error): as any failing entry.
-    const std::string failure = first_line(error.what());
+  } catch (...) {
+    const std::string failure = MissPolicy::failure_of_entry(eager);  // rethrows the call's own errors
     pin.release();
     return miss_.cropped(call, miss_.entry_failed(call, failure));
   }
