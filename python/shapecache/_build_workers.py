@@ -98,14 +98,17 @@ def _objects_before_frozen():
     freeze = gc.get_freeze_count() == 0
     if freeze:
         gc.freeze()
+        _gil_turns["froze"] = True
     try:
         yield
     finally:
         if freeze:
+            _gil_turns["froze"] = False
             gc.unfreeze()
 
 
-_gil_turns = {"builds": 0, "previous": None, "set": None}  # guarded by _lock
+# guarded by _lock; "froze": a build's gc.freeze() is in force
+_gil_turns = {"builds": 0, "previous": None, "set": None, "froze": False}
 
 
 @contextlib.contextmanager
@@ -172,10 +175,32 @@ def _at_exit() -> None:
         time.sleep(0.01)
 
 
+_forked_mid_build = {"parent": None}  # in a child forked while a build ran: the parent's pid
+
+
+def forked_mid_build() -> int | None:
+    """The parent's pid when this process was forked while a build ran in it, else None. Such
+    a child has what the build had half made and no thread to finish it: a module the build was
+    importing stays half imported, and the compiler's own state (its pools, its caches' locks)
+    may be mid-change. Its compiled buckets run uncached (_backends.make_builder)."""
+    return _forked_mid_build["parent"]
+
+
 def _forget_parents_builds() -> None:
+    """In a forked child: no worker of the parent's is here, and none of their builds. What a
+    build running at the fork had changed of the process is undone."""
+    global _lock
+    _lock = threading.Lock()
+    if _gil_turns["builds"]:
+        _forked_mid_build["parent"] = os.getppid()
     _workers.clear()
     _leaving.clear()
     _worker_threads.clear()
+    if _gil_turns["builds"] and sys.getswitchinterval() == _gil_turns["set"]:
+        sys.setswitchinterval(_gil_turns["previous"])
+    if _gil_turns["froze"]:
+        gc.unfreeze()
+    _gil_turns.update(builds=0, previous=None, set=None, froze=False)
     _C.forget_parents_builds()
 
 

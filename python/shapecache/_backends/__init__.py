@@ -28,6 +28,7 @@ from shapecache._backends.disk_cache import disk_cache_counts, disk_cache_state
 from shapecache._backends.entry import BUILDERS, BuildContext, Builder, BuiltEntry
 from shapecache._backends.graph_pool import release_device_memory
 from shapecache._backends.guards import record as record_guard
+from shapecache._build_workers import forked_mid_build
 from shapecache._extension import _C
 
 BACKENDS = ("auto", "eager", "compile", "cuda_graph", "compile+cuda_graph")  # "auto" picks a builder per device
@@ -83,6 +84,12 @@ def make_builder(function: Callable, backend: str, context: BuildContext) -> Cal
             warned.append(True)
             warnings.warn(f"shapecache: backend={backend!r} got tensors on {device}; such calls run eager",
                           RuntimeWarning, stacklevel=2)
+        if chosen != "eager" and (parent := forked_mid_build()) is not None:
+            output = function(*args, **kwargs) if handle.run_call else None
+            return BuiltEntry(None, 0, output, "uncached", ran_call=handle.run_call,
+                              failure=f"this process was forked from process {parent} while a build ran there, and "
+                              "what that build had half made (a module half imported, the compiler's state) has no "
+                              "thread here to finish it")
         return BUILDERS[chosen].build(function, args, kwargs, handle, context, backend)
 
     return build
