@@ -50,10 +50,13 @@ struct BuildJob {
   uint64_t function_id = 0;
   ShapeKey key;
   c10::Device device{c10::kCPU};
-  // The call's arguments as its entry is called (padded, owner first), with every list, dict
-  // and tuple copied: the key holds their contents, and the caller may change them after the
-  // call returns. Tensors are shared (a build reads their sizes, not their values).
+  // The call's arguments as its entry is called (padded), without the owner, with every list,
+  // dict and tuple copied: the key holds their contents, and the caller may change them after
+  // the call returns. Tensors are shared (a build reads their sizes, not their values).
   py::tuple args;
+  // A weak reference to the owner (the module of a cached forward), or None: a queued build
+  // keeps no module alive, and one whose module is gone by its turn is dropped unbuilt.
+  py::object owner_ref = py::none();
   py::dict kwargs;
   py::tuple tensors;  // the call's tensors in key order (Call::tensors), for the builder's handle
   uint64_t generation = 0;  // the miss policy's clear() count when queued: a clear since drops the build

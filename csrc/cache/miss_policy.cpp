@@ -247,7 +247,13 @@ MissPolicy::Queued MissPolicy::queue(const Call& call, bool ready) {
   job.function_id = function_id_;
   job.key = call.key;
   job.device = call.device;
-  job.args = copy_containers(call.entry_args).cast<py::tuple>();
+  py::tuple entry_args = copy_containers(call.entry_args).cast<py::tuple>();
+  if (call.owner.is_none()) {
+    job.args = std::move(entry_args);
+  } else {  // entry_args holds the owner first
+    job.owner_ref = py::weakref(call.owner);
+    job.args = entry_args[py::slice(1, static_cast<Py_ssize_t>(entry_args.size()), 1)];
+  }
   job.kwargs = copy_containers(call.entry_kwargs).cast<py::dict>();
   job.tensors = call.tensor_tuple();
   job.generation = generation_;
@@ -280,12 +286,18 @@ bool MissPolicy::queue_build(Call& call) {
 void MissPolicy::run_queued(BuildJob& job) {
   BuildMark building(*cache_, job.device, job.key);
   if (job.generation != generation_) return;  // cleared since it was queued
+  py::tuple args = job.args;
+  if (!job.owner_ref.is_none()) {
+    py::object owner = job.owner_ref();
+    if (owner.is_none()) return;  // the module was let go of: nothing will call this entry
+    args = with_owner(owner, job.args);
+  }
   InBackgroundBuild in_background;
   CallModesScope modes(job.modes);
   ++counters_.background_builds;
   std::string failure;
   try {
-    build(job.key, job.device, job.args, job.kwargs, job.tensors, /*run_call=*/false, job.generation);
+    build(job.key, job.device, args, job.kwargs, job.tensors, /*run_call=*/false, job.generation);
     return;
   } catch (py::error_already_set& error) {
     failure = describe_error(error);

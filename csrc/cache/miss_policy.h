@@ -10,7 +10,8 @@
 //     thread): the miss runs the call uncached, then queues the build for the device's worker
 //     (build_queue.h). The job is ready once the outermost cached call on the thread has
 //     returned (call_scope.h); a call that raises builds nothing. A full queue runs the call
-//     uncached without queuing. Until the entry is in, the bucket's calls run uncached.
+//     uncached without queuing. Until the entry is in, the bucket's calls run uncached. A
+//     queued build holds its module weakly: one whose module is gone by its turn is dropped.
 //   - Room first: before a build, room is made for an entry the size of this function's last
 //     build on the device (BudgetedLru::make_room_for), so a build never runs beside a full
 //     budget.

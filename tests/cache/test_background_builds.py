@@ -429,3 +429,36 @@ def test_a_build_runs_with_short_gil_turns_and_the_interval_is_restored_after():
     assert wait(f)
     assert seen == [min(before, _build_workers.BUILD_SWITCH_INTERVAL)]
     assert sys.getswitchinterval() == before
+
+
+def test_a_queued_build_keeps_no_module_alive_and_is_dropped_when_its_module_is_gone():
+    import gc
+    import weakref
+
+    class Owner(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    gate, started, sizes = threading.Event(), threading.Event(), []
+
+    def builder(args, kwargs, handle):
+        started.set()
+        assert gate.wait(WAIT), "the test never opened the gate"
+        sizes.append(args[1].shape[0])  # args[0] is the module
+        return BuiltEntry(Owner.forward, 0, None, "eager", ran_call=False)
+
+    owner = Owner()
+    cache = _C.ShapeCache(lambda device: 1000, None)
+    f = _C.ShapeDispatcher(Owner.forward, builder, cache, [], ["x"], owner, False, background=lambda device: True,
+                           wake_build_worker=_build_workers.wake)
+    f(torch.ones(1))
+    assert started.wait(WAIT)  # the first build runs (it holds its module until it ends)
+    f(torch.ones(2))  # queued behind it
+    gone = weakref.ref(owner)
+    del owner
+    gate.set()
+    assert wait(f)
+    gc.collect()
+    assert gone() is None
+    assert sizes == [1]  # the second build was dropped: nothing could call its entry
+    assert f.pending_builds == 0
