@@ -173,6 +173,28 @@ def _at_exit() -> None:
     warnings.simplefilter("ignore")
     while _C.pending_builds() and any(thread.is_alive() for thread in list(_workers.values())):
         time.sleep(0.01)
+    # (Not in an interactive session, where sys.last_value is the prompt's last error.)
+    if _workers and isinstance(getattr(sys, "last_value", None), KeyboardInterrupt) and not hasattr(sys, "ps1"):
+        _exit_as_interrupted()
+
+
+def _exit_as_interrupted() -> None:
+    """Keeps the exit status of a process that Ctrl-C ended (130, by SIGINT) when builds ran
+    meanwhile. CPython remembers that a KeyboardInterrupt ended the main module in one
+    process-wide flag, which the run of any string of source (exec of a str, as code generation
+    does) clears, from any thread (run_eval_code_obj, Python/pythonrun.c): a build that ran
+    after the interrupt made the process exit with 1. The flag is set again the way it is set,
+    by running a string that raises KeyboardInterrupt, with its report silenced."""
+    import ctypes
+    import io
+
+    stderr, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        ctypes.pythonapi.PyRun_SimpleString(b"raise KeyboardInterrupt")
+    except Exception:  # noqa: BLE001  (an exit status is not worth an error at exit)
+        pass
+    finally:
+        sys.stderr = stderr
 
 
 _forked_mid_build = {"parent": None}  # in a child forked while a build ran: the parent's pid

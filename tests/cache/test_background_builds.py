@@ -462,3 +462,34 @@ def test_a_queued_build_keeps_no_module_alive_and_is_dropped_when_its_module_is_
     assert gone() is None
     assert sizes == [1]  # the second build was dropped: nothing could call its entry
     assert f.pending_builds == 0
+
+
+def test_ctrl_c_with_a_build_running_exits_as_interrupted():
+    # A build that runs source from a string (as code generation does) after the interrupt
+    # clears CPython's "ended by KeyboardInterrupt" flag; the process must still end by SIGINT.
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import os, signal, threading, time, torch
+        from shapecache import _build_workers
+        from shapecache._backends import BuiltEntry
+        from shapecache._extension import _C
+
+        def builder(args, kwargs, handle):
+            time.sleep(1.0)  # the interrupt ends the main module meanwhile
+            exec("generated = 1")
+            return BuiltEntry(lambda x: x, 0, None, "eager", ran_call=False)
+
+        cache = _C.ShapeCache(lambda device: 1000, None)
+        f = _C.ShapeDispatcher(lambda x: x, builder, cache, [], ["x"], None, False, background=lambda d: True,
+                               wake_build_worker=_build_workers.wake)
+        f(torch.ones(1))
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        time.sleep(30)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == -signal.SIGINT, (out.returncode, out.stderr[-2000:])
+    assert out.stderr.count("KeyboardInterrupt") == 1  # the user's traceback, once
