@@ -235,69 +235,81 @@ void bind_cache(py::module_& m) {
       .def_property_readonly("cache", &ShapeDispatcher::cache);
 }
 
+// What the tuning bindings do beyond forwarding: records and figures as Python dicts.
+
+py::dict tune_conv2d(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                     std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
+                     int64_t groups) {
+  const TuningResult result =
+      ConvTuner::instance().tune(make_conv_args(input, weight, bias, stride, padding, dilation, groups));
+  py::dict out = record_to_dict(result.record);
+  py::list candidates;
+  for (const CandidateTiming& c : result.candidates) {
+    py::dict t;
+    t["algorithm"] = c.algorithm;
+    t["workspace_bytes"] = c.workspace_bytes;
+    t["microseconds"] = c.microseconds < 0 ? py::object(py::none()) : py::float_(c.microseconds);
+    t["skipped"] = c.skipped;
+    candidates.append(t);
+  }
+  out["candidates"] = candidates;
+  return out;
+}
+
+int64_t tuning_load(const py::list& records) {
+  std::vector<TuningRecord> parsed;
+  for (py::handle r : records) parsed.push_back(record_from_dict(py::reinterpret_borrow<py::dict>(r)));
+  return ConvTuner::instance().load(parsed);
+}
+
+py::list tuning_take_unsaved() {
+  py::list out;
+  for (const TuningRecord& r : ConvTuner::instance().take_unsaved()) out.append(record_to_dict(r));
+  return out;
+}
+
+py::dict tuning_stats() {
+  const TunerStats s = ConvTuner::instance().stats();
+  py::dict d;
+  d["tuned"] = s.tuned;
+  d["loaded"] = s.loaded;
+  d["hits"] = s.hits;
+  d["records"] = s.records;
+  return d;
+}
+
+// The identity of a record's problem, for merging files.
+py::bytes record_key(const py::dict& record) {
+  const TuningRecord r = record_from_dict(record);
+  return py::bytes(reinterpret_cast<const char*>(&r.problem), sizeof(r.problem));
+}
+
+py::dict workspace_stats(c10::Device device) {
+  WorkspaceArena& arena = WorkspaceArena::of(device);
+  py::dict d;
+  d["bytes"] = arena.bytes();
+  d["cap"] = arena.cap() == WorkspaceArena::kUnlimited ? py::object(py::none()) : py::int_(arena.cap());
+  d["generation"] = arena.generation();
+  return d;
+}
+
+void set_workspace_cap(c10::Device device, std::optional<int64_t> bytes) {
+  WorkspaceArena::of(device).set_cap(bytes ? *bytes : WorkspaceArena::kUnlimited);
+}
+
 void bind_tuning(py::module_& m) {
-  m.def(
-      "tune_conv2d",
-      [](const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-         std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups) {
-        const TuningResult result =
-            ConvTuner::instance().tune(make_conv_args(input, weight, bias, stride, padding, dilation, groups));
-        py::dict out = record_to_dict(result.record);
-        py::list candidates;
-        for (const CandidateTiming& c : result.candidates) {
-          py::dict t;
-          t["algorithm"] = c.algorithm;
-          t["workspace_bytes"] = c.workspace_bytes;
-          t["microseconds"] = c.microseconds < 0 ? py::object(py::none()) : py::float_(c.microseconds);
-          t["skipped"] = c.skipped;
-          candidates.append(t);
-        }
-        out["candidates"] = candidates;
-        return out;
-      },
-      py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"), py::arg("dilation"),
-      py::arg("groups"), "Times every algorithm for this problem and records the fastest that fits.");
-  m.def("tuning_load", [](const py::list& records) {
-    std::vector<TuningRecord> parsed;
-    for (py::handle r : records) parsed.push_back(record_from_dict(py::reinterpret_borrow<py::dict>(r)));
-    return ConvTuner::instance().load(parsed);
-  });
-  m.def("tuning_take_unsaved", [] {
-    py::list out;
-    for (const TuningRecord& r : ConvTuner::instance().take_unsaved()) out.append(record_to_dict(r));
-    return out;
-  });
+  m.def("tune_conv2d", &tune_conv2d, py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("stride"),
+        py::arg("padding"), py::arg("dilation"), py::arg("groups"),
+        "Times every algorithm for this problem and records the fastest that fits.");
+  m.def("tuning_load", &tuning_load);
+  m.def("tuning_take_unsaved", &tuning_take_unsaved);
   m.def("tuning_has_unsaved", [] { return ConvTuner::instance().has_unsaved(); });
-  m.def("tuning_stats", [] {
-    const TunerStats s = ConvTuner::instance().stats();
-    py::dict d;
-    d["tuned"] = s.tuned;
-    d["loaded"] = s.loaded;
-    d["hits"] = s.hits;
-    d["records"] = s.records;
-    return d;
-  });
+  m.def("tuning_stats", &tuning_stats);
   m.def("tuning_clear", [] { ConvTuner::instance().clear(); });
   m.def("tuning_environment", [](c10::Device device) { return ConvTuner::instance().environment(device); });
-  m.def("record_key", [](const py::dict& record) {  // the identity of a record's problem, for merging files
-    const TuningRecord r = record_from_dict(record);
-    return py::bytes(reinterpret_cast<const char*>(&r.problem), sizeof(r.problem));
-  });
-
-  m.def("workspace_stats", [](c10::Device device) {
-    WorkspaceArena& arena = WorkspaceArena::of(device);
-    py::dict d;
-    d["bytes"] = arena.bytes();
-    d["cap"] = arena.cap() == WorkspaceArena::kUnlimited ? py::object(py::none()) : py::int_(arena.cap());
-    d["generation"] = arena.generation();
-    return d;
-  });
-  m.def(
-      "set_workspace_cap",
-      [](c10::Device device, std::optional<int64_t> bytes) {
-        WorkspaceArena::of(device).set_cap(bytes ? *bytes : WorkspaceArena::kUnlimited);
-      },
-      py::arg("device"), py::arg("bytes"));
+  m.def("record_key", &record_key);
+  m.def("workspace_stats", &workspace_stats);
+  m.def("set_workspace_cap", &set_workspace_cap, py::arg("device"), py::arg("bytes"));
 }
 
 }  // namespace
