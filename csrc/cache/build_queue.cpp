@@ -33,6 +33,12 @@ bool BuildQueue::run_next(const c10::Device& device) {
   if (next == found->second.end()) return false;
   BuildJob job = std::move(*next);
   found->second.erase(next);
+  // Held for the run. Let go of already, it would have cancelled its jobs as it went.
+  py::object function = job.function_ref();
+  if (function.is_none()) {
+    end_mark(job);
+    return true;
+  }
   running_[device] = Running{job.function_id, job.key, job.cache};
   // Cleared on every way out; the job's objects are released after, still with the GIL.
   struct Ended {

@@ -43,8 +43,10 @@ class QueuedBuildRunner {
 };
 
 struct BuildJob {
-  // The cached function's Python object, which owns `runner`: kept alive until the job ends.
-  py::object keep_alive;
+  // A weak reference to the cached function's Python object, which owns `runner`. The queue
+  // keeps nothing alive (the collector cannot see it): a cached function that is let go of
+  // cancels its jobs as it is destroyed (~MissPolicy), and a running job holds it strongly.
+  py::object function_ref;
   QueuedBuildRunner* runner = nullptr;
   std::shared_ptr<ShapeCache> cache;  // where the bucket is marked as building until the job ends
   uint64_t function_id = 0;
@@ -73,8 +75,7 @@ class BuildQueue {
  public:
   static BuildQueue& instance();
 
-  // Jobs waiting per device at most. Each holds its call's inputs (and the module a method
-  // belongs to) outside any budget, so a stream of new sizes faster than the builds must not
+  // Jobs waiting per device at most. Each holds its call's inputs outside any budget, so a stream of new sizes faster than the builds must not
   // grow the queue without bound: past this, misses run uncached without queuing.
   static constexpr size_t kMaxWaiting = 64;
 

@@ -241,7 +241,7 @@ bool MissPolicy::builds_in_background(const c10::Device& device) {
 MissPolicy::Queued MissPolicy::queue(const Call& call, bool ready) {
   if (!cache_->begin_build(call.device, call.key)) return Queued::kBusy;
   BuildJob job;
-  job.keep_alive = self_object_();
+  job.function_ref = py::weakref(self_object_());
   job.runner = this;
   job.cache = cache_;
   job.function_id = function_id_;
@@ -487,6 +487,13 @@ void MissPolicy::give_up(const ShapeKey& key) {
 
 py::object MissPolicy::run_uncached(const py::tuple& args, const py::dict& kwargs) {
   return call_python(function_, args, kwargs);
+}
+
+MissPolicy::~MissPolicy() {
+  try {
+    auto cancelled = BuildQueue::instance().cancel(function_id_);
+  } catch (...) {  // a destructor must not throw; nothing left to cancel then
+  }
 }
 
 void MissPolicy::clear() {

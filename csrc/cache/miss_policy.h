@@ -11,7 +11,8 @@
 //     (build_queue.h). The job is ready once the outermost cached call on the thread has
 //     returned (call_scope.h); a call that raises builds nothing. A full queue runs the call
 //     uncached without queuing. Until the entry is in, the bucket's calls run uncached. A
-//     queued build holds its module weakly: one whose module is gone by its turn is dropped.
+//     queued build holds its cached function and module weakly: a function let go of cancels
+//     its builds, and one whose module is gone by its turn is dropped.
 //   - Room first: before a build, room is made for an entry the size of this function's last
 //     build on the device (BudgetedLru::make_room_for), so a build never runs beside a full
 //     budget.
@@ -78,10 +79,13 @@ class MissPolicy : public QueuedBuildRunner {
   // of a new bucket on `handle.device`, and runs the call too when `handle.run_call`.
   // `background(device: torch.device) -> bool`, or None: whether misses on a device queue
   // their build for the device's worker (asked once per device). `self_object()` returns the
-  // cached function's Python object, which a queued job keeps alive.
+  // cached function's Python object, which a queued job refers to weakly.
   MissPolicy(py::object function, py::object builder, std::shared_ptr<ShapeCache> cache, uint64_t function_id,
              FunctionCounters& counters, py::object background, MissServices services,
              std::function<py::object()> self_object);
+  // Cancels the builds it queued: the queue holds the cached function weakly, and `this` is
+  // what its jobs run.
+  ~MissPolicy();
 
   // Serves a call whose bucket has no entry, or (`stale`) an entry found not valid, which the
   // caller has unpinned. Returns the output as the caller gets it (cropped, when padded).

@@ -179,7 +179,7 @@ void ShapeDispatcher::clear_references() {
   // Pinned entries stay (a call is running them, so this dispatcher is not garbage then).
   if (cache_) auto dropped = cache_->clear(id_);
   crop_plans_.clear();
-  // Nothing queued holds it (a queued job keeps its dispatcher alive): nothing to cancel.
+  // Its queued builds are cancelled when it is destroyed (~MissPolicy).
 }
 
 }  // namespace shapecache

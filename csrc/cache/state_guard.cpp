@@ -78,20 +78,28 @@ std::string key_text(const py::object& key) {
 
 StateGuard::StateGuard(const py::list& record) {
   for (py::handle item : record) {
+    if (!PyTuple_Check(item.ptr()) || PyTuple_GET_SIZE(item.ptr()) != 4) {
+      throw py::value_error("StateGuard(record): each item is (kind, object, path, option), got " +
+                            std::string(py::repr(item)));
+    }
     const py::tuple entry = py::reinterpret_borrow<py::tuple>(item);
-    if (entry.size() != 4) throw py::value_error("StateGuard(record): each item is (kind, object, path, option)");
     const std::string kind = entry[0].cast<std::string>();
     const py::object object = entry[1];
     std::string path = entry[2].cast<std::string>();
     const py::object option = entry[3];
+    // A dict or list is guarded as the object itself, never converted: a copy would never change.
+    if ((kind == "dict" && !PyDict_Check(object.ptr())) || (kind == "list" && !PyList_Check(object.ptr()))) {
+      throw py::type_error("StateGuard(record): " + path + " is a " + Py_TYPE(object.ptr())->tp_name + ", not a " +
+                           kind);
+    }
     if (kind == "dict") {
-      add_dict(object.cast<py::dict>(), std::move(path), option);
+      add_dict(py::reinterpret_borrow<py::dict>(object), std::move(path), option);
     } else if (kind == "tensor") {
       add_tensor(object, std::move(path), option.is_none() || option.cast<bool>());
     } else if (kind == "cell") {
       add_cell(object, std::move(path));
     } else if (kind == "list") {
-      add_list(object.cast<py::list>(), std::move(path));
+      add_list(py::reinterpret_borrow<py::list>(object), std::move(path));
     } else if (kind == "type") {
       add_type(object, std::move(path));
     } else if (kind == "class") {

@@ -71,17 +71,17 @@ def _serve(device: torch.device, name: str) -> None:
     _lower_priority()
     try:
         while True:
-            try:
-                with _objects_before_frozen(), _short_gil_turns():
-                    if _C.run_next_build(device):
-                        continue
-            except BaseException:  # noqa: BLE001  (a build's failure is its bucket's; the worker serves on)
-                sys.excepthook(*sys.exc_info())
-                continue
             with _lock:  # a build queued from here on starts another worker
                 if _C.devices_with_ready_builds().count(device) == 0:
                     _leaving[name] = True
                     return
+            try:
+                # Outermost, the count of running builds, which wait() and a fork read: it
+                # falls to 0 only once what the build changed is restored.
+                with _short_gil_turns(), _objects_before_frozen():
+                    _C.run_next_build(device)
+            except BaseException:  # noqa: BLE001  (a build's failure is its bucket's; the worker serves on)
+                sys.excepthook(*sys.exc_info())
     finally:
         _worker_threads.discard(ident)
 
@@ -188,13 +188,14 @@ def _exit_as_interrupted() -> None:
     import ctypes
     import io
 
-    stderr, sys.stderr = sys.stderr, io.StringIO()
+    saved = sys.stderr, sys.excepthook, getattr(sys, "last_value", None), getattr(sys, "last_traceback", None)
+    sys.stderr, sys.excepthook = io.StringIO(), lambda *exc_info: None  # the user's hook sees one interrupt
     try:
         ctypes.pythonapi.PyRun_SimpleString(b"raise KeyboardInterrupt")
     except Exception:  # noqa: BLE001  (an exit status is not worth an error at exit)
         pass
     finally:
-        sys.stderr = stderr
+        sys.stderr, sys.excepthook, sys.last_value, sys.last_traceback = saved
 
 
 _forked_mid_build = {"parent": None}  # in a child forked while a build ran: the parent's pid

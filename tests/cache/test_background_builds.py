@@ -474,6 +474,7 @@ def test_ctrl_c_with_a_build_running_exits_as_interrupted():
 
     script = textwrap.dedent("""
         import os, signal, threading, time, torch
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a test runner's worker may ignore it
         from shapecache import _build_workers
         from shapecache._backends import BuiltEntry
         from shapecache._extension import _C
@@ -493,3 +494,41 @@ def test_ctrl_c_with_a_build_running_exits_as_interrupted():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == -signal.SIGINT, (out.returncode, out.stderr[-2000:])
     assert out.stderr.count("KeyboardInterrupt") == 1  # the user's traceback, once
+
+
+def test_a_cached_function_let_go_of_cancels_its_queued_builds_though_its_entries_hold_its_module():
+    # An entry's guard holds the module strongly; the queue holds the cached function weakly,
+    # so a function nothing else holds is freed, its queued builds cancelled, and its module goes.
+    import gc
+    import weakref
+
+    from shapecache._backends import record_guard
+
+    class Owner(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    gate, started, sizes = threading.Event(), threading.Event(), []
+
+    def builder(args, kwargs, handle):
+        started.set()
+        assert gate.wait(WAIT), "the test never opened the gate"
+        sizes.append(args[1].shape[0])
+        return BuiltEntry(Owner.forward, 0, None, "eager", record_guard({"self": args[0]}), ran_call=False)
+
+    owner = Owner()
+    f = _C.ShapeDispatcher(Owner.forward, builder, _C.ShapeCache(lambda device: 1000, None), [], ["x"], owner, False,
+                           background=lambda device: True, wake_build_worker=_build_workers.wake)
+    f(torch.ones(1))
+    assert started.wait(WAIT)
+    f(torch.ones(2))
+    f(torch.ones(3))
+    gone_owner, gone_function = weakref.ref(owner), weakref.ref(f)
+    del owner, f
+    gate.set()
+    deadline = time.monotonic() + WAIT
+    while _C.pending_builds() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gc.collect()
+    assert _C.pending_builds() == 0 and sizes == [1]
+    assert gone_function() is None and gone_owner() is None

@@ -236,3 +236,12 @@ def test_a_record_is_one_call_and_a_bad_kind_is_named():
         _C.StateGuard([("module", d, "d", None)])
     with pytest.raises(ValueError, match=r"each item is \(kind, object, path, option\)"):
         _C.StateGuard([("dict", d)])
+    with pytest.raises(ValueError, match=r"each item is \(kind, object, path, option\)"):
+        _C.StateGuard([["dict", d, "d", None]])
+    # never a copy, which would never change: a mapping that is not a dict, a sequence that is not a list
+    import types
+
+    with pytest.raises(TypeError, match="d is a mappingproxy, not a dict"):
+        _C.StateGuard([("dict", types.MappingProxyType(d), "d", None)])
+    with pytest.raises(TypeError, match="scales is a tuple, not a list"):
+        _C.StateGuard([("list", (1.0, 2.0), "scales", None)])

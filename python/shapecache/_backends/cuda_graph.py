@@ -58,11 +58,6 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
     owner, call_args = (args[0], args[1:]) if context.has_owner else (None, args)
     runnable = torch.compile(entry_point(function), dynamic=False, **context.compile_options) if compiled \
         else function
-    # A graph bakes in the Python state its capture read, as a compiled graph does: the same
-    # guard (guards.py) over the call's module trees and the function's globals and closures.
-    guard = guards.record(guards.call_roots(args, kwargs, context.has_owner, context.parameter_names),
-                          functions=[function])
-
     # Warm-up on a side stream: cuDNN's benchmarking, lazy initialisation and compilation
     # happen here, never inside capture. Its output is the call's result (the eager numbers).
     caller = torch.cuda.current_stream(device)
@@ -74,6 +69,12 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
     for t in tree_leaves(output):
         if isinstance(t, torch.Tensor):
             t.record_stream(caller)  # made on the side stream, used and freed on the caller's
+    # A graph bakes in the Python state its capture read, as a compiled graph does: the same
+    # guard (guards.py) over the call's module trees and the function's globals and closures,
+    # recorded after the warm-up, whose lazy initialisation the capture then reads. What the
+    # capture itself writes makes it stale: the bucket is given up (miss_policy.h).
+    guard = guards.record(guards.call_roots(args, kwargs, context.has_owner, context.parameter_names),
+                          functions=[function])
 
     eager_seconds = None
     if keep_only_if_faster:

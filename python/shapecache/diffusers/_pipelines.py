@@ -137,10 +137,12 @@ def wrap(
     for name, module in components.items():
         try:
             cache_module(module, dataclasses.replace(options, buckets=buckets_of.get(name)), cache)
-        except (TypeError, ValueError) as error:  # a bucket names what the component's forward lacks
+        except BaseException as error:  # nothing is left half-wrapped
             for done in wrapped:
                 uncached(done)
-            raise type(error)(f"buckets[{name!r}]: {str(error).removeprefix('buckets: ')}") from None
+            if isinstance(error, (TypeError, ValueError)) and name in buckets_of:  # a bucket the forward lacks
+                raise type(error)(f"buckets[{name!r}]: {str(error).removeprefix('buckets: ')}") from None
+            raise
         wrapped.append(module)
     object.__setattr__(pipe, HOLDER, PipelineHolder(pipe, family, options, cache, components))
     if prewarm and checked_sizes:
