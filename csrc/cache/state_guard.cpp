@@ -102,11 +102,13 @@ StateGuard::StateGuard(const py::list& record) {
       add_list(py::reinterpret_borrow<py::list>(object), std::move(path));
     } else if (kind == "type") {
       add_type(object, std::move(path));
+    } else if (kind == "snapshot") {
+      add_snapshot(object, option, std::move(path));
     } else if (kind == "class") {
       add_class(object.cast<py::type>(), std::move(path));
     } else {
       throw py::value_error("StateGuard(record): kind=" + kind +
-                            " is not one of 'dict', 'tensor', 'cell', 'list', 'type', 'class'");
+                            " is not one of 'dict', 'tensor', 'cell', 'list', 'type', 'class', 'snapshot'");
     }
   }
 }
@@ -175,6 +177,11 @@ int StateGuard::traverse(visitproc visit, void* arg) const {
     Py_VISIT(guarded.object.ptr());
     Py_VISIT(guarded.type.ptr());
   }
+  for (const GuardedSnapshot& guarded : snapshots_) {
+    Py_VISIT(guarded.object.ptr());
+    Py_VISIT(guarded.snapshot_of.ptr());
+    Py_VISIT(guarded.snapshot.ptr());
+  }
   return 0;
 }
 
@@ -187,6 +194,10 @@ void StateGuard::add_class(const py::type& cls, std::string path) {
   PyObject* dict = reinterpret_cast<PyTypeObject*>(cls.ptr())->tp_dict;
   if (dict == nullptr || !PyDict_Check(dict)) throw py::type_error("StateGuard.add_class: " + path + " has no dict");
   add_dict(py::reinterpret_borrow<py::dict>(dict), std::move(path), py::none());
+}
+
+void StateGuard::add_snapshot(const py::object& obj, const py::object& snapshot_of, std::string path) {
+  snapshots_.push_back({obj, snapshot_of, snapshot_of(obj), std::move(path)});
 }
 
 bool StateGuard::fail(std::string what) {
@@ -252,6 +263,15 @@ bool StateGuard::check() {
   for (const GuardedCell& guarded : cells_) {
     if (!same_value(PyCell_GET(guarded.cell.ptr()), guarded.content.ptr())) {
       return fail(guarded.path + " (a closure variable) changed");
+    }
+  }
+  for (const GuardedSnapshot& guarded : snapshots_) {
+    PyObject* now = PyObject_CallOneArg(guarded.snapshot_of.ptr(), guarded.object.ptr());
+    const int same = now == nullptr ? -1 : PyObject_RichCompareBool(now, guarded.snapshot.ptr(), Py_EQ);
+    Py_XDECREF(now);
+    if (same != 1) {
+      PyErr_Clear();  // a snapshot that cannot be made or compared counts as a change
+      return fail(guarded.path + " changed");
     }
   }
   return true;

@@ -14,7 +14,10 @@
 //   - objects' classes: `obj.__class__ = Other` (token-merging libraries swap a block's class)
 //     and, through add_class, a class's own dict (a method patched on the class);
 //   - lists (peft's merged adapters, a processor's scales): their items, compared on every
-//     check, since a list keeps no version.
+//     check, since a list keeps no version;
+//   - other containers that keep no version (a set of active layers, a small numpy array of
+//     per-block gains): a snapshot of each, made by a Python function and compared on every
+//     check.
 //
 // check() costs one version read per dict and a few pointer reads per tensor while nothing
 // moved. A dict whose version moved has its items compared again, by identity, and by value
@@ -46,8 +49,8 @@ class StateGuard {
   StateGuard() = default;
   // A guard over a whole record, made in one call from Python (guards.py collects it): a list
   // of (kind, object, path, option) with kind one of "dict" (option: keys, or None for all),
-  // "tensor" (option: check_version), "cell", "list", "type", "class" (option: None), each
-  // added as the add_ method of its kind.
+  // "tensor" (option: check_version), "cell", "list", "type", "class" (option: None),
+  // "snapshot" (option: the function that snapshots it), each added as the add_ method of its kind.
   explicit StateGuard(const py::list& record);
 
   // Guards `dict`'s items: every item when `keys` is None (an added or removed key counts as
@@ -64,6 +67,8 @@ class StateGuard {
   void add_type(const py::object& obj, std::string path);
   // Guards a class's own attributes (its dict), as add_dict guards an object's.
   void add_class(const py::type& cls, std::string path);
+  // Guards what `snapshot_of(obj)` returns, compared (==) with its value now on every check.
+  void add_snapshot(const py::object& obj, const py::object& snapshot_of, std::string path);
 
   // True while everything is as recorded. Once false, always false.
   bool check();
@@ -109,6 +114,12 @@ class StateGuard {
     py::object type;
     std::string path;
   };
+  struct GuardedSnapshot {
+    py::object object;
+    py::object snapshot_of;
+    py::object snapshot;
+    std::string path;
+  };
   struct GuardedCell {
     py::object cell;
     py::object content;  // null when the cell was empty
@@ -125,6 +136,7 @@ class StateGuard {
   std::vector<GuardedCell> cells_;
   std::vector<GuardedList> lists_;
   std::vector<GuardedType> types_;
+  std::vector<GuardedSnapshot> snapshots_;
   bool stale_ = false;
   std::string changed_;
 };

@@ -11,6 +11,7 @@ import copy
 import threading
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -41,9 +42,13 @@ class Block(torch.nn.Module):
         self.linear = torch.nn.Linear(6, 6)
         self.processor = Processor()
         self.factor = 1.0
+        self.active = {0}  # a set, which keeps no version
+        self.gains = np.ones(6, dtype=np.float32)  # a numpy array, which keeps none either
 
     def forward(self, x):
-        y = self.processor(self.linear(x)) * self.factor
+        y = self.processor(self.linear(x)) * self.factor * torch.from_numpy(self.gains)
+        if 2 in self.active:
+            y = y * 2
         return y + 1 if self.training else y
 
 
@@ -125,6 +130,17 @@ def replace_plain_tensor(net, value):
     net.offset = torch.full((6,), value)
 
 
+def toggle_active(net, value):
+    if value > 1:
+        net.first.active.add(2)
+    else:
+        net.first.active.discard(2)
+
+
+def scale_gains_in_place(net, value):
+    net.first.gains *= value
+
+
 def replace_submodule(net, _):
     torch.manual_seed(1)
     net.second.linear = torch.nn.Linear(6, 6)
@@ -132,7 +148,7 @@ def replace_submodule(net, _):
 
 MUTATIONS = [set_factor, set_same_factor, train_submodule, eval_all, swap_processor, set_processor_scale,
              replace_parameter, replace_data, update_in_place, update_plain_tensor, update_buffer,
-             replace_plain_tensor, replace_submodule]
+             replace_plain_tensor, replace_submodule, toggle_active, scale_gains_in_place]
 
 
 @pytest.mark.parametrize("mutate", MUTATIONS, ids=lambda m: m.__name__)

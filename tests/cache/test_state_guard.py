@@ -245,3 +245,22 @@ def test_a_record_is_one_call_and_a_bad_kind_is_named():
         _C.StateGuard([("dict", types.MappingProxyType(d), "d", None)])
     with pytest.raises(TypeError, match="scales is a tuple, not a list"):
         _C.StateGuard([("list", (1.0, 2.0), "scales", None)])
+
+
+def test_a_snapshot_is_compared_on_every_check_and_a_failing_one_counts_as_a_change():
+    active = {0, 1}
+    guard = _C.StateGuard([("snapshot", active, "block.active", frozenset)])
+    active.discard(1)
+    active.add(1)  # the same items again
+    assert guard.check()
+    active.add(2)
+    assert not guard.check() and guard.changed == "block.active changed"
+
+    def broken(_):
+        raise RuntimeError("no snapshot")
+
+    calls = []
+    guard = _C.StateGuard([("snapshot", active, "x", lambda v: calls.append(v) or len(calls))])
+    assert not guard.check() and guard.changed == "x changed"  # 1 when recorded, 2 now
+    guard = _C.StateGuard([("snapshot", active, "y", lambda v: broken(v) if calls.append(v) or len(calls) > 3 else 0)])
+    assert not guard.check() and guard.changed == "y changed"  # the snapshot raised: a change, no error

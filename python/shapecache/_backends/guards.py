@@ -19,7 +19,9 @@ A compiled entry answers for the state it was built from. It depends on:
 - torch's global forward hooks.
 
 Lists (peft's ``merged_adapters``, a processor's scales) are compared item by item on every
-check, up to 256 items; a longer list only by identity.
+check, up to 256 items; a longer list only by identity. Sets (up to 256 items) and numpy arrays
+(up to 4096 elements), which keep no version either, are compared by a snapshot on every
+check; larger ones only by identity.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ _OBJECT_DEPTH = 3
 # Lists up to this long are guarded item by item (a list keeps no version, so its items are
 # compared on every check); a longer one by identity only.
 _LIST_ITEMS = 256
+_ARRAY_ELEMENTS = 4096  # numpy arrays up to this many elements are compared by a snapshot
 
 # Held by identity, not walked: code (a hook function), Python modules, submodules (each is
 # guarded on its own), tensors, and the cache itself (its counters change as it works).
@@ -124,6 +127,12 @@ class Guarded:
                 self.record.append(("list", value, path, None))
             for i, item in enumerate(value[:_LIST_ITEMS]):
                 self._value(item, f"{path}[{i}]", depth)
+        elif type(value) is set:
+            if len(value) <= _LIST_ITEMS and self._first(value):
+                self.record.append(("snapshot", value, path, frozenset))
+        elif _is_numpy_array(value):
+            if value.size <= _ARRAY_ELEMENTS and self._first(value):
+                self.record.append(("snapshot", value, path, _array_snapshot))
         elif depth > 0 and not isinstance(value, _NOT_WALKED) and isinstance(getattr(value, "__dict__", None), dict):
             if self._first(value):
                 self._classes(value, path)
@@ -151,6 +160,14 @@ class Guarded:
             return False
         self._seen.add(id(obj))
         return True
+
+
+def _is_numpy_array(value) -> bool:
+    return type(value).__name__ == "ndarray" and type(value).__module__ == "numpy"  # numpy is not imported here
+
+
+def _array_snapshot(array) -> tuple:
+    return array.shape, array.dtype.str, array.tobytes()
 
 
 def call_roots(args: tuple, kwargs: dict, has_owner: bool, parameter_names) -> dict:
