@@ -264,3 +264,14 @@ def test_a_snapshot_is_compared_on_every_check_and_a_failing_one_counts_as_a_cha
     assert not guard.check() and guard.changed == "x changed"  # 1 when recorded, 2 now
     guard = _C.StateGuard([("snapshot", active, "y", lambda v: broken(v) if calls.append(v) or len(calls) > 3 else 0)])
     assert not guard.check() and guard.changed == "y changed"  # the snapshot raised: a change, no error
+
+
+def test_every_modules_own_set_costs_no_snapshot_but_a_set_of_its_own_does():
+    layer = torch.nn.Linear(2, 2)
+    recorded = guards.Guarded()
+    recorded.module(layer, "layer")
+    assert [item for item in recorded.record if item[0] == "snapshot"] == []  # _non_persistent_buffers_set
+    layer.active = {1}
+    recorded = guards.Guarded()
+    recorded.module(layer, "layer")
+    assert [(kind, path) for kind, _, path, _ in recorded.record if kind == "snapshot"] == [("snapshot", "layer.active")]

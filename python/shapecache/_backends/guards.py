@@ -43,6 +43,10 @@ _OBJECT_DEPTH = 3
 # compared on every check); a longer one by identity only.
 _LIST_ITEMS = 256
 _ARRAY_ELEMENTS = 4096  # numpy arrays up to this many elements are compared by a snapshot
+# What every module holds and no forward reads (which buffers state_dict leaves out): a set,
+# which would cost a snapshot per module on every check. Replacing it is still seen (the
+# module's __dict__ is guarded).
+_NOT_READ_BY_FORWARD = frozenset({"_non_persistent_buffers_set"})
 
 # Held by identity, not walked: code (a hook function), Python modules, submodules (each is
 # guarded on its own), tensors, and the cache itself (its counters change as it works).
@@ -71,8 +75,9 @@ class Guarded:
         state = module.__dict__
         self._add_dict(state, path)
         for name, value in state.items():
-            if not (self._python_only and name in ("_parameters", "_buffers")):
-                self._value(value, f"{path}.{name}", _OBJECT_DEPTH)
+            if name in _NOT_READ_BY_FORWARD or (self._python_only and name in ("_parameters", "_buffers")):
+                continue
+            self._value(value, f"{path}.{name}", _OBJECT_DEPTH)
 
     def tensor(self, tensor: torch.Tensor, path: str) -> None:
         if not self._python_only and self._first(tensor):
