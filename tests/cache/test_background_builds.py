@@ -431,13 +431,16 @@ def test_a_build_runs_with_short_gil_turns_and_the_interval_is_restored_after():
     assert sys.getswitchinterval() == before
 
 
-def test_a_queued_build_keeps_no_module_alive_and_is_dropped_when_its_module_is_gone():
-    import gc
-    import weakref
+class Owner(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
 
-    class Owner(torch.nn.Module):
-        def forward(self, x):
-            return x * 2
+
+def owned_background(guarded: bool):
+    """A background-building dispatcher of Owner.forward bound to a new Owner, whose builder
+    waits for `gate` and records each build's size; its entries guard the module when
+    `guarded`. Returns (dispatcher, owner, gate, started, sizes)."""
+    from shapecache._backends import record_guard
 
     gate, started, sizes = threading.Event(), threading.Event(), []
 
@@ -445,12 +448,20 @@ def test_a_queued_build_keeps_no_module_alive_and_is_dropped_when_its_module_is_
         started.set()
         assert gate.wait(WAIT), "the test never opened the gate"
         sizes.append(args[1].shape[0])  # args[0] is the module
-        return BuiltEntry(Owner.forward, 0, None, "eager", ran_call=False)
+        guard = record_guard({"self": args[0]}) if guarded else None
+        return BuiltEntry(Owner.forward, 0, None, "eager", guard, ran_call=False)
 
     owner = Owner()
-    cache = _C.ShapeCache(lambda device: 1000, None)
-    f = _C.ShapeDispatcher(Owner.forward, builder, cache, [], ["x"], owner, False, background=lambda device: True,
-                           wake_build_worker=_build_workers.wake)
+    f = _C.ShapeDispatcher(Owner.forward, builder, _C.ShapeCache(lambda device: 1000, None), [], ["x"], owner, False,
+                           background=lambda device: True, wake_build_worker=_build_workers.wake)
+    return f, owner, gate, started, sizes
+
+
+def test_a_queued_build_keeps_no_module_alive_and_is_dropped_when_its_module_is_gone():
+    import gc
+    import weakref
+
+    f, owner, gate, started, sizes = owned_background(guarded=False)
     f(torch.ones(1))
     assert started.wait(WAIT)  # the first build runs (it holds its module until it ends)
     f(torch.ones(2))  # queued behind it
@@ -502,23 +513,7 @@ def test_a_cached_function_let_go_of_cancels_its_queued_builds_though_its_entrie
     import gc
     import weakref
 
-    from shapecache._backends import record_guard
-
-    class Owner(torch.nn.Module):
-        def forward(self, x):
-            return x * 2
-
-    gate, started, sizes = threading.Event(), threading.Event(), []
-
-    def builder(args, kwargs, handle):
-        started.set()
-        assert gate.wait(WAIT), "the test never opened the gate"
-        sizes.append(args[1].shape[0])
-        return BuiltEntry(Owner.forward, 0, None, "eager", record_guard({"self": args[0]}), ran_call=False)
-
-    owner = Owner()
-    f = _C.ShapeDispatcher(Owner.forward, builder, _C.ShapeCache(lambda device: 1000, None), [], ["x"], owner, False,
-                           background=lambda device: True, wake_build_worker=_build_workers.wake)
+    f, owner, gate, started, sizes = owned_background(guarded=True)
     f(torch.ones(1))
     assert started.wait(WAIT)
     f(torch.ones(2))
