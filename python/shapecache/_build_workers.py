@@ -78,7 +78,7 @@ def _serve(device: torch.device, name: str) -> None:
             try:
                 # Outermost, the count of running builds, which wait() and a fork read: it
                 # falls to 0 only once what the build changed is restored.
-                with _short_gil_turns(), _objects_before_frozen():
+                with _short_build_changes(), _objects_before_frozen():
                     _C.run_next_build(device)
             except BaseException:  # noqa: BLE001  (a build's failure is its bucket's; the worker serves on)
                 sys.excepthook(*sys.exc_info())
@@ -98,36 +98,38 @@ def _objects_before_frozen():
     freeze = gc.get_freeze_count() == 0
     if freeze:
         gc.freeze()
-        _gil_turns["froze"] = True
+        _build_changes["froze"] = True
     try:
         yield
     finally:
         if freeze:
-            _gil_turns["froze"] = False
+            _build_changes["froze"] = False
             gc.unfreeze()
 
 
-# guarded by _lock; "froze": a build's gc.freeze() is in force
-_gil_turns = {"builds": 0, "previous": None, "set": None, "froze": False}
+# What running builds have changed of the process, to undo after the last (and in a forked
+# child): how many run, the switch interval before and as set, whether gc.freeze() is theirs.
+# Guarded by _lock.
+_build_changes = {"builds": 0, "previous": None, "set": None, "froze": False}
 
 
 @contextlib.contextmanager
-def _short_gil_turns():
+def _short_build_changes():
     """BUILD_SWITCH_INTERVAL while any build runs; the interval before is restored after the
     last, unless someone else changed it meanwhile."""
     with _lock:
-        if _gil_turns["builds"] == 0:
-            _gil_turns["previous"] = sys.getswitchinterval()
-            _gil_turns["set"] = min(_gil_turns["previous"], BUILD_SWITCH_INTERVAL)
-            sys.setswitchinterval(_gil_turns["set"])
-        _gil_turns["builds"] += 1
+        if _build_changes["builds"] == 0:
+            _build_changes["previous"] = sys.getswitchinterval()
+            _build_changes["set"] = min(_build_changes["previous"], BUILD_SWITCH_INTERVAL)
+            sys.setswitchinterval(_build_changes["set"])
+        _build_changes["builds"] += 1
     try:
         yield
     finally:
         with _lock:
-            _gil_turns["builds"] -= 1
-            if _gil_turns["builds"] == 0 and sys.getswitchinterval() == _gil_turns["set"]:
-                sys.setswitchinterval(_gil_turns["previous"])
+            _build_changes["builds"] -= 1
+            if _build_changes["builds"] == 0 and sys.getswitchinterval() == _build_changes["set"]:
+                sys.setswitchinterval(_build_changes["previous"])
 
 
 def _lower_priority() -> None:
@@ -163,7 +165,7 @@ def _settling() -> bool:
     """A worker has installed the last build of the process and is still restoring what a build
     changes (the switch interval, the frozen objects): a wait that returned now would leave the
     caller in the build's settings."""
-    return _gil_turns["builds"] > 0 and _C.pending_builds() == 0
+    return _build_changes["builds"] > 0 and _C.pending_builds() == 0
 
 
 def _at_exit() -> None:
@@ -214,16 +216,16 @@ def _forget_parents_builds() -> None:
     build running at the fork had changed of the process is undone."""
     global _lock
     _lock = threading.Lock()
-    if _gil_turns["builds"]:
+    if _build_changes["builds"]:
         _forked_mid_build["parent"] = os.getppid()
     _workers.clear()
     _leaving.clear()
     _worker_threads.clear()
-    if _gil_turns["builds"] and sys.getswitchinterval() == _gil_turns["set"]:
-        sys.setswitchinterval(_gil_turns["previous"])
-    if _gil_turns["froze"]:
+    if _build_changes["builds"] and sys.getswitchinterval() == _build_changes["set"]:
+        sys.setswitchinterval(_build_changes["previous"])
+    if _build_changes["froze"]:
         gc.unfreeze()
-    _gil_turns.update(builds=0, previous=None, set=None, froze=False)
+    _build_changes.update(builds=0, previous=None, set=None, froze=False)
     _C.forget_parents_builds()
 
 

@@ -412,7 +412,7 @@ def test_a_full_queue_runs_misses_uncached_without_queuing():
     assert wait(f)
 
 
-def test_a_build_runs_with_short_gil_turns_and_the_interval_is_restored_after():
+def test_a_build_runs_with_short_build_changes_and_the_interval_is_restored_after():
     # Serving threads release the GIL at every torch operator; while a build (pure Python)
     # runs, each would wait a whole switch interval to get it back.
     import sys

@@ -29,9 +29,9 @@ SCRIPT = textwrap.dedent("""
         f(x)
         if sys.argv[1] == "mid-build":  # the first build imports the compiler: seconds
             deadline = time.monotonic() + 60
-            while not _build_workers._gil_turns["builds"] and time.monotonic() < deadline:
+            while not _build_workers._build_changes["builds"] and time.monotonic() < deadline:
                 time.sleep(0.001)
-            assert _build_workers._gil_turns["builds"], "the build never started"
+            assert _build_workers._build_changes["builds"], "the build never started"
         else:
             assert sc.wait(f, timeout=120)
         read, write = os.pipe()

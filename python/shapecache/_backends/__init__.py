@@ -25,7 +25,7 @@ import shapecache._backends.compile
 import shapecache._backends.cuda_graph
 import shapecache._backends.eager  # noqa: F401  (each of the three registers its builders)
 from shapecache._backends.disk_cache import disk_cache_counts, disk_cache_state
-from shapecache._backends.entry import BUILDERS, BuildContext, Builder, BuiltEntry
+from shapecache._backends.entry import BUILDERS, BuildContext, Builder, BuiltEntry, not_built
 from shapecache._backends.graph_pool import release_device_memory
 from shapecache._backends.guards import record as record_guard
 from shapecache._build_workers import forked_mid_build
@@ -85,11 +85,9 @@ def make_builder(function: Callable, backend: str, context: BuildContext) -> Cal
             warnings.warn(f"shapecache: backend={backend!r} got tensors on {device}; such calls run eager",
                           RuntimeWarning, stacklevel=2)
         if chosen != "eager" and (parent := forked_mid_build()) is not None:
-            output = function(*args, **kwargs) if handle.run_call else None
-            return BuiltEntry(None, 0, output, "uncached", ran_call=handle.run_call,
-                              failure=f"this process was forked from process {parent} while a build ran there, and "
-                              "what that build had half made (a module half imported, the compiler's state) has no "
-                              "thread here to finish it")
+            return not_built(function, args, kwargs, f"this process was forked from process {parent} while a build "
+                             "ran there, and what that build had half made (a module half imported, the compiler's "
+                             "state) has no thread here to finish it", run_call=handle.run_call)
         return BUILDERS[chosen].build(function, args, kwargs, handle, context, backend)
 
     return build

@@ -29,7 +29,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from shapecache._backends import exported, guards
-from shapecache._backends.entry import BuildContext, Builder, BuiltEntry, register
+from shapecache._backends.entry import BuildContext, Builder, BuiltEntry, not_built, register
 from shapecache._backends.exported import first_line
 from shapecache._host_memory import resident_bytes, return_free_memory
 
@@ -84,12 +84,6 @@ class CompiledBuilder(Builder):
             return not_built(function, args, kwargs, "its compile options need Dynamo, which compiles only by running the "
                              "call again", run_call=False)
         return _build_with_dynamo(function, context, args, kwargs, device)
-
-
-def not_built(function, args, kwargs, reason: str, *, run_call: bool = True) -> BuiltEntry:
-    """No entry, and why (the bucket then runs uncached); inline, the plain call's result."""
-    output = function(*args, **kwargs) if run_call else None
-    return BuiltEntry(runner=None, bytes=0, output=output, backend="uncached", failure=reason, ran_call=run_call)
 
 
 def _build_with_dynamo(function, context, args, kwargs, device) -> BuiltEntry:

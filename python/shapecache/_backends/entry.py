@@ -40,6 +40,12 @@ class Builder:
         raise NotImplementedError
 
 
+def not_built(function, args, kwargs, reason: str, *, run_call: bool = True) -> BuiltEntry:
+    """No entry, and why (the bucket then runs uncached); inline, the plain call's result."""
+    output = function(*args, **kwargs) if run_call else None
+    return BuiltEntry(runner=None, bytes=0, output=output, backend="uncached", failure=reason, ran_call=run_call)
+
+
 BUILDERS: dict[str, Builder] = {}  # backend name -> its builder
 
 
