@@ -75,13 +75,6 @@ std::shared_ptr<ShapeCache> make_shape_cache(py::object budget_for_device, std::
   return std::make_shared<ShapeCache>(std::move(budget_for_device), max_entries ? *max_entries : EntryLru::kUnlimited);
 }
 
-BuiltEntry make_built_entry(py::object runner, int64_t bytes, py::object output, std::string backend,
-                            std::shared_ptr<StateGuard> guard, std::optional<std::string> failure, bool ran_call) {
-  if (runner.is_none() && !failure) throw py::value_error("BuiltEntry: runner=None needs a failure");
-  return BuiltEntry{std::move(runner), bytes, std::move(output), ran_call, std::move(backend), std::move(guard),
-                    failure.value_or("")};
-}
-
 std::unique_ptr<ShapeDispatcher> make_dispatcher(py::object function, py::object builder,
                                                  std::shared_ptr<ShapeCache> cache, std::vector<ArgumentBuckets> buckets,
                                                  std::vector<std::string> parameter_names, py::object owner,
@@ -157,17 +150,6 @@ void bind_cache(py::module_& m) {
       .def("stats", [](const ShapeCache& cache) { return cache.stats(); })
       .def("clear", [](ShapeCache& cache) { cache.clear(); });
 
-  py::class_<BuiltEntry>(m, "BuiltEntry", "What a builder returns for a new bucket (csrc/cache/built_entry.h).")
-      .def(py::init(&make_built_entry), py::arg("runner"), py::arg("bytes"), py::arg("output"), py::arg("backend"),
-           py::arg("guard") = nullptr, py::arg("failure") = py::none(), py::kw_only(), py::arg("ran_call") = true)
-      .def_readonly("runner", &BuiltEntry::runner)
-      .def_readonly("bytes", &BuiltEntry::bytes)
-      .def_readonly("output", &BuiltEntry::output)
-      .def_readonly("ran_call", &BuiltEntry::ran_call)
-      .def_readonly("backend", &BuiltEntry::backend)
-      .def_readonly("guard", &BuiltEntry::guard)
-      .def_readonly("failure", &BuiltEntry::failure);
-
   py::class_<BuildHandle>(m, "BuildHandle", py::dynamic_attr(),
                           "All a builder may do to its cache (csrc/cache/build_handle.h).")
       .def("set_shared_bytes", &BuildHandle::set_shared_bytes, py::arg("pool") = py::none(),
@@ -201,9 +183,8 @@ void bind_cache(py::module_& m) {
       .def("valid", &EntryRunner::valid)
       .def("__call__", &run_on_tensors, "Runs on a call's tensors in key order (BuildHandle.tensors).");
 
-  py::class_<CompiledGraphRunner, EntryRunner, std::shared_ptr<CompiledGraphRunner>>(m, "CompiledGraphRunner")
-      .def(py::init<py::object, py::object, std::shared_ptr<StateGuard>>(), py::arg("graph"), py::arg("rebuild"),
-           py::arg("guard"));
+  // Made in C++ from a builder's graph (built_entry.h); bound so that it can be listed and called.
+  py::class_<CompiledGraphRunner, EntryRunner, std::shared_ptr<CompiledGraphRunner>>(m, "CompiledGraphRunner");
 
   py::class_<StateGuard, std::shared_ptr<StateGuard>>(m, "StateGuard",
                                                       "What an entry was built from (csrc/cache/state_guard.h).")

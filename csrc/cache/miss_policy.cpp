@@ -336,14 +336,21 @@ py::object MissPolicy::build(const ShapeKey& key, const c10::Device& device, con
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   py::object output = run_call ? built.output : py::none();
   if (generation != generation_) return output;  // cleared while building: the result is dropped
+  if (built.started_stale) {
+    // Another thread changed what the entry reads while it was built: it is not kept, and
+    // the bucket's next call builds it again (as for an entry found stale).
+    ++counters_.invalidations;
+    give_up_if_unstable(key, built.guard->changed());
+    return output;
+  }
   if (built.ran_call && built.guard && !built.guard->check()) {
     // The build's run, the call's one run, changed what the entry reads (BatchNorm's
     // statistics in training): its output is the answer, but every later call would find the
     // entry stale and build it again.
-    built.runner = py::none();
+    built.runner = nullptr;
     built.failure = "the call updates what it reads: " + built.guard->changed();
   }
-  if (built.runner.is_none()) {
+  if (!built.runner) {
     // Nothing could be built for the bucket (the compiler failed where the plain call did not).
     // Inline, the output is the plain call's.
     ++counters_.fallbacks;
@@ -367,16 +374,27 @@ std::optional<BuiltEntry> MissPolicy::run_builder(const c10::Device& device, con
         InsideBuild building;
         result = builder_(args, kwargs, handle);
       }
-      if (!py::isinstance<BuiltEntry>(result)) {
-        throw py::type_error(std::string("shapecache: a builder must return a shapecache BuiltEntry, got ") +
-                             Py_TYPE(result.ptr())->tp_name);
-      }
-      BuiltEntry built = result.cast<BuiltEntry>();
-      // An entry whose builder did not run the call (eager) is run here, once the builder has
-      // returned, so that a recursive cached function costs the interpreter's recursion limit
-      // one Python frame per level, as any decorator does, and not the builder's frame too.
-      if (run_call && !built.ran_call && !built.runner.is_none()) {
-        built.output = call_python(built.runner, args, kwargs);
+      BuiltEntry built = BuiltEntry::from_python(result);
+      // An entry whose builder did not run the call (eager, a compiled graph) is run here, once
+      // the builder has returned and the entry's guard is made, so that what the run changes of
+      // what the entry reads is seen (build() checks), and so that a recursive cached function
+      // costs the interpreter's recursion limit one Python frame per level, as any decorator
+      // does, and not the builder's frame too.
+      if (run_call && !built.ran_call && built.runner) {
+        Call call;
+        call.entry_args = args;
+        call.entry_kwargs = kwargs;
+        for (py::handle t : tensors) call.tensors.push_back(py::reinterpret_borrow<py::object>(t));
+        try {
+          built.output = built.runner->run(call);
+        } catch (...) {
+          // Out of memory is retried below; the call's own errors (an eager entry's) reach the
+          // caller; a graph that raised where the plain call may not is no entry.
+          built.failure = "its first run raised " + failure_of_entry(built.backend == "eager");
+          built.runner = nullptr;
+          built.handle = py::none();
+          built.output = run_uncached(args, kwargs);
+        }
         built.ran_call = true;
       }
       return built;
@@ -419,12 +437,8 @@ void MissPolicy::insert(const ShapeKey& key, const c10::Device& device, BuiltEnt
   ++counters_.builds;
   Entry entry;
   entry.id = ShapeCache::next_entry_id();
-  if (py::isinstance<EntryRunner>(built.runner)) {
-    entry.runner = built.runner.cast<std::shared_ptr<EntryRunner>>();
-  } else {
-    entry.runner = std::make_shared<PythonRunner>(built.runner, built.guard);
-  }
-  entry.handle = std::move(built.runner);
+  entry.runner = std::move(built.runner);
+  entry.handle = std::move(built.handle);
   entry.guard = std::move(built.guard);
   entry.function_id = function_id_;
   entry.bucket = describe_key(key);

@@ -23,7 +23,9 @@
 //     bytes is not kept and its bucket is given up; one that does not fit beside running
 //     entries is built again on its next call.
 //   - Stale (invariant 5): an entry whose runner is no longer valid is erased and rebuilt; if
-//     a call up the stack is running it, this call runs uncached instead.
+//     a call up the stack is running it, this call runs uncached instead. An entry stale
+//     when built (another thread changed what it reads during the build: built_entry.h) is
+//     not inserted; the bucket's next call builds it again.
 //   - Given up: a bucket runs uncached until clear(), with one warning, when its build failed
 //     where the plain call did not, its entry raised where the plain call did not, its entry
 //     can never fit, it was found stale kInvalidationsBeforeUncached times in a row by the

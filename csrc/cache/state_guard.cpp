@@ -95,7 +95,14 @@ StateGuard::StateGuard(const py::list& record) {
     if (kind == "dict") {
       add_dict(py::reinterpret_borrow<py::dict>(object), std::move(path), option);
     } else if (kind == "tensor") {
-      add_tensor(object, std::move(path), option.is_none() || option.cast<bool>());
+      if (PyLong_Check(option.ptr()) && !PyBool_Check(option.ptr())) {
+        add_tensor(object, std::move(path), true);
+        // The version the record read: an update in place since then makes the guard stale.
+        GuardedTensor& added = tensors_.back();
+        if (added.version >= 0) added.version = option.cast<int64_t>();
+      } else {
+        add_tensor(object, std::move(path), option.is_none() || option.cast<bool>());
+      }
     } else if (kind == "cell") {
       add_cell(object, std::move(path));
     } else if (kind == "list") {

@@ -49,7 +49,8 @@ class StateGuard {
   StateGuard() = default;
   // A guard over a whole record, made in one call from Python (guards.py collects it): a list
   // of (kind, object, path, option) with kind one of "dict" (option: keys, or None for all),
-  // "tensor" (option: check_version), "cell", "list", "type", "class" (option: None),
+  // "tensor" (option: check_version, or the version the record read it at, from which an
+  // update in place counts as a change), "cell", "list", "type", "class" (option: None),
   // "snapshot" (option: the function that snapshots it), each added as the add_ method of its kind.
   explicit StateGuard(const py::list& record);
 

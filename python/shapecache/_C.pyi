@@ -64,19 +64,8 @@ class EntryRunner:
     def valid(self) -> bool: ...
     def __call__(self, *tensors: torch.Tensor) -> Any: ...  # the call's tensors in key order
 
-class CompiledGraphRunner(EntryRunner):
-    def __init__(self, graph: Callable[..., Any], rebuild: Callable[..., Any] | None, guard: StateGuard | None) -> None: ...
-
-class BuiltEntry:
-    def __init__(self, runner: Any, bytes: int, output: Any, backend: str, guard: StateGuard | None = None,
-                 failure: str | None = None, *, ran_call: bool = True) -> None: ...
-    runner: Any
-    bytes: int
-    output: Any
-    backend: str
-    guard: StateGuard | None
-    failure: str
-    ran_call: bool
+class CompiledGraphRunner(EntryRunner):  # made by the cache from a builder's graph (BuiltEntry.graph)
+    ...
 
 class BuildHandle:
     # Plain attributes of each handle (set when C++ makes it), not members of the class:
@@ -92,7 +81,8 @@ class BuildHandle:
     def evict_unpinned(self) -> int: ...
     def count_pool_rebuild(self) -> None: ...
 
-Builder = Callable[[tuple, dict, BuildHandle], BuiltEntry]
+# Returns a shapecache._backends.entry.BuiltEntry, which the cache reads once (built_entry.h).
+Builder = Callable[[tuple, dict, BuildHandle], Any]
 
 class ShapeDispatcher:
     def __init__(self, function: Callable[..., Any], builder: Builder, cache: ShapeCache,

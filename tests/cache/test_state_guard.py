@@ -157,7 +157,7 @@ class Holder(torch.nn.Module):
 ])
 def test_a_module_tree_guard_sees_attributes_flags_hooks_submodules_and_weights(change):
     holder = Holder().eval()
-    guard = guards.record({"holder": holder})
+    guard = guards.guard({"holder": holder})
     assert guard.check()
     change(holder)
     try:
@@ -175,7 +175,7 @@ def test_a_swapped_class_or_a_method_patched_on_a_class_is_a_change():
         pass
 
     holder = Holder().eval()
-    guard = guards.record({"holder": holder})
+    guard = guards.guard({"holder": holder})
     holder.used.__class__ = Merged
     assert not guard.check() and guard.changed == "holder.used changed class"
 
@@ -184,7 +184,7 @@ def test_a_swapped_class_or_a_method_patched_on_a_class_is_a_change():
             return x
 
     patched = Patched()
-    guard = guards.record({"m": patched})
+    guard = guards.guard({"m": patched})
     Patched.forward = lambda self, x: x * 2
     assert not guard.check() and "Patched" in guard.changed
 
@@ -192,7 +192,7 @@ def test_a_swapped_class_or_a_method_patched_on_a_class_is_a_change():
 def test_only_the_modules_that_ran_are_guarded_with_their_ancestors():
     holder = Holder().eval()
     reached = {id(holder.used), id(holder.used.linear)}
-    guard = guards.record({"holder": holder}, reached=reached)
+    guard = guards.guard({"holder": holder}, reached=reached)
     holder.unused.settings.scale = 5.0  # not read by the call
     holder.unused.train()
     assert guard.check()
@@ -202,7 +202,7 @@ def test_only_the_modules_that_ran_are_guarded_with_their_ancestors():
 
 def test_a_child_of_a_module_that_ran_is_guarded_though_it_did_not_run():
     holder = Holder().eval()
-    guard = guards.record({"holder": holder}, reached={id(holder)})  # its forward reads holder.used
+    guard = guards.guard({"holder": holder}, reached={id(holder)})  # its forward reads holder.used
     holder.used.settings.scale = 4.0
     assert not guard.check() and guard.changed == "holder.used.settings.scale changed"
 
@@ -214,10 +214,10 @@ def test_a_function_is_guarded_by_the_globals_it_names_and_the_trees_they_hold()
     def f(x):
         return MODEL(x)
 
-    guard = guards.record({}, functions=[f])
+    guard = guards.guard({}, functions=[f])
     MODEL.settings.scale = 3.0
     assert not guard.check()
-    guard = guards.record({}, functions=[f])
+    guard = guards.guard({}, functions=[f])
     MODEL = Block()
     assert not guard.check() and "MODEL changed" in guard.changed
 

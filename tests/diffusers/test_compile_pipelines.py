@@ -117,7 +117,7 @@ def recorded_guard(unet, args, kwargs):
         copy(*args, **kwargs)
     reached = {id(copies.live(module)) for module in copies.ran.values()}
     assert len(reached) > 20  # the trace reached the denoiser's blocks
-    return guards.record({"self": unet}, functions=[type(unet).forward], reached=reached)
+    return guards.guard({"self": unet}, functions=[type(unet).forward], reached=reached)
 
 
 @pytest.mark.parametrize("name,change,before", CHANGES, ids=[c[0] for c in CHANGES])

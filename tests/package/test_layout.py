@@ -39,7 +39,7 @@ def test_caching_and_guarding_leave_no_process_wide_hooks():
         from shapecache._backends import guards
         net = sc.cached(torch.nn.Linear(2, 2), backend="eager")
         net(torch.ones(1, 2))
-        guard = guards.record({"net": net})
+        guard = guards.guard({"net": net})
         print(guard.check(), guard.dict_count > 0, guard.tensor_count)
         print(len(module._global_parameter_registration_hooks), len(module._global_module_registration_hooks),
               len(module._global_forward_pre_hooks))

@@ -53,3 +53,16 @@ def test_the_check_sees_a_reach_in(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from shapecache._backends.guards import record\nfrom shapecache._backends import _C\n")
     assert reach_ins([bad]) == ["bad.py:1 imports shapecache._backends.guards", "bad.py:2 imports shapecache._backends._C"]
+
+
+def uses_of_test_bindings(sources):
+    """Where a module reads ``_testing`` (``_C._testing``, the test-only bindings) off anything."""
+    return [f"{path.name}:{node.lineno}" for path in sources for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and node.attr == "_testing"]
+
+
+def test_the_library_never_uses_the_test_only_bindings(tmp_path):
+    assert uses_of_test_bindings(ROOT.rglob("*.py")) == []
+    bad = tmp_path / "bad.py"
+    bad.write_text("from shapecache._extension import _C\nhandle = _C._testing.build_handle\n")
+    assert uses_of_test_bindings([bad]) == ["bad.py:2"]

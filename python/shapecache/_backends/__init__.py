@@ -11,7 +11,8 @@
 
 Each backend's builder is a ``Builder`` (entry.py) registered under the backend's name; the
 C++ cache calls the one ``make_builder`` returns on a miss, with the call's arguments and a
-``_C.BuildHandle``, and it returns a ``_C.BuiltEntry`` (``csrc/cache/built_entry.h``).
+``_C.BuildHandle``, and it returns a ``BuiltEntry`` (entry.py), which the cache reads once
+(``csrc/cache/built_entry.h``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import shapecache._backends.eager  # noqa: F401  (each of the three registers it
 from shapecache._backends.disk_cache import disk_cache_counts, disk_cache_state
 from shapecache._backends.entry import BUILDERS, BuildContext, Builder, BuiltEntry, not_built
 from shapecache._backends.graph_pool import release_device_memory
-from shapecache._backends.guards import record as record_guard
+from shapecache._backends.guards import guard as record_guard
 from shapecache._build_workers import forked_mid_build
 from shapecache._extension import _C
 

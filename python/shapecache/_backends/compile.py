@@ -59,7 +59,6 @@ class CompiledBuilder(Builder):
                 with _held_bytes(device) as held:
                     compiled = exported.compile_call(function, args, kwargs, handle.tensors, context.parameter_names,
                                                      context.has_owner, options)
-                    output = compiled.runner(*handle.tensors) if run_call else None
             except exported.ExportFailed as failure:
                 if not run_call:
                     return not_built(function, args, kwargs, f"torch.export could not capture it as one graph ({failure}), "
@@ -74,12 +73,12 @@ class CompiledBuilder(Builder):
                 return not_built(function, args, kwargs, f"building it failed: {type(error).__name__}: {first_line(error)}",
                                  run_call=run_call)
             else:
-                if not run_call:
-                    # What a first run would update (BatchNorm's statistics in training) shows on
-                    # the entry's first hit instead: the guard finds it stale (shape_dispatcher.h).
-                    return BuiltEntry(compiled.runner, held.bytes(None), None, "compile", compiled.guard, ran_call=False)
-                return BuiltEntry(runner=compiled.runner, bytes=held.bytes(output), output=output, backend="compile",
-                                  guard=compiled.guard)
+                # The cache runs the graph for the call's result once it has made the entry's
+                # guard, which then sees what the run updates (BatchNorm's statistics in
+                # training); in the background, the entry's first hit does (miss_policy.h).
+                return BuiltEntry(runner=None, graph=compiled.graph, rebuild=compiled.rebuild, bytes=held.bytes(None),
+                                  backend="compile", guard=compiled.guard, built_from=compiled.built_from,
+                                  ran_call=False)
         if not run_call:
             return not_built(function, args, kwargs, "its compile options need Dynamo, which compiles only by running the "
                              "call again", run_call=False)

@@ -73,8 +73,8 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
     # guard (guards.py) over the call's module trees and the function's globals and closures,
     # recorded after the warm-up, whose lazy initialisation the capture then reads. What the
     # capture itself writes makes it stale: the bucket is given up (miss_policy.h).
-    guard = guards.record(guards.call_roots(args, kwargs, context.has_owner, context.parameter_names),
-                          functions=[function])
+    guard = guards.guard(guards.call_roots(args, kwargs, context.has_owner, context.parameter_names),
+                         functions=[function])
 
     eager_seconds = None
     if keep_only_if_faster:

@@ -4,14 +4,38 @@ by nothing they import)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from shapecache._extension import _C
 
-# Returned by every builder: runner, bytes, output, backend, guard, failure, ran_call
-# (csrc/cache/built_entry.h).
-BuiltEntry = _C.BuiltEntry
+@dataclass(frozen=True)
+class BuiltEntry:
+    """What a builder returns for a new bucket: a plain object, read by the cache once the
+    builder has returned, which makes the entry's runner and guard from it
+    (csrc/cache/built_entry.h)."""
+
+    # Serves the bucket's later calls, called as the plain function is (owner first), or a
+    # runner made in C++ (a CUDA graph's). None with no graph: nothing was built (`failure`).
+    runner: Any
+    bytes: int  # device memory the entry holds beyond what the uncached call leaves behind
+    output: Any = None  # the call's result, when the builder ran the call (`ran_call`)
+    backend: str = "eager"  # what built it: "eager", "compile", "cuda_graph", ...
+    # What the entry depends on: a record (guards.record), made into its guard when the cache
+    # reads this, or a _C.StateGuard made already; None: nothing that can change.
+    guard: Any = None
+    failure: str = ""  # with no runner and no graph: why, for the warning
+    # False: the builder did not run the call (an eager entry, a compiled graph, any build in
+    # the background); inline, the cache runs the new entry for the result.
+    ran_call: bool = True
+    # Instead of `runner`: a graph over the call's tensors in key order (BuildHandle.tensors),
+    # which returns the output's tensors; `rebuild(tensors)` puts them back into the output's
+    # structure (None: the output is the graph's one tensor).
+    graph: Callable | None = None
+    rebuild: Callable | None = None
+    # A _C.StateGuard over the live state the build started from: if it no longer holds when
+    # the cache reads this, the entry starts stale and is rebuilt on its next call.
+    built_from: Any = None
 
 
 @dataclass(frozen=True)

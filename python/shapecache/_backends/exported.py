@@ -93,11 +93,18 @@ class WritesState(Exception):
 
 
 class CompiledCall(NamedTuple):
-    runner: Callable  # serves later calls of the bucket
-    # A _C.StateGuard: what the runner was built from (guards.py). Its tensors' versions are
-    # those before the runner's first call: if that call moves them, the graph updates tensors
-    # it reads in place (BatchNorm's running statistics in training).
-    guard: object
+    """A bucket's compiled graph, as the cache makes its entry from it (BuiltEntry)."""
+
+    graph: Callable  # the call's tensors in key order -> the output's tensors
+    rebuild: Callable | None  # puts the output's tensors back into its structure; None: one tensor
+    # The record of what the graph was built from (guards.py): the cache makes the entry's guard
+    # from it before the entry's first run, so that a run that moves a tensor the graph reads
+    # (BatchNorm's running statistics in training) is seen.
+    guard: list
+    # The guard over the live state the trace started from, recorded before anything was
+    # copied from it: if it no longer holds when the entry is made, another thread changed
+    # the model during the build, and the entry starts stale.
+    built_from: object
 
 
 def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, parameter_names: tuple,
@@ -111,10 +118,10 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
     """
     # The live state the trace starts from, recorded before anything is copied from it: the
     # entry's guard is recorded from the live model after the trace, and if another thread
-    # changed it since this point (while the copies were made, or during the trace), the
-    # entry starts stale.
+    # changed it since this point (while the copies were made, during the trace or the
+    # compile), the entry starts stale (CompiledCall.built_from).
     roots = guards.call_roots(args, kwargs, has_owner, parameter_names)
-    before = guards.record(roots, functions=[function])
+    before = guards.guard(roots, functions=[function])
     leaves, spec = tree_flatten((args, kwargs))
     tensor_positions = _positions_of(tensors, leaves)
     copies = DetachedTrees()
@@ -122,7 +129,7 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
     module = _Call(function, traced, spec, tensor_positions)
     copy_roots = {path: copies.of(leaf) for path, leaf in roots.items()}
     shared: list[dict] = []
-    module.trace.python_state = guards.record(copy_roots, functions=[function], python_only=True, collect=shared)
+    module.trace.python_state = guards.guard(copy_roots, functions=[function], python_only=True, collect=shared)
     saved = [(d, dict(d)) for d in shared]
     options = dict(compile_options.get("options") or {})
     mode = compile_options.get("mode")
@@ -151,8 +158,6 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
         reached = {id(copies.live(module)) for module in copies.ran.values()}
         read = _tensors_read(program)
         guard = guards.record(roots, functions=[function], reached=reached, tensors=read)
-        if not before.check():
-            guard = before
         del program
         # AOT autograd's own cache is off for these builds: its key pickles the exported module,
         # whose closures do not pickle, so it never hits and logs a traceback on every build;
@@ -163,9 +168,8 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
         del graph
 
     layout = module.trace.output_layout
-    runner = _C.CompiledGraphRunner(compiled, None if layout.is_one_tensor() else layout.rebuild, guard)
-    weakref.finalize(runner, _forget_modules, loaded)
-    return CompiledCall(runner, guard)
+    weakref.finalize(compiled, _forget_modules, loaded)  # with the last entry that runs it
+    return CompiledCall(compiled, None if layout.is_one_tensor() else layout.rebuild, guard, before)
 
 
 def _take_back_fake_tensors(saved: list) -> None:

@@ -81,7 +81,9 @@ class Guarded:
 
     def tensor(self, tensor: torch.Tensor, path: str) -> None:
         if not self._python_only and self._first(tensor):
-            self.record.append(("tensor", tensor, path, True))
+            # The version read now: the guard may be made later (when the cache reads the
+            # built entry), and an update in place meanwhile must count as a change.
+            self.record.append(("tensor", tensor, path, _version_of(tensor)))
 
     def function(self, function, path: str, roots: dict) -> None:
         """The globals `function`'s code names and its closure cells; modules found there are
@@ -167,6 +169,15 @@ class Guarded:
         return True
 
 
+def _version_of(tensor: torch.Tensor) -> int | bool:
+    """The tensor's version counter now; True (checked from when the guard is made) for a
+    tensor that keeps none (an inference tensor)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return True
+
+
 def _is_numpy_array(value) -> bool:
     return type(value).__name__ == "ndarray" and type(value).__module__ == "numpy"  # numpy is not imported here
 
@@ -187,10 +198,16 @@ def call_roots(args: tuple, kwargs: dict, has_owner: bool, parameter_names) -> d
             if isinstance(leaf, torch.nn.Module)}
 
 
+def guard(roots: dict, functions: Iterable[Callable] = (), **options) -> _C.StateGuard:
+    """The guard made now from ``record(roots, functions, **options)``."""
+    return _C.StateGuard(record(roots, functions, **options))
+
+
 def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensors: Iterable = (),
-           python_only: bool = False, collect: list | None = None) -> _C.StateGuard:
-    """A guard over the module trees of `roots` (path -> module) and of the modules the globals
-    and closures of `functions` hold.
+           python_only: bool = False, collect: list | None = None) -> list[tuple]:
+    """What a guard over the module trees of `roots` (path -> module) and of the modules the
+    globals and closures of `functions` hold checks: a record, made into a ``_C.StateGuard``
+    in one call (by ``guard``, or by the cache from a builder's ``BuiltEntry.guard``).
 
     `reached`: the ids of the modules of `roots`' trees whose forward ran while the entry was
     traced; only they, their ancestors and the roots are guarded (None: every module of the
@@ -220,7 +237,7 @@ def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensor
             guarded.module(module, path)
     for path, tensor in tensors:
         guarded.tensor(tensor, path)
-    return _C.StateGuard(guarded.record)
+    return guarded.record
 
 
 def _reached_modules(roots, reached: set) -> list:

@@ -1,0 +1,96 @@
+"""What a builder returns (BuiltEntry), as the cache reads it once the builder has returned
+(csrc/cache/built_entry.h): the runner and guard it makes from it, the state the build started
+from, the graph's first run, and results it refuses."""
+
+import warnings
+
+import pytest
+import torch
+
+from shapecache._backends import BuiltEntry
+from shapecache._backends.guards import record
+from shapecache._extension import _C
+
+
+def dispatcher(builder):
+    cache = _C.ShapeCache(lambda device: 10**9, None)
+    return _C.ShapeDispatcher(lambda x: x * 2, builder, cache, [], ["x"], None, False)
+
+
+class Holder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = 2.0
+
+
+def test_a_graph_serves_the_bucket_from_the_call_tensors_and_its_first_run_is_the_answer():
+    graph_calls = []
+
+    def graph(*tensors):
+        graph_calls.append(len(tensors))
+        return [tensors[0] * 2]
+
+    f = dispatcher(lambda args, kwargs, handle: BuiltEntry(None, 0, graph=graph, backend="compile", ran_call=False))
+    assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))  # the build's first run
+    assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))  # a hit
+    assert graph_calls == [1, 1]
+    (entry,) = f.stats()["entries"]
+    assert entry["backend"] == "compile" and entry["hits"] == 1
+
+
+def test_a_graph_whose_first_run_raises_leaves_its_bucket_uncached_with_the_plain_answer():
+    def graph(*tensors):
+        raise RuntimeError("a kernel that cannot run")
+
+    f = dispatcher(lambda args, kwargs, handle: BuiltEntry(None, 0, graph=graph, backend="compile", ran_call=False))
+    with pytest.warns(RuntimeWarning, match="its first run raised RuntimeError: a kernel that cannot run"):
+        out = f(torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 2.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+    assert f.stats()["entries"] == [] and f.stats()["fallbacks"] == 1
+
+
+def test_a_change_while_the_entry_was_built_leaves_it_stale_and_it_is_built_again():
+    holder = Holder()
+    builds = []
+
+    def builder(args, kwargs, handle):
+        built_from = _C.StateGuard(record({"holder": holder}))
+        builds.append(holder.scale)
+        if len(builds) == 1:
+            holder.scale = 3.0  # another thread's change, made while this build compiled
+        scale = holder.scale
+        return BuiltEntry(lambda x: x * scale, 0, backend="compile", guard=record({"holder": holder}),
+                          built_from=built_from, ran_call=False)
+
+    f = dispatcher(builder)
+    f(torch.ones(2))
+    f(torch.ones(2))  # found stale: built again, from the state as it is now
+    assert builds == [2.0, 3.0]
+    assert f.stats()["invalidations"] == 1
+    f(torch.ones(2))
+    assert len(builds) == 2
+
+
+def test_a_tensor_updated_in_place_after_the_record_read_it_makes_the_guard_stale():
+    t = torch.zeros(2)
+    recorded = record({}, tensors=[("t", t)])
+    t.add_(1)  # after the record, before the guard is made from it (when the cache reads the entry)
+    guard = _C.StateGuard(recorded)
+    assert not guard.check() and "t" in guard.changed
+    assert _C.StateGuard(record({}, tensors=[("t", t)])).check()
+
+
+@pytest.mark.parametrize("returned,error,message", [
+    (BuiltEntry(lambda x: x, 0, graph=lambda *t: t), ValueError, "a runner or a graph, not both"),
+    (BuiltEntry(None, 0), ValueError, "with no runner needs a failure"),
+    (BuiltEntry(lambda x: x, 0, guard={"not": "a record"}), TypeError, "guard must be a record .* got dict"),
+    (("a", "tuple"), TypeError, "must return a shapecache BuiltEntry, got tuple"),
+])
+def test_a_result_that_is_no_entry_is_refused_naming_what_is_wrong(returned, error, message):
+    f = dispatcher(lambda args, kwargs, handle: returned)
+    with pytest.raises(error, match=message):
+        f(torch.ones(2))
+    assert f.stats()["entries"] == []
