@@ -1,26 +1,26 @@
-"""What a CPU entry holds: the process's resident anonymous memory, read before and after its build.
+"""What a CPU entry holds: the resident pages of its own tensors (``resident_bytes_of``), or,
+for a bucket built by Dynamo, the process's resident anonymous memory read before and after its
+build (``resident_bytes``).
 
-Resident anonymous memory (Linux's RssAnon) is what a container's memory limit and the
-out-of-memory killer count: heap pages, tensors and Python objects that have been written to.
-Chosen over the C library's heap in use, which counts address space that was reserved but never
-touched (MKL packs each Linear weight of a frozen graph into a buffer several times the
-weight's size and writes a small part of it; docs/budgets.md has the figures). Chosen over
-torch's CPU allocator statistics, which are off unless enabled and miss what inductor's
-compiled modules keep outside tensors. Files mapped
-into memory (loaded libraries, compiled kernels) are not anonymous and are not counted.
+Resident memory (Linux's RssAnon, and the pages ``mincore`` reports) is what a container's
+memory limit and the out-of-memory killer count: pages that have been written to. Chosen over
+the C library's heap in use, which counts address space that was reserved but never touched
+(MKL packs each Linear weight of a frozen graph into a buffer several times the weight's size
+and writes a small part of it; docs/budgets.md has the figures). Chosen over torch's CPU
+allocator statistics, which are off unless enabled. Files mapped into memory (loaded
+libraries, compiled kernels) are not anonymous and are not counted.
 
-The figure is the process's, so two things are done to make it an entry's alone:
+The process's figure is made an entry's as far as it can be:
 - Before and after the build the garbage collector runs and the heap's free pages are given back
   (``return_free_memory``): what the build freed, and what entries evicted earlier freed, leave
   the figure. glibc otherwise keeps them resident: it raises its mmap threshold to the largest
   block freed, so after the first large frees, tensors come from the heap and their pages stay
   on free.
 - The compiler's one-time start-up (its modules, caches and runtime) happens before the first
-  measured build, in a build of a small graph (exported.warm_up);
-  otherwise the first entry of a process is charged it and may be taken for larger than the
-  whole budget.
-Allocations by other threads during a build are still charged to it. Where /proc/self/status
-cannot be read (not Linux), CPU entries are charged 0 bytes.
+  measured build, in a build of a small graph (exported.warm_up).
+Allocations and frees by other threads during a build still move it: the reason a compiled
+graph's entry is measured by its own tensors instead. Where /proc/self/status cannot be read
+(not Linux), such entries are charged 0 bytes.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+
+import torch
 
 
 @functools.cache
@@ -67,3 +69,34 @@ def process_status_bytes(field: str) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+_PAGE = 4096
+
+
+def resident_bytes_of(tensors) -> int:
+    """Bytes of the memory of `tensors` (CPU; strided or oneDNN's opaque layout) resident now,
+    each page once: what they hold whatever other threads allocate or free meanwhile. A page
+    reserved but never written is not counted, as RssAnon does not count it. Where the system
+    cannot say (no mincore), their whole size."""
+    ranges = {}
+    for t in tensors:
+        if t.is_mkldnn:
+            ranges[torch.ops.mkldnn.data_ptr(t)] = torch.ops.mkldnn._nbytes(t)
+        else:
+            storage = t.untyped_storage()
+            ranges[storage.data_ptr()] = storage.nbytes()
+    mincore = _libc_function("mincore", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    if mincore is None:
+        return sum(ranges.values())
+    resident: set[int] = set()
+    for start, nbytes in ranges.items():
+        if not start or nbytes <= 0:
+            continue
+        first, end = start // _PAGE, -(-(start + nbytes) // _PAGE)
+        pages = ctypes.create_string_buffer(end - first)
+        if mincore(first * _PAGE, (end - first) * _PAGE, pages) != 0:
+            resident.update(range(first, end))  # cannot say: the whole range
+            continue
+        resident.update(first + i for i, flags in enumerate(pages.raw) if flags & 1)
+    return len(resident) * _PAGE

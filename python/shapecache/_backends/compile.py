@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 from shapecache._backends import exported, guards
 from shapecache._backends.entry import BuildContext, Builder, BuiltEntry, not_built, register
 from shapecache._backends.exported import first_line
-from shapecache._host_memory import resident_bytes, return_free_memory
+from shapecache._host_memory import resident_bytes, resident_bytes_of, return_free_memory
 
 
 @register
@@ -56,9 +56,12 @@ class CompiledBuilder(Builder):
             if device.type == "cpu":
                 exported.warm_up(options)  # the compiler's start-up is not this entry's (shapecache/_host_memory.py)
             try:
-                with _held_bytes(device) as held:
-                    compiled = exported.compile_call(function, args, kwargs, handle.tensors, context.parameter_names,
-                                                     context.has_owner, options)
+                _settle(device)  # what earlier evictions freed goes back to the system first
+                compiled = exported.compile_call(function, args, kwargs, handle.tensors, context.parameter_names,
+                                                 context.has_owner, options)
+                # What the trace left (its copies of the model, the exported program: cycles) is
+                # collected now, not when the model is let go of.
+                _settle(device)
             except exported.ExportFailed as failure:
                 if not run_call:
                     return not_built(function, args, kwargs, f"torch.export could not capture it as one graph ({failure}), "
@@ -76,7 +79,8 @@ class CompiledBuilder(Builder):
                 # The cache runs the graph for the call's result once it has made the entry's
                 # guard, which then sees what the run updates (BatchNorm's statistics in
                 # training); in the background, the entry's first hit does (miss_policy.h).
-                return BuiltEntry(runner=None, graph=compiled.graph, rebuild=compiled.rebuild, bytes=held.bytes(None),
+                return BuiltEntry(runner=None, graph=compiled.graph, rebuild=compiled.rebuild,
+                                  bytes=held_bytes(compiled.constants, device),
                                   backend="compile", guard=compiled.guard, built_from=compiled.built_from,
                                   ran_call=False)
         if not run_call:
@@ -109,6 +113,16 @@ def _build_with_dynamo(function, context, args, kwargs, device) -> BuiltEntry:
     return BuiltEntry(runner, held.bytes(output), output, "compile", guard)
 
 
+def held_bytes(constants: list, device: torch.device) -> int:
+    """What a compiled graph's own tensors hold on `device`: on the CPU, their resident pages
+    (shapecache/_host_memory.py); elsewhere their storages' bytes. Read from the tensors
+    themselves, it is the entry's whatever other threads allocate or free during the build."""
+    mine = [t for t in constants if t.device == device]
+    if device.type == "cpu":
+        return resident_bytes_of(mine)
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in mine}.values())
+
+
 class _HeldBytes:
     def __init__(self, device):
         self.device = device
@@ -121,8 +135,9 @@ class _HeldBytes:
 
 @contextlib.contextmanager
 def _held_bytes(device):
-    """Measures what the block leaves allocated on `device`: on the CPU, what it leaves resident
-    (shapecache/_host_memory.py), inductor's compiled module with what it keeps (frozen constants among them).
+    """Measures what the block leaves allocated on `device` (a Dynamo build, whose compiled
+    tensors are not listed): on the CPU, what it leaves resident (shapecache/_host_memory.py).
+    Other threads' allocations and frees during the block move the figure.
     On both sides the garbage collector runs and the heap's free pages are given back, so that
     neither garbage nor freed pages of the build or of earlier evictions are counted (a
     collection and a trim cost milliseconds; a build, seconds)."""

@@ -105,6 +105,9 @@ class CompiledCall(NamedTuple):
     # copied from it: if it no longer holds when the entry is made, another thread changed
     # the model during the build, and the entry starts stale.
     built_from: object
+    # The tensors the compiled modules hold that the model does not (freezing's folded and
+    # packed weights): what the entry holds, measured whatever other threads do meanwhile.
+    constants: list
 
 
 def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, parameter_names: tuple,
@@ -169,7 +172,30 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
 
     layout = module.trace.output_layout
     weakref.finalize(compiled, _forget_modules, loaded)  # with the last entry that runs it
-    return CompiledCall(compiled, None if layout.is_one_tensor() else layout.rebuild, guard, before)
+    return CompiledCall(compiled, None if layout.is_one_tensor() else layout.rebuild, guard, before,
+                        _constants_of(loaded, [t for _, t in read], roots.values()))
+
+
+def _constants_of(modules: list, read: list, roots) -> list[torch.Tensor]:
+    """The tensors `modules` (inductor's, of one compile) hold as attributes, but for those the
+    model holds itself (its parameters and buffers, the tensors the graph read)."""
+    own = {_address(t) for t in read}
+    for root in roots:
+        own.update(_address(t) for t in (*root.parameters(), *root.buffers()))
+    found = {}
+    for module in modules:
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and _address(value) not in own:
+                found[_address(value)] = value
+    return list(found.values())
+
+
+def _address(tensor: torch.Tensor) -> int:
+    """Where the tensor's memory starts (its storage's, or oneDNN's opaque buffer's)."""
+    try:
+        return torch.ops.mkldnn.data_ptr(tensor) if tensor.is_mkldnn else tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage of its own (sparse)
+        return -id(tensor)
 
 
 def _take_back_fake_tensors(saved: list) -> None:
