@@ -364,6 +364,30 @@ py::object MissPolicy::build(const ShapeKey& key, const c10::Device& device, con
   return output;
 }
 
+// Runs a new entry for the call's result. The call's own errors (an eager entry's run is the
+// plain call) reach the caller, out of memory included, which the build's retry then handles;
+// any error of a graph's run is the entry's: it is returned, named, and the graph is not kept
+// (the plain call answers, after the error and what its traceback holds are released).
+std::string MissPolicy::first_run(BuiltEntry& built, const py::tuple& args, const py::dict& kwargs,
+                                  const py::tuple& tensors) {
+  Call call;
+  call.entry_args = args;
+  call.entry_kwargs = kwargs;
+  for (py::handle t : tensors) call.tensors.push_back(py::reinterpret_borrow<py::object>(t));
+  const bool eager = built.backend == "eager";
+  try {
+    built.output = built.runner->run(call);
+    built.ran_call = true;
+    return "";
+  } catch (py::error_already_set& error) {
+    if (eager) throw;
+    return describe_error(error);
+  } catch (const std::exception& error) {  // a runner's own C++ error (a CUDA graph's replay)
+    if (eager) throw;
+    return first_line(error.what());
+  }
+}
+
 std::optional<BuiltEntry> MissPolicy::run_builder(const c10::Device& device, const py::tuple& args,
                                                   const py::dict& kwargs, const py::tuple& tensors, bool run_call) {
   py::object handle = BuildHandle::to_python(BuildHandle(cache_, device, run_call, tensors));
@@ -379,22 +403,18 @@ std::optional<BuiltEntry> MissPolicy::run_builder(const c10::Device& device, con
       // the builder has returned and the entry's guard is made, so that what the run changes of
       // what the entry reads is seen (build() checks), and so that a recursive cached function
       // costs the interpreter's recursion limit one Python frame per level, as any decorator
-      // does, and not the builder's frame too.
-      if (run_call && !built.ran_call && built.runner) {
-        Call call;
-        call.entry_args = args;
-        call.entry_kwargs = kwargs;
-        for (py::handle t : tensors) call.tensors.push_back(py::reinterpret_borrow<py::object>(t));
-        try {
-          built.output = built.runner->run(call);
-        } catch (...) {
-          // Out of memory is retried below; the call's own errors (an eager entry's) reach the
-          // caller; a graph that raised where the plain call may not is no entry.
-          built.failure = "its first run raised " + failure_of_entry(built.backend == "eager");
-          built.runner = nullptr;
-          built.handle = py::none();
-          built.output = run_uncached(args, kwargs);
+      // does, and not the builder's frame too. An entry stale when built, or none, is not run:
+      // the plain call answers.
+      if (run_call && !built.ran_call) {
+        if (built.runner && !built.started_stale) {
+          std::string failure = first_run(built, args, kwargs, tensors);
+          if (!failure.empty()) {
+            built.failure = "its first run raised " + failure;
+            built.runner = nullptr;
+            built.handle = py::none();
+          }
         }
+        if (!built.ran_call) built.output = run_uncached(args, kwargs);
         built.ran_call = true;
       }
       return built;

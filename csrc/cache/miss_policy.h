@@ -141,6 +141,9 @@ class MissPolicy : public QueuedBuildRunner {
   // (`run_call`), returns the call's output; in the background, None.
   py::object build(const ShapeKey& key, const c10::Device& device, const py::tuple& args, const py::dict& kwargs,
                    const py::tuple& tensors, bool run_call, uint64_t generation);
+  // Runs a new entry for the call's result (`built.output`); returns why it raised, or "".
+  static std::string first_run(BuiltEntry& built, const py::tuple& args, const py::dict& kwargs,
+                               const py::tuple& tensors);
   std::optional<BuiltEntry> run_builder(const c10::Device& device, const py::tuple& args, const py::dict& kwargs,
                                         const py::tuple& tensors, bool run_call);
   void release_device_memory(const c10::Device& device);

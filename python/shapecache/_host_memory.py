@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import mmap
 
 import torch
 
@@ -71,7 +72,7 @@ def process_status_bytes(field: str) -> int | None:
     return None
 
 
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE  # mincore's unit: 4 KiB on x86-64, 64 KiB on some aarch64 kernels
 
 
 def resident_bytes_of(tensors) -> int:
@@ -81,11 +82,14 @@ def resident_bytes_of(tensors) -> int:
     cannot say (no mincore), their whole size."""
     ranges = {}
     for t in tensors:
-        if t.is_mkldnn:
-            ranges[torch.ops.mkldnn.data_ptr(t)] = torch.ops.mkldnn._nbytes(t)
-        else:
-            storage = t.untyped_storage()
-            ranges[storage.data_ptr()] = storage.nbytes()
+        try:
+            if t.is_mkldnn:
+                ranges[torch.ops.mkldnn.data_ptr(t)] = torch.ops.mkldnn._nbytes(t)
+            else:
+                storage = t.untyped_storage()
+                ranges[storage.data_ptr()] = storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # no memory of its own to read (sparse, a wrapper subclass)
+            continue
     mincore = _libc_function("mincore", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
     if mincore is None:
         return sum(ranges.values())

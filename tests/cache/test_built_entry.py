@@ -38,13 +38,23 @@ def test_a_graph_serves_the_bucket_from_the_call_tensors_and_its_first_run_is_th
     assert entry["backend"] == "compile" and entry["hits"] == 1
 
 
-def test_a_graph_whose_first_run_raises_leaves_its_bucket_uncached_with_the_plain_answer():
-    def graph(*tensors):
-        raise RuntimeError("a kernel that cannot run")
+@pytest.mark.parametrize("error", [RuntimeError, torch.OutOfMemoryError])
+def test_a_graph_whose_first_run_raises_leaves_its_bucket_uncached_with_the_plain_answer(error):
+    # Out of memory too: the graph needs more than the plain call, which answers; nothing is
+    # evicted and nothing is built again.
+    builds = []
 
-    f = dispatcher(lambda args, kwargs, handle: BuiltEntry(None, 0, graph=graph, backend="compile", ran_call=False))
-    with pytest.warns(RuntimeWarning, match="its first run raised RuntimeError: a kernel that cannot run"):
+    def graph(*tensors):
+        raise error("a kernel that cannot run")
+
+    def builder(args, kwargs, handle):
+        builds.append(1)
+        return BuiltEntry(None, 0, graph=graph, backend="compile", ran_call=False)
+
+    f = dispatcher(builder)
+    with pytest.warns(RuntimeWarning, match=f"its first run raised {error.__name__}: a kernel that cannot run"):
         out = f(torch.ones(3))
+    assert len(builds) == 1
     assert torch.equal(out, torch.full((3,), 2.0))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -66,8 +76,8 @@ def test_a_change_while_the_entry_was_built_leaves_it_stale_and_it_is_built_agai
                           built_from=built_from, ran_call=False)
 
     f = dispatcher(builder)
-    f(torch.ones(2))
-    f(torch.ones(2))  # found stale: built again, from the state as it is now
+    assert torch.equal(f(torch.ones(2)), torch.full((2,), 2.0))  # the plain call's answer, not the stale entry's
+    f(torch.ones(2))  # built again, from the state as it is now
     assert builds == [2.0, 3.0]
     assert f.stats()["invalidations"] == 1
     f(torch.ones(2))
@@ -93,4 +103,11 @@ def test_a_result_that_is_no_entry_is_refused_naming_what_is_wrong(returned, err
     f = dispatcher(lambda args, kwargs, handle: returned)
     with pytest.raises(error, match=message):
         f(torch.ones(2))
+    assert f.stats()["entries"] == []
+
+
+def test_an_inline_build_that_built_nothing_answers_with_the_plain_call():
+    f = dispatcher(lambda args, kwargs, handle: BuiltEntry(None, 0, failure="no compiler here", ran_call=False))
+    with pytest.warns(RuntimeWarning, match="no compiler here"):
+        assert torch.equal(f(torch.ones(2)), torch.full((2,), 2.0))
     assert f.stats()["entries"] == []

@@ -120,7 +120,13 @@ def held_bytes(constants: list, device: torch.device) -> int:
     mine = [t for t in constants if t.device == device]
     if device.type == "cpu":
         return resident_bytes_of(mine)
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in mine}.values())
+    storages = {}
+    for t in mine:
+        try:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):  # no storage of its own (sparse, a wrapper subclass)
+            continue
+    return sum(storages.values())
 
 
 class _HeldBytes:

@@ -7,11 +7,12 @@ watch guarded objects with finalizers), so an evicted bucket's memory is never r
 inductor's freezing that is a copy of the weights per bucket. shapecache's key already is the
 guard: an entry serves exactly one bucket's shapes, dtypes, devices and constant arguments, so
 Dynamo's guards and recompiles add nothing. ``torch.export(strict=False)`` traces the call
-once at the bucket's shapes (every shape static), ``compile_fx`` compiles it, and the runner
-is the only holder of the result, except for one cache of inductor's: ``PyCodeCache.modules``
-keeps every generated module it loads, with the compiled graph's constants (frozen weights)
-as module attributes, for the life of the process. The modules a build loads are recorded
-and removed from that cache (and from ``sys.modules``) when the runner is freed.
+once at the bucket's shapes (every shape static), ``compile_fx`` compiles it, and the entry's
+runner is the only holder of the compiled graph, except for one cache of inductor's:
+``PyCodeCache.modules`` keeps every generated module it loads, with the compiled graph's
+constants (frozen weights) as module attributes, for the life of the process. The modules a
+build loads are recorded and removed from that cache (and from ``sys.modules``) when the
+compiled graph is freed.
 
 A call that torch.export cannot capture whole (data-dependent control flow, unsupported
 operators) is built by Dynamo instead (compile.py), which handles graph breaks.
@@ -112,7 +113,7 @@ class CompiledCall(NamedTuple):
 
 def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, parameter_names: tuple,
                  has_owner: bool, compile_options: dict) -> CompiledCall:
-    """A runner for later calls of `function` spelled like this one, and at these shapes.
+    """The compiled graph of later calls of `function` spelled like this one, at these shapes.
     `tensors` are the call's tensors in key order (``BuildHandle.tensors``): the graph's
     inputs, as the runner is given them on every hit.
 
@@ -314,7 +315,7 @@ def warm_up(compile_options: dict) -> None:
         sample = torch.randn(1, 4, 8, 8)
         try:
             compiled = compile_call(_WarmUp.forward, (module, sample), {}, (sample,), ("sample",), True, compile_options)
-            compiled.runner(sample)
+            compiled.graph(sample)
         except Exception:  # noqa: BLE001,S110  (the entry's own build reports what fails)
             pass
 
