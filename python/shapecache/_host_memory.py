@@ -75,21 +75,29 @@ def process_status_bytes(field: str) -> int | None:
 _PAGE = mmap.PAGESIZE  # mincore's unit: 4 KiB on x86-64, 64 KiB on some aarch64 kernels
 
 
+def memory_of(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """(address, bytes) of the memory `tensor` uses: its storage, whole, or oneDNN's opaque
+    buffer; None for a tensor without memory of its own (sparse, a wrapper subclass)."""
+    try:
+        if tensor.is_mkldnn:
+            return torch.ops.mkldnn.data_ptr(tensor), torch.ops.mkldnn._nbytes(tensor)
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def memory_ranges(tensors) -> dict[int, int]:
+    """address -> bytes of the distinct memory `tensors` use (views of one storage count once)."""
+    return dict(filter(None, map(memory_of, tensors)))
+
+
 def resident_bytes_of(tensors) -> int:
     """Bytes of the memory of `tensors` (CPU; strided or oneDNN's opaque layout) resident now,
     each page once: what they hold whatever other threads allocate or free meanwhile. A page
     reserved but never written is not counted, as RssAnon does not count it. Where the system
     cannot say (no mincore), their whole size."""
-    ranges = {}
-    for t in tensors:
-        try:
-            if t.is_mkldnn:
-                ranges[torch.ops.mkldnn.data_ptr(t)] = torch.ops.mkldnn._nbytes(t)
-            else:
-                storage = t.untyped_storage()
-                ranges[storage.data_ptr()] = storage.nbytes()
-        except (RuntimeError, NotImplementedError):  # no memory of its own to read (sparse, a wrapper subclass)
-            continue
+    ranges = memory_ranges(tensors)
     mincore = _libc_function("mincore", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
     if mincore is None:
         return sum(ranges.values())

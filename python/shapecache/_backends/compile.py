@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 from shapecache._backends import exported, guards
 from shapecache._backends.entry import BuildContext, Builder, BuiltEntry, not_built, register
 from shapecache._backends.exported import first_line
-from shapecache._host_memory import resident_bytes, resident_bytes_of, return_free_memory
+from shapecache._host_memory import memory_ranges, resident_bytes, resident_bytes_of, return_free_memory
 
 
 @register
@@ -118,15 +118,7 @@ def held_bytes(constants: list, device: torch.device) -> int:
     (shapecache/_host_memory.py); elsewhere their storages' bytes. Read from the tensors
     themselves, it is the entry's whatever other threads allocate or free during the build."""
     mine = [t for t in constants if t.device == device]
-    if device.type == "cpu":
-        return resident_bytes_of(mine)
-    storages = {}
-    for t in mine:
-        try:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        except (RuntimeError, NotImplementedError):  # no storage of its own (sparse, a wrapper subclass)
-            continue
-    return sum(storages.values())
+    return resident_bytes_of(mine) if device.type == "cpu" else sum(memory_ranges(mine).values())
 
 
 class _HeldBytes:
@@ -225,9 +217,5 @@ def allocated_bytes(device: torch.device) -> int:
 
 def tensor_bytes(output, device: torch.device) -> int:
     """Bytes of the distinct storages of the tensors in `output` on `device`."""
-    seen = {}
-    for t in tree_leaves(output):
-        if isinstance(t, torch.Tensor) and t.device == device:
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+    tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.device == device]
+    return sum(memory_ranges(tensors).values())

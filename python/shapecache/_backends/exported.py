@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from shapecache._backends import guards, tracing_threads
 from shapecache._extension import _C
 from shapecache._holder import holder_on
+from shapecache._host_memory import memory_of, memory_ranges
 
 # Builds of this route change inductor's configuration for their duration (config.patch is
 # process-wide) and attribute the modules inductor loads meanwhile to one entry: one at a time.
@@ -180,23 +181,16 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
 def _constants_of(modules: list, read: list, roots) -> list[torch.Tensor]:
     """The tensors `modules` (inductor's, of one compile) hold as attributes, but for those the
     model holds itself (its parameters and buffers, the tensors the graph read)."""
-    own = {_address(t) for t in read}
+    own = memory_ranges(read)
     for root in roots:
-        own.update(_address(t) for t in (*root.parameters(), *root.buffers()))
+        own.update(memory_ranges((*root.parameters(), *root.buffers())))
     found = {}
     for module in modules:
         for value in vars(module).values():
-            if isinstance(value, torch.Tensor) and _address(value) not in own:
-                found[_address(value)] = value
+            memory = memory_of(value) if isinstance(value, torch.Tensor) else None
+            if memory is not None and memory[0] not in own:
+                found[memory[0]] = value
     return list(found.values())
-
-
-def _address(tensor: torch.Tensor) -> int:
-    """Where the tensor's memory starts (its storage's, or oneDNN's opaque buffer's)."""
-    try:
-        return torch.ops.mkldnn.data_ptr(tensor) if tensor.is_mkldnn else tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # a tensor without storage of its own (sparse)
-        return -id(tensor)
 
 
 def _take_back_fake_tensors(saved: list) -> None:
