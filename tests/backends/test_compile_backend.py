@@ -221,40 +221,75 @@ def test_a_byte_budget_bounds_the_cache_and_the_process():
     assert measured["resident"][-1] <= measured["resident"][0] + budget + 8 * MiB, [h // MiB for h in measured["resident"]]
 
 
+WORKING_MEMORY: list = []  # a serving thread's working memory, freed during the trace below
+
+
+class FreesDuringTrace(torch.nn.Module):
+    """Passes its input on; seeing the trace's fake tensors, frees WORKING_MEMORY, as another
+    thread would during a build."""
+
+    def forward(self, x):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if isinstance(x, FakeTensor):
+            WORKING_MEMORY.clear()
+        return x
+
+
 def test_an_entry_is_charged_what_it_holds_when_another_thread_frees_memory_during_its_build():
     # A serving thread frees 320 MiB of working memory while a background build runs (here, as
     # the build traces the model: deterministic). A charge read from the process's resident
     # growth would be 0 for that entry; each entry is charged its frozen weights, and the
     # budget of 2.5 entries holds over four sizes.
-    from torch._subclasses.fake_tensor import FakeTensor
-
     skip_without_resident_figures()
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.ReLU(),
+    net = torch.nn.Sequential(FreesDuringTrace(), torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.ReLU(),
                               torch.nn.Conv2d(64, 256, 3, padding=1)).eval()
     weights = sum(p.numel() * p.element_size() for p in net.parameters())
-    working = []
-
-    def free_working_memory_during_the_trace(module, args):
-        if isinstance(args[0], FakeTensor) and working:
-            working.clear()
-
-    net[0].register_forward_pre_hook(free_working_memory_during_the_trace)
     cached = sc.cached(net, backend="compile", build="background", budget=int(2.5 * weights),
                        compile_options={"options": {"freezing": True}})
     charged = []
-    with torch.no_grad():
-        for size in (16, 20, 24, 28):
-            working.append(torch.ones(320 * MiB // 4))  # written: resident
-            expected = net(torch.ones(1, 3, size, size))
-            torch.testing.assert_close(cached(torch.ones(1, 3, size, size)), expected)
-            assert sc.wait(cached, timeout=300)
-            assert not working  # freed during the build
-            entries = sc.stats(cached)["entries"]
-            charged.append(entries[0]["bytes"])
-            assert sum(e["bytes"] for e in entries) <= 2.5 * weights
-    sc.uncached(net)
+    try:
+        with torch.no_grad():
+            for size in (16, 20, 24, 28):
+                WORKING_MEMORY.append(torch.ones(320 * MiB // 4))  # written: resident
+                expected = net(torch.ones(1, 3, size, size))
+                torch.testing.assert_close(cached(torch.ones(1, 3, size, size)), expected)
+                assert sc.wait(cached, timeout=300)
+                assert not WORKING_MEMORY  # freed during the build
+                entries = sc.stats(cached)["entries"]
+                charged.append(entries[0]["bytes"])
+                assert sum(e["bytes"] for e in entries) <= 2.5 * weights
+    finally:
+        WORKING_MEMORY.clear()
+        sc.uncached(net)
     assert min(charged) >= 0.8 * weights, ([c / MiB for c in charged], weights / MiB)
+
+
+def test_a_forward_hook_runs_on_the_calls_own_tensors_on_every_call():
+    # A trace would run the hook once, on fake tensors, and a graph never again: such calls are
+    # compiled by Dynamo inline (as torch.compile, which runs the hook), and run uncached in
+    # the background, with one warning naming the hook either way.
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).eval()
+    for build in ("inline", "background"):
+        collected = []
+        handle = net[0].register_forward_hook(lambda module, args, out: collected.append(out.detach().clone()))
+        cached = sc.cached(net, backend="compile", build=build)
+        inputs = [torch.randn(n, 4) for n in (2, 3, 2, 3)]
+        try:
+            with torch.no_grad(), pytest.warns(RuntimeWarning, match=r"forward hooks that a graph would not run again "
+                                                                      r"\(self\.0 \(.*<lambda>\)\)"):
+                for x in inputs:
+                    cached(x)
+                    assert sc.wait(cached, timeout=300)
+        finally:
+            handle.remove()
+            sc.uncached(net)
+        assert len(collected) == 4, build
+        for x, activation in zip(inputs, collected, strict=True):
+            assert type(activation) is torch.Tensor
+            torch.testing.assert_close(activation, net[0](x), rtol=1e-4, atol=1e-5)
 
 
 FIRST_ENTRIES = """

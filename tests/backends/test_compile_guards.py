@@ -449,40 +449,52 @@ def test_threads_call_sizes_submodules_stats_and_clear_while_builds_run():
     assert stats["builds"] >= 1 and stats["hits"] >= 1, stats
 
 
+CHANGED_DURING_THE_TRACE: list = []  # (module, attribute) each trace changes, as another thread would
+
+
+class ChangesDuringTrace(torch.nn.Module):
+    """Passes its input on; seeing the trace's fake tensors, changes what CHANGED_DURING_THE_TRACE names."""
+
+    def forward(self, x):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if isinstance(x, FakeTensor):
+            for module, attribute in CHANGED_DURING_THE_TRACE:
+                setattr(module, attribute, getattr(module, attribute, 0) + 1)
+        return x
+
+
 class Parts(torch.nn.Module):
     """A forward that reaches `used` alone; `idle` holds a part it never calls."""
 
     def __init__(self):
         super().__init__()
+        self.probe = ChangesDuringTrace()
         self.used = torch.nn.Linear(4, 4)
         self.idle = torch.nn.Sequential(torch.nn.Linear(4, 4))
         self.idle[0].tag = 0
 
     def forward(self, x):
-        return self.used(x)
+        return self.used(self.probe(x))
 
 
 @pytest.mark.parametrize("what,kept", [("idle", True), ("used", False)])
 def test_a_change_during_the_build_makes_the_entry_stale_only_where_it_reads(what, kept):
-    # Made as the trace runs (a pre-hook that sees the trace's fake tensors), as another thread
-    # would: to a part the call never reaches, the entry is kept; to the layer it runs, the
-    # entry is stale when built, not kept, and the next call builds it from the changed state.
-    from torch._subclasses.fake_tensor import FakeTensor
-
+    # Made as the trace runs, as another thread would: to a part the call never reaches, the
+    # entry is kept; to the layer it runs, the entry is stale when built, not kept, and the
+    # next call builds it from the changed state.
     torch.manual_seed(0)
     net = Parts().eval()
-
-    def change_during_the_trace(module, args):
-        if isinstance(args[0], FakeTensor):
-            part = net.idle[0] if what == "idle" else net.used
-            part.tag = getattr(part, "tag", 0) + 1
-
-    net.used.register_forward_pre_hook(change_during_the_trace)
+    CHANGED_DURING_THE_TRACE[:] = [(net.idle[0] if what == "idle" else net.used, "tag")]
     cached = compiled(net)
     x = torch.randn(2, 4)
-    with torch.no_grad():
-        cached(x)
-        stats = sc.stats(cached)
-        assert (len(stats["entries"]), stats["invalidations"]) == ((1, 0) if kept else (0, 1))
-        torch.testing.assert_close(cached(x), torch.nn.functional.linear(x, net.used.weight, net.used.bias), **CLOSE)
-    sc.uncached(net)
+    try:
+        with torch.no_grad():
+            cached(x)
+            stats = sc.stats(cached)
+            assert (len(stats["entries"]), stats["invalidations"]) == ((1, 0) if kept else (0, 1))
+            torch.testing.assert_close(cached(x), torch.nn.functional.linear(x, net.used.weight, net.used.bias),
+                                       **CLOSE)
+    finally:
+        CHANGED_DURING_THE_TRACE.clear()
+        sc.uncached(net)

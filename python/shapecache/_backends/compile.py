@@ -52,7 +52,8 @@ class CompiledBuilder(Builder):
         effects, so a bucket that needs Dynamo is not built there (it runs uncached)."""
         device, run_call = handle.device, handle.run_call
         options = context.compile_options
-        if exported.handles(options):
+        hooks = exported.hooks_a_graph_drops(args, kwargs, context.has_owner, context.parameter_names)
+        if exported.handles(options) and not hooks:
             if device.type == "cpu":
                 exported.warm_up(options)  # the compiler's start-up is not this entry's (shapecache/_host_memory.py)
             try:
@@ -83,9 +84,15 @@ class CompiledBuilder(Builder):
                                   bytes=held_bytes(compiled.constants, device),
                                   backend="compile", guard=compiled.guard, built_from=compiled.built_from,
                                   ran_call=False)
+        # Dynamo runs hooks as torch.compile does: on the call's own tensors, on every call.
+        why = (f"it runs forward hooks that a graph would not run again ({', '.join(hooks[:3])})" if hooks
+               else "its compile options need Dynamo")
         if not run_call:
-            return not_built(function, args, kwargs, "its compile options need Dynamo, which compiles only by running the "
-                             "call again", run_call=False)
+            return not_built(function, args, kwargs, f"{why}, and Dynamo compiles only by running the call again",
+                             run_call=False)
+        if hooks:
+            _warn_once(function, f"{why}; its buckets are compiled by Dynamo, whose compiled code stays in memory "
+                       "after eviction")
         return _build_with_dynamo(function, context, args, kwargs, device)
 
 

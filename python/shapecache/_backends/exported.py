@@ -84,6 +84,42 @@ def handles(compile_options: dict) -> bool:
     return compile_options.get("mode") in _MODES
 
 
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+_GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks")
+
+
+def hooks_a_graph_drops(args: tuple, kwargs: dict, has_owner: bool, parameter_names) -> list[str]:
+    """The forward hooks and pre-hooks the call would run that are not torch's own (an
+    activation collector, a probe), named: a trace runs them once, on fake tensors, and a graph
+    never runs them again. Those of the module whose forward is cached are not among them: its
+    own ``__call__`` runs them around the cache, on every call. torch's own (weight_norm's,
+    parametrize's) compute what the forward reads, and are traced into the graph."""
+    from torch.nn.modules import module as module_globals
+
+    found = [f"a global forward hook ({_name_of(hook)})" for name in _GLOBAL_HOOK_DICTS
+             for hook in getattr(module_globals, name, {}).values() if not _torchs_own(hook)]
+    owner = args[0] if has_owner and args else None
+    for path, root in guards.call_roots(args, kwargs, has_owner, parameter_names).items():
+        for name, module in root.named_modules(remove_duplicate=True):
+            if module is owner:
+                continue
+            for hooks in _HOOK_DICTS:
+                found += [f"{path}.{name}".rstrip(".") + f" ({_name_of(hook)})"
+                          for hook in getattr(module, hooks, {}).values() if not _torchs_own(hook)]
+    return found
+
+
+def _torchs_own(hook) -> bool:
+    function = getattr(hook, "func", hook)  # functools.partial
+    function = getattr(function, "__func__", function)  # a bound method
+    defined_in = getattr(function, "__module__", None) or type(function).__module__
+    return defined_in == "torch" or defined_in.startswith("torch.")
+
+
+def _name_of(hook) -> str:
+    return getattr(hook, "__qualname__", None) or type(hook).__qualname__
+
+
 class ExportFailed(Exception):
     """torch.export could not capture the call as one graph (the cause is chained)."""
 
