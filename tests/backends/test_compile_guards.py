@@ -408,6 +408,52 @@ def test_a_trace_leaves_no_fake_tensor_in_objects_it_shares_with_the_live_model(
     assert not isinstance(net.processor.cache, torch._subclasses.fake_tensor.FakeTensor)
 
 
+class Rotary:
+    """A plain helper with a lazy cache and its sentinel, as DiT and LLM code writes rotary tables."""
+
+    def __init__(self, base: float):
+        self.base = base
+        self.length = None
+        self.table = None
+
+    def __call__(self, x):
+        n = x.shape[-1]
+        if self.length != n:
+            self.table = torch.arange(n, dtype=x.dtype) / self.base
+            self.length = n
+        return x + self.table
+
+
+class WithRotary(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rotary = Rotary(10000.0)
+        self.seen: list = []
+
+    def forward(self, x):
+        self.seen.append(x.shape[-1])  # a list the model keeps
+        return self.rotary(x)
+
+
+@pytest.mark.parametrize("build", ["inline", "background"])
+def test_a_build_leaves_the_users_plain_objects_as_they_were(build):
+    # The trace writes the helper's table and sentinel, and the model's list: all put back
+    # whole (a value put back alone would leave a sentinel beside a table it does not
+    # describe), and the call, which writes state it reads, runs uncached with one warning.
+    net, plain = WithRotary(), WithRotary()
+    cached = sc.cached(net, backend="compile", build=build)
+    for n in (4, 6, 4, 6):
+        x = torch.randn(2, n)
+        before = (net.rotary.length, net.rotary.table, list(net.seen))
+        torch.testing.assert_close(cached(x), plain(x))
+        assert sc.wait(cached, timeout=300)
+        length, table, seen = net.rotary.length, net.rotary.table, net.seen
+        assert length == n and type(table) is torch.Tensor and table.shape == (n,), (before, length, table)
+        assert seen == [*before[2], n]
+    assert sc.stats(cached)["entries"] == []
+    sc.uncached(net)
+
+
 def test_threads_call_sizes_submodules_stats_and_clear_while_builds_run():
     net, plain = twins()
     cached = compiled(net)

@@ -169,9 +169,9 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
     traced = [copies.of(leaf) if isinstance(leaf, torch.nn.Module) else leaf for leaf in leaves]
     module = _Call(function, traced, spec, tensor_positions)
     copy_roots = {path: copies.of(leaf) for path, leaf in roots.items()}
-    shared: list[dict] = []
+    shared: list = []  # the dicts and lists the copies share with the live model (and their own)
     module.trace.python_state = guards.guard(copy_roots, functions=[function], python_only=True, collect=shared)
-    saved = [(d, dict(d)) for d in shared]
+    saved = [(container, type(container)(container)) for container in shared]
     options = dict(compile_options.get("options") or {})
     mode = compile_options.get("mode")
     if mode not in (None, "default"):
@@ -193,7 +193,7 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
         except Exception as error:  # noqa: BLE001  (export's failures share no base class)
             raise ExportFailed(f"{type(error).__name__}: {first_line(error)}") from error
         finally:
-            _take_back_fake_tensors(saved)
+            _put_back(saved)
         if module.trace.state_written:
             raise WritesState(module.trace.state_written)
         reached = {id(copies.live(module)) for module in copies.ran.values()}
@@ -229,29 +229,20 @@ def _constants_of(modules: list, read: list, roots) -> list[torch.Tensor]:
     return list(found.values())
 
 
-def _take_back_fake_tensors(saved: list) -> None:
-    """Puts back what the trace left holding fake tensors in the dicts it shares with the live
-    model (a processor's lazy cache, a global model's attribute). Only those: any other write
-    may be another thread's, and is the call's to keep (the trace's own writes are reported by
-    the guard over the Python state, and the bucket then runs uncached)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    def fake(value) -> bool:
-        if isinstance(value, (list, tuple)):
-            return any(isinstance(item, FakeTensor) for item in value)
-        if isinstance(value, dict):
-            return any(isinstance(item, FakeTensor) for item in value.values())
-        return isinstance(value, FakeTensor)
-
-    missing = object()
-    for d, before in saved:
-        for key, value in list(d.items()):
-            if fake(value):
-                old = before.get(key, missing)
-                if old is missing:
-                    del d[key]
-                else:
-                    d[key] = old
+def _put_back(saved: list) -> None:
+    """Puts back, whole, each dict and list the trace changed that the copies share with the
+    live model (a helper's lazy cache, a hook's list): a trace writes them while running on
+    fake tensors, and a value put back alone would leave its neighbours (a "last length"
+    beside the table it describes) out of step. The trace's writes are reported by the guard
+    over the Python state, and the bucket then runs uncached; a write another thread made
+    during the trace to the same container is undone with them."""
+    for container, before in saved:
+        if isinstance(container, dict):
+            if container.keys() != before.keys() or any(container[k] is not v for k, v in before.items()):
+                container.clear()
+                container.update(before)
+        elif len(container) != len(before) or any(a is not b for a, b in zip(container, before, strict=True)):
+            container[:] = before
 
 
 def _tensors_read(program) -> list[tuple[str, torch.Tensor]]:

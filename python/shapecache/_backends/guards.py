@@ -60,7 +60,7 @@ class Guarded:
     def __init__(self, python_only: bool = False, collect: list | None = None):
         # (kind, object, path, option) per item, made into a _C.StateGuard in one call
         self.record: list[tuple] = []
-        self._collect = collect  # receives every dict guarded, when given
+        self._collect = collect  # receives every dict and list guarded, when given
         self._seen: set[int] = set()
         # Python state alone: no tensors, and not the dicts that hold parameters and buffers
         # (a trace swaps fake tensors into those).
@@ -132,6 +132,8 @@ class Guarded:
         elif isinstance(value, (list, tuple)):
             if type(value) is list and len(value) <= _LIST_ITEMS and self._first(value):
                 self.record.append(("list", value, path, None))
+                if self._collect is not None:
+                    self._collect.append(value)
             for i, item in enumerate(value[:_LIST_ITEMS]):
                 self._value(item, f"{path}[{i}]", depth)
         elif type(value) is set:
@@ -214,7 +216,7 @@ def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensor
     trees). `tensors`:
     (path, tensor) pairs the graph reads besides those (constants it lifted); their owning
     modules are guarded too. `python_only`: no tensors, and not the parameter and buffer dicts.
-    `collect`: receives the dicts of modules and objects guarded."""
+    `collect`: receives the dicts of modules and objects guarded, and the lists."""
     guarded = Guarded(python_only, collect)
     guarded.global_hooks()
     # Modules reached through globals and closures were traced live, without a record of
