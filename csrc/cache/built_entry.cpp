@@ -47,15 +47,12 @@ BuiltEntry BuiltEntry::from_python(const py::handle& returned) {
     if (built.failure.empty()) throw py::value_error("shapecache: a BuiltEntry with no runner needs a failure");
     return built;
   }
-  if (!built_from.is_none()) {
-    // Only what the entry reads: a change elsewhere in the model during the build is no
-    // reason to build it again.
-    auto started_from = built_from.cast<std::shared_ptr<StateGuard>>();
-    if (built.guard) started_from->narrow_to(*built.guard);
-    if (!started_from->check()) {
-      built.guard = std::move(started_from);
-      built.started_stale = true;
-    }
+  // The whole state the build started from, not only what the entry's guard holds: a module
+  // the trace ran that was replaced during the build is in neither the entry's guard nor
+  // anything else that would see the swap.
+  if (!built_from.is_none() && !built_from.cast<StateGuard&>().check()) {
+    built.guard = built_from.cast<std::shared_ptr<StateGuard>>();
+    built.started_stale = true;
   }
   if (!graph.is_none()) {
     built.runner = std::make_shared<CompiledGraphRunner>(std::move(graph), std::move(rebuild), built.guard);

@@ -9,10 +9,9 @@
 //   - the guard: from the record of what the entry depends on (guards.py), or a StateGuard
 //     made already (a CUDA graph's runner holds it). The tensors of a record carry the version
 //     they were read at, so a tensor updated in place between the record and now is stale;
-//   - `built_from`, the guard over the live state the build started from, narrowed to what
-//     the entry's guard holds: if it no longer holds, another thread changed what the entry
-//     reads while it was built: the entry is stale from the start (`started_stale`;
-//     miss_policy.h says what becomes of it). A change to the rest of the model is not.
+//   - `built_from`, the guard over the live state the build started from: if it no longer
+//     holds, another thread changed the model while the entry was built: the entry is stale
+//     from the start (`started_stale`; miss_policy.h says what becomes of it).
 #pragma once
 
 #include <pybind11/pybind11.h>

@@ -2,9 +2,7 @@
 
 #include <torch/csrc/autograd/python_variable.h>
 
-#include <algorithm>
 #include <unordered_map>
-#include <unordered_set>
 
 namespace shapecache {
 namespace {
@@ -207,27 +205,6 @@ void StateGuard::add_class(const py::type& cls, std::string path) {
 
 void StateGuard::add_snapshot(const py::object& obj, const py::object& snapshot_of, std::string path) {
   snapshots_.push_back({obj, snapshot_of, snapshot_of(obj), std::move(path)});
-}
-
-void StateGuard::narrow_to(const StateGuard& other) {
-  std::unordered_set<PyObject*> kept;
-  for (const GuardedDict& guarded : other.dicts_) kept.insert(guarded.dict.ptr());
-  for (const GuardedTensor& guarded : other.tensors_) kept.insert(guarded.tensor.ptr());
-  for (const GuardedList& guarded : other.lists_) kept.insert(guarded.list.ptr());
-  for (const GuardedCell& guarded : other.cells_) kept.insert(guarded.cell.ptr());
-  for (const GuardedType& guarded : other.types_) kept.insert(guarded.object.ptr());
-  for (const GuardedSnapshot& guarded : other.snapshots_) kept.insert(guarded.object.ptr());
-  auto drop = [&kept](auto& items, auto object_of) {
-    items.erase(std::remove_if(items.begin(), items.end(),
-                               [&](const auto& guarded) { return kept.count(object_of(guarded).ptr()) == 0; }),
-                items.end());
-  };
-  drop(dicts_, [](const GuardedDict& g) -> const py::object& { return g.dict; });
-  drop(tensors_, [](const GuardedTensor& g) -> const py::object& { return g.tensor; });
-  drop(lists_, [](const GuardedList& g) -> const py::object& { return g.list; });
-  drop(cells_, [](const GuardedCell& g) -> const py::object& { return g.cell; });
-  drop(types_, [](const GuardedType& g) -> const py::object& { return g.object; });
-  drop(snapshots_, [](const GuardedSnapshot& g) -> const py::object& { return g.object; });
 }
 
 bool StateGuard::fail(std::string what) {

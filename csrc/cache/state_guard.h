@@ -71,10 +71,6 @@ class StateGuard {
   // Guards what `snapshot_of(obj)` returns, compared (==) with its value now on every check.
   void add_snapshot(const py::object& obj, const py::object& snapshot_of, std::string path);
 
-  // Keeps only the objects `other` guards too: a guard over the state a build started from
-  // then answers for what the built entry reads, not for the rest of the model.
-  void narrow_to(const StateGuard& other);
-
   // True while everything is as recorded. Once false, always false.
   bool check();
   // After check() returned false: what changed, named by its path.

@@ -27,6 +27,7 @@ runs its own forward, so the trace is one graph and builds nothing for the submo
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
@@ -89,11 +90,11 @@ _GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks")
 
 
 def hooks_a_graph_drops(args: tuple, kwargs: dict, has_owner: bool, parameter_names) -> list[str]:
-    """The forward hooks and pre-hooks the call would run that are not torch's own (an
-    activation collector, a probe), named: a trace runs them once, on fake tensors, and a graph
-    never runs them again. Those of the module whose forward is cached are not among them: its
-    own ``__call__`` runs them around the cache, on every call. torch's own (weight_norm's,
-    parametrize's) compute what the forward reads, and are traced into the graph."""
+    """The forward hooks and pre-hooks that are not torch's own (an activation collector, a
+    probe) on the modules among the call's arguments, and the global ones, named: a trace would
+    run them once, on fake tensors, and a graph never again. Those of the module whose forward
+    is cached are not among them: its own ``__call__`` runs them around the cache, on every
+    call. Modules reached only through globals or closures are not looked at."""
     from torch.nn.modules import module as module_globals
 
     found = [f"a global forward hook ({_name_of(hook)})" for name in _GLOBAL_HOOK_DICTS
@@ -110,10 +111,12 @@ def hooks_a_graph_drops(args: tuple, kwargs: dict, has_owner: bool, parameter_na
 
 
 def _torchs_own(hook) -> bool:
-    function = getattr(hook, "func", hook)  # functools.partial
-    function = getattr(function, "__func__", function)  # a bound method
-    defined_in = getattr(function, "__module__", None) or type(function).__module__
-    return defined_in == "torch" or defined_in.startswith("torch.")
+    """Whether `hook` is torch's (or shapecache's own, the tuning records' flush)."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    function = getattr(hook, "__func__", hook)  # a bound method
+    defined_in = str(getattr(function, "__module__", None) or type(function).__module__)
+    return defined_in.split(".")[0] in ("torch", "shapecache")
 
 
 def _name_of(hook) -> str:
@@ -171,7 +174,7 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
     copy_roots = {path: copies.of(leaf) for path, leaf in roots.items()}
     shared: list = []  # the dicts and lists the copies share with the live model (and their own)
     module.trace.python_state = guards.guard(copy_roots, functions=[function], python_only=True, collect=shared)
-    saved = [(container, type(container)(container)) for container in shared]
+    module.trace.shared = [(container, _snapshot(container)) for container in shared]
     options = dict(compile_options.get("options") or {})
     mode = compile_options.get("mode")
     if mode not in (None, "default"):
@@ -193,7 +196,7 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
         except Exception as error:  # noqa: BLE001  (export's failures share no base class)
             raise ExportFailed(f"{type(error).__name__}: {first_line(error)}") from error
         finally:
-            _put_back(saved)
+            _put_back(module.trace.shared, module.trace.written)
         if module.trace.state_written:
             raise WritesState(module.trace.state_written)
         reached = {id(copies.live(module)) for module in copies.ran.values()}
@@ -229,19 +232,38 @@ def _constants_of(modules: list, read: list, roots) -> list[torch.Tensor]:
     return list(found.values())
 
 
-def _put_back(saved: list) -> None:
-    """Puts back, whole, each dict and list the trace changed that the copies share with the
-    live model (a helper's lazy cache, a hook's list): a trace writes them while running on
-    fake tensors, and a value put back alone would leave its neighbours (a "last length"
-    beside the table it describes) out of step. The trace's writes are reported by the guard
-    over the Python state, and the bucket then runs uncached; a write another thread made
-    during the trace to the same container is undone with them."""
-    for container, before in saved:
+_ABSENT = object()
+
+
+def _snapshot(container):
+    """The items of a dict or list, as a plain dict or list (a defaultdict's factory is not needed)."""
+    return dict(container) if isinstance(container, dict) else list(container)
+
+
+def _put_back(shared: list, written: list | None) -> None:
+    """Puts back what the trace wrote into the dicts and lists the copies share with the live
+    model (a helper's lazy cache and its "last length", a list the model appends to): every
+    key the trace changed, together, so that none is left out of step with its neighbours.
+    `shared`: (container, its items before the trace); `written`: their items as the traced
+    call ended (None where it did not end: then what changed by now counts as the trace's).
+    A value changed again since the traced call ended is another thread's, and is kept; a
+    write another thread made during the trace itself cannot be told from the trace's, and is
+    undone with it. The trace's writes are reported by the guard over the Python state, and
+    the bucket then runs uncached. No container is emptied on the way: another thread may read
+    it meanwhile."""
+    for i, (container, before) in enumerate(shared):
+        after = written[i] if written is not None else _snapshot(container)
         if isinstance(container, dict):
-            if container.keys() != before.keys() or any(container[k] is not v for k, v in before.items()):
-                container.clear()
-                container.update(before)
-        elif len(container) != len(before) or any(a is not b for a, b in zip(container, before, strict=True)):
+            for key in [*before, *(k for k in after if k not in before)]:
+                old, traced = before.get(key, _ABSENT), after.get(key, _ABSENT)
+                if old is traced or container.get(key, _ABSENT) is not traced:
+                    continue  # not the trace's change, or changed again since
+                if old is _ABSENT:
+                    container.pop(key, None)
+                else:
+                    container[key] = old
+        elif (len(after) != len(before) or any(a is not b for a, b in zip(after, before, strict=True))) and (
+                len(container) == len(after) and all(a is b for a, b in zip(container, after, strict=True))):
             container[:] = before
 
 
@@ -393,6 +415,8 @@ class _Call(torch.nn.Module):
         self.trace = types.SimpleNamespace(
             python_state=None,  # a guard over the Python state the call could read, set before tracing
             state_written=None,  # what the traced call wrote of it
+            shared=[],  # (dict or list the copies share with the live model, its items before the trace)
+            written=None,  # the items of each of `shared` as the traced call ended
             output_layout=None,  # the output's structure and constants
         )
 
@@ -407,6 +431,7 @@ class _Call(torch.nn.Module):
         self.trace.output_layout = output
         if not self.trace.python_state.check():
             self.trace.state_written = self.trace.python_state.changed
+        self.trace.written = [_snapshot(container) for container, _ in self.trace.shared]
         tensors, output.tensors = tuple(output.tensors), None  # the trace's tensors are not kept
         return tensors
 
