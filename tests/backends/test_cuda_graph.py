@@ -334,6 +334,58 @@ def test_a_capture_that_fails_is_followed_by_a_good_one():
 
 
 @pytest.mark.cuda
+def test_after_a_failed_capture_older_graphs_replay_and_eager_random_numbers_work():
+    # torch 2.11 and 2.12 put the default CUDA generator into capture mode in capture_begin and
+    # take it out only in a capture_end that succeeded: a failed capture left it there, and
+    # then every replay of an older graph, and every eager random call, raised "Offset
+    # increment outside graph capture encountered unexpectedly". (2.13 keeps the state per
+    # capture.) The graph here draws random numbers, so its replay moves the generator.
+    calls = []
+
+    @sc.cached(backend="cuda_graph")
+    def f(x):
+        calls.append(x.shape[0])
+        if x.shape[0] == 3 and calls.count(3) > 1:
+            torch.cuda.synchronize()  # invalidates the capture
+        return x * 2 + torch.rand_like(x) * 0
+
+    with torch.no_grad():
+        for _ in range(2):  # built, then replayed
+            assert torch.equal(f(torch.ones(4, device="cuda")), torch.full((4,), 2.0, device="cuda"))
+        with pytest.warns(RuntimeWarning, match="could not be captured as a CUDA graph"):
+            f(torch.ones(3, device="cuda"))
+        for _ in range(2):  # the older graph replays
+            assert torch.equal(f(torch.ones(4, device="cuda")), torch.full((4,), 2.0, device="cuda"))
+        assert torch.rand(8, device="cuda").shape == (8,)  # eager random numbers
+    st = sc.stats(f)
+    assert sorted(e["backend"] for e in st["entries"]) == ["cuda_graph", "eager"]
+    assert st["hits"] >= 3
+
+
+@pytest.mark.cuda
+def test_graphs_replay_right_after_torch_frees_its_cublas_workspaces():
+    # Inductor's CUDA graph trees free cuBLAS's workspaces before and after each recording
+    # (torch._C._cuda_clearCublasWorkspaces). A GEMM captured into a workspace torch owns
+    # would then replay into memory the allocator has handed to someone else: both the
+    # answer and that tensor would be wrong. A long reduction makes cuBLAS use a workspace.
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16384, 64), torch.nn.Linear(64, 16384)).cuda().eval()
+    sc.cached(net, backend="cuda_graph")
+    x = torch.randn(4, 16384, device="cuda")
+    with torch.no_grad():
+        expected = torch.nn.Sequential.forward(net, x).clone()
+        torch.testing.assert_close(net(x), expected)  # captured
+        torch._C._cuda_clearCublasWorkspaces()
+        torch.cuda.empty_cache()
+        others = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(256)]  # takes what was freed
+        for _ in range(3):
+            torch.testing.assert_close(net(x), expected)
+        torch.cuda.synchronize()
+        assert all(bool((t == 7.0).all()) for t in others), "a replay wrote into memory torch had freed"
+    assert sc.stats(net)["entries"][0]["backend"] == "cuda_graph"
+
+
+@pytest.mark.cuda
 def test_two_threads_call_one_graph_cached_module():
     import threading
 

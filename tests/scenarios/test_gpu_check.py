@@ -55,6 +55,8 @@ def test_steps_run_in_order_a_late_one_is_stopped_with_its_children_and_the_repo
     assert [s["status"] for s in written["steps"]] == statuses
     markdown = (tmp_path / "out" / "report.md").read_text()
     assert "| too slow | timed out after 3 s |" in markdown and "## fails" in markdown
+    assert (tmp_path / "out" / "fails.log").read_text() == "broken\n"  # each step's whole output
+    assert "started" in (tmp_path / "out" / "too-slow.log").read_text()
 
 
 def test_a_finished_step_leaves_nothing_running_and_the_total_limit_holds(tmp_path):
@@ -104,6 +106,9 @@ def test_sigterm_to_the_check_stops_the_running_step_and_its_children(tmp_path):
     check.terminate()  # a second SIGTERM does not cut the stopping short
     assert check.wait(timeout=30) == 128 + 15
     assert wait_gone(int(pid_file.read_text())), "the running step's child outlived the check"
+    stopped = json.loads((tmp_path / "report.json").read_text())["steps"]
+    assert [s["status"] for s in stopped] == ["stopped with the check (SystemExit)"]
+    assert "started" in stopped[0]["output_tail"]  # what it printed before the check was stopped
 
 
 def test_the_checks_time_counts_from_the_process_start():

@@ -25,7 +25,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,36 +143,52 @@ def seconds_since_process_start() -> float:
 
 
 def run_steps(steps: list[Step], out: Path, header: dict, total_seconds: float = TOTAL_SECONDS) -> dict:
-    """Runs `steps` in order; writes the report after each. Each step runs within its limit and
-    within what is left of `total_seconds` once the time to stop its group is kept aside, so the
-    whole ends within `total_seconds`. A step the total leaves no time for is reported as not
-    run."""
+    """Runs `steps` in order; writes the report after each, and each step's whole output to
+    `out/<step>.log`. Each step runs within its limit and within what is left of
+    `total_seconds` once the time to stop its group is kept aside, so the whole ends within
+    `total_seconds`. A step the total leaves no time for is reported as not run; a step the
+    check is stopped during (SIGTERM, Ctrl-C) is reported as stopped, with its output so far."""
     out.mkdir(parents=True, exist_ok=True)
     report = {**header, "steps": []}
     deadline = time.monotonic() + total_seconds
     for step in steps:
         left = deadline - time.monotonic() - STOP_SECONDS
+        entry = {"step": step.name, "command": " ".join(step.command), "limit": step.seconds}
         if left <= 1:
-            report["steps"].append({"step": step.name, "command": " ".join(step.command), "status": "not run",
-                                    "seconds": 0.0, "limit": step.seconds,
-                                    "output_tail": f"the check's {total_seconds:.0f} s were spent"})
+            entry.update(status="not run", seconds=0.0, output_tail=f"the check's {total_seconds:.0f} s were spent")
+            report["steps"].append(entry)
         else:
-            status, seconds, output = run_step(step.command, min(step.seconds, left))
-            report["steps"].append({"step": step.name, "command": " ".join(step.command), "status": status,
-                                    "seconds": round(seconds, 1), "limit": step.seconds,
-                                    "output_tail": output[-OUTPUT_TAIL:]})
-        print(f"{step.name}: {report['steps'][-1]['status']} in {report['steps'][-1]['seconds']:.0f} s", flush=True)
+            log = out / f"{step.name.replace(' ', '-')}.log"
+            try:
+                status, seconds, output = run_step(step.command, min(step.seconds, left), log)
+            except BaseException as stopped:  # the check itself is stopped: say so before it ends
+                status, seconds, output = f"stopped with the check ({type(stopped).__name__})", 0.0, _read(log)
+                raise
+            finally:
+                entry.update(status=status, seconds=round(seconds, 1), output_tail=output[-OUTPUT_TAIL:],
+                             log=log.name)
+                report["steps"].append(entry)
+                write_report(report, out)
+        print(f"{step.name}: {entry['status']} in {entry['seconds']:.0f} s", flush=True)
         write_report(report, out)
     print(f"report: {out / 'report.md'}")
     return report
 
 
-def run_step(command, seconds: float) -> tuple:
+def _read(path: Path) -> str:
+    try:
+        return path.read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def run_step(command, seconds: float, log_path: Path) -> tuple:
     """(exit status or "timed out after N s", seconds, output) of `command` run in a process
-    group of its own; the group is stopped when the command ends or runs out of time."""
+    group of its own, its output written to `log_path`; the group is stopped when the command
+    ends or runs out of time."""
     start = time.monotonic()
     # Output goes to a file, not a pipe: a child left running would keep a pipe open.
-    with tempfile.TemporaryFile() as log:
+    with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             status = process.wait(timeout=seconds)
@@ -181,9 +196,7 @@ def run_step(command, seconds: float) -> tuple:
             status = f"timed out after {seconds:.0f} s"
         finally:  # also on KeyboardInterrupt: nothing of the step outlives it
             stop_group(process)
-        log.seek(0)
-        output = log.read().decode(errors="replace")
-    return status, time.monotonic() - start, output
+    return status, time.monotonic() - start, _read(log_path)
 
 
 def stop_group(process: subprocess.Popen) -> None:
@@ -217,5 +230,6 @@ def write_report(report: dict, out: Path) -> None:
              "| step | status | seconds | limit |", "|---|---|---|---|"]
     lines += [f"| {s['step']} | {s['status']} | {s['seconds']} | {s['limit']} |" for s in report["steps"]]
     for s in report["steps"]:
-        lines += ["", f"## {s['step']}", "", f"`{s['command']}`", "", "```", s["output_tail"].rstrip(), "```"]
+        whole = f" (whole output: {s['log']})" if "log" in s else ""
+        lines += ["", f"## {s['step']}", "", f"`{s['command']}`{whole}", "", "```", s["output_tail"].rstrip(), "```"]
     (out / "report.md").write_text("\n".join(lines) + "\n")
