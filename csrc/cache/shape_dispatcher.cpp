@@ -46,6 +46,8 @@ class RecursionAllowance {
   ~RecursionAllowance() {
     if (Py_EnterRecursiveCall("")) PyErr_Clear();  // restores the count it had; cannot pass the limit
   }
+#else
+  RecursionAllowance() = default;
 #endif
   RecursionAllowance(const RecursionAllowance&) = delete;
   RecursionAllowance& operator=(const RecursionAllowance&) = delete;
@@ -76,7 +78,7 @@ ShapeDispatcher::ShapeDispatcher(py::object function, py::object builder, std::s
 // The hit, and the turns to the miss policy.
 py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs) {
   CachedCallScope scope;  // builds queued inside are ready once the outermost cached call ends
-  RecursionAllowance allowance;
+  [[maybe_unused]] RecursionAllowance allowance;  // empty from 3.12 on
   py::object self = owner();
   if (transparent_here()) return call_python(function_, with_owner(self, args), kwargs);
   ++counters_.calls;
