@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from shapecache.scenarios._child_process import why_it_failed
+
 HERE = Path(__file__).resolve().parent
 STRATEGIES = ["eager", "naive_graphs", "reduce_overhead", "compile_dynamic", "shapecache", "shapecache_compile"]
 
@@ -30,7 +32,7 @@ def run(strategy, model, args, env=None) -> dict:
                            "--dtype", args.dtype, "--batch", str(args.batch), "--calls", str(args.calls)],
                           capture_output=True, text=True, env={**os.environ, **(env or {})})
     if proc.returncode != 0:
-        return {"strategy": strategy, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+        return {"strategy": strategy, "error": why_it_failed(proc)}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 
+from shapecache.scenarios._child_process import why_it_failed
+
 VARIANTS = ("eager", "static", "static+freezing", "default", "default+freezing", "dynamic", "dynamic+freezing",
             "shapecache", "shapecache+freezing")
 MANY_VARIANTS = ("eager", "static+freezing", "default+freezing", "shapecache+freezing")
@@ -126,7 +128,7 @@ def run_all(variants, model_name: str, sizes: list, budget: str) -> dict:
         done = subprocess.run([sys.executable, __file__, "--child", variant, "--model", model_name, "--sizes", spelled,
                                "--budget", budget], capture_output=True, text=True)
         if done.returncode != 0:
-            print(f"{variant}: failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}", flush=True)
+            print(f"{variant}: failed: {why_it_failed(done)}", flush=True)
             continue
         results[variant] = json.loads(done.stdout.strip().splitlines()[-1])
     return results

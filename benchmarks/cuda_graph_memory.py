@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+from shapecache.scenarios._child_process import why_it_failed
+
 # Smallest first: the order that grows a shared pool most.
 SIZES = [(1024, 1024), (1024, 1152), (1152, 1024), (1360, 1536), (1536, 1360), (1536, 1536)]
 STRATEGIES = ["eager", "naive_graphs", "reduce_overhead", "shapecache", "shapecache_compile", "largest_alone"]
@@ -136,8 +138,7 @@ def main(argv=None) -> int:
                                "--batch", str(args.batch), "--calls", str(args.calls), "--model", args.model, *extra],
                               capture_output=True, text=True)
         if proc.returncode != 0:
-            tail = proc.stderr.strip().splitlines()[-1:] or ["?"]
-            results[strategy] = {"strategy": strategy, "error": tail[0]}
+            results[strategy] = {"strategy": strategy, "error": why_it_failed(proc)}
             continue
         results[strategy] = json.loads(proc.stdout.strip().splitlines()[-1])
         if strategy == "largest_alone" and "pool_bytes" in results[strategy]:

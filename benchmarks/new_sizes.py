@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from shapecache.scenarios._child_process import why_it_failed
+
 STRATEGIES = ("eager", "compile-static", "compile-dynamic", "shapecache-inline", "shapecache-background")
 COMPILED_WITHIN = 1.1  # a request runs at compiled speed within this factor of the compiled entry's best
 
@@ -187,7 +189,7 @@ def main() -> None:
                  "--interval", str(args.interval), "--per-size", str(args.per_size)],
                 capture_output=True, text=True, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir})
         if done.returncode != 0:
-            print(f"{strategy}: failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}", flush=True)
+            print(f"{strategy}: failed: {why_it_failed(done)}", flush=True)
             continue
         results[strategy] = json.loads(done.stdout.strip().splitlines()[-1])
     report(results, sizes, args.interval)

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from shapecache.scenarios._child_process import why_it_failed
+
 VARIANTS = {
     "plain": {},
     "freezing": {"options": {"freezing": True}},
@@ -79,7 +81,7 @@ def main() -> None:
                 done = subprocess.run([sys.executable, __file__, "--child", variant, "--sizes", args.sizes],
                                       capture_output=True, text=True, env=env)
                 if done.returncode != 0:
-                    raise SystemExit(f"{variant} ({process}): {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+                    raise SystemExit(f"{variant} ({process}): {why_it_failed(done)}")
                 result = json.loads(done.stdout.strip().splitlines()[-1])
                 runs.append(result["rows"])
             size = directory_bytes(Path(directory))

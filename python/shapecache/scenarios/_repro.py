@@ -30,6 +30,7 @@ import torch
 
 from shapecache.budget import device_memory_bytes, format_bytes, parse_budget
 from shapecache.scenarios import _arguments
+from shapecache.scenarios._child_process import why_it_failed
 from shapecache.scenarios._models import MODELS, build_model, model_inputs
 from shapecache.scenarios._size_loop import parse_sizes, size_loop
 from shapecache.testing.memory_cap import CapUnavailable, cap_cuda_memory, cap_data_segment
@@ -186,7 +187,8 @@ def run(args) -> dict:
         proc = subprocess.run(command, capture_output=True, text=True)
         lines = proc.stdout.strip().splitlines()
         if proc.returncode != 0 or not lines:
-            results[strategy] = {"strategy": strategy, "failed": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+            failed = why_it_failed(proc) if proc.returncode else "it printed no result"
+            results[strategy] = {"strategy": strategy, "failed": failed}
         else:
             results[strategy] = json.loads(lines[-1])
 
