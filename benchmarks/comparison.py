@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from shapecache.scenarios._child_process import why_it_failed
+from shapecache.scenarios import why_it_failed
 
 HERE = Path(__file__).resolve().parent
 STRATEGIES = ["eager", "naive_graphs", "reduce_overhead", "compile_dynamic", "shapecache", "shapecache_compile"]

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 
-from shapecache.scenarios._child_process import why_it_failed
+from shapecache.scenarios import why_it_failed
 
 VARIANTS = ("eager", "static", "static+freezing", "default", "default+freezing", "dynamic", "dynamic+freezing",
             "shapecache", "shapecache+freezing")

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from shapecache.scenarios._child_process import why_it_failed
+from shapecache.scenarios import why_it_failed
 
 # Smallest first: the order that grows a shared pool most.
 SIZES = [(1024, 1024), (1024, 1152), (1152, 1024), (1360, 1536), (1536, 1360), (1536, 1536)]

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from shapecache.scenarios._child_process import why_it_failed
+from shapecache.scenarios import why_it_failed
 
 STRATEGIES = ("eager", "compile-static", "compile-dynamic", "shapecache-inline", "shapecache-background")
 COMPILED_WITHIN = 1.1  # a request runs at compiled speed within this factor of the compiled entry's best

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shapecache.scenarios._child_process import why_it_failed
+from shapecache.scenarios import why_it_failed
 
 VARIANTS = {
     "plain": {},

@@ -3,6 +3,7 @@ sizes in a loop, under a strategy (``size_loop``), and the command line built on
 (``python -m shapecache demo|repro|serve``). Nothing in the library proper imports this
 package."""
 
+from shapecache.scenarios._child_process import why_it_failed
 from shapecache.scenarios._cli import main
 from shapecache.scenarios._models import build_model
 from shapecache.scenarios._naive import capture_per_size_graph, naive_forward
@@ -18,4 +19,5 @@ __all__ = [
     "naive_forward",
     "parse_sizes",
     "size_loop",
+    "why_it_failed",
 ]
