@@ -2,6 +2,8 @@
 
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <pybind11/eval.h>
+
 #include <unordered_map>
 
 namespace shapecache {
@@ -48,6 +50,23 @@ uint64_t version_of(PyObject* dict) {
 
 #endif
 
+// Whether this interpreter tells a dict's watchers of `obj.name = value` where obj's
+// materialized __dict__ still shares the object's inline values (a dict with ma_values).
+// CPython 3.13.0 does not: the store goes to the values and no event is sent (seen with
+// _testcapi's dict watcher: `o.x = 2` gives none, `o.__dict__["x"] = 2` gives one), so a
+// version that did not move proves nothing for such a dict. Probed once, at import
+// (probe_dict_watchers); 3.11's version tag and 3.12's watchers see every store.
+bool attribute_stores_watched = true;
+
+bool version_proves_unchanged(PyObject* dict) {
+#if PY_VERSION_HEX >= 0x030D0000
+  return attribute_stores_watched || reinterpret_cast<PyDictObject*>(dict)->ma_values == nullptr;
+#else
+  (void)dict;
+  return true;
+#endif
+}
+
 // Numbers, strings and tuples of those compare by value: a new 2.0 written over 2.0 is no
 // change. Anything else by identity (a processor, a tensor, a function).
 bool same_value(PyObject* a, PyObject* b, int depth = 0) {
@@ -75,6 +94,20 @@ std::string key_text(const py::object& key) {
 }
 
 }  // namespace
+
+void StateGuard::probe_dict_watchers() {
+#if PY_VERSION_HEX >= 0x030D0000
+  py::dict scope;
+  scope["__builtins__"] = py::module_::import("builtins");
+  py::exec("class Probe:\n    pass\nprobe = Probe()\nprobe.x = 1\n", scope);
+  py::object probe = scope["probe"];
+  PyObject* dict = probe.attr("__dict__").ptr();  // materialized; the object keeps it alive
+  watch(dict);
+  const uint64_t before = version_of(dict);
+  probe.attr("x") = 2;
+  attribute_stores_watched = version_of(dict) != before;
+#endif
+}
 
 StateGuard::StateGuard(const py::list& record) {
   for (py::handle item : record) {
@@ -198,8 +231,14 @@ void StateGuard::add_type(const py::object& obj, std::string path) {
 }
 
 void StateGuard::add_class(const py::type& cls, std::string path) {
-  PyObject* dict = reinterpret_cast<PyTypeObject*>(cls.ptr())->tp_dict;
-  if (dict == nullptr || !PyDict_Check(dict)) throw py::type_error("StateGuard.add_class: " + path + " has no dict");
+#if PY_VERSION_HEX >= 0x030C0000
+  // From 3.12 on, a static builtin type (str, int) keeps its dict in the interpreter's state,
+  // not in tp_dict, which is NULL: PyType_GetDict reads both kinds.
+  py::object dict = py::reinterpret_steal<py::object>(PyType_GetDict(reinterpret_cast<PyTypeObject*>(cls.ptr())));
+#else
+  py::object dict = py::reinterpret_borrow<py::object>(reinterpret_cast<PyTypeObject*>(cls.ptr())->tp_dict);
+#endif
+  if (!dict || !PyDict_Check(dict.ptr())) throw py::type_error("StateGuard.add_class: " + path + " has no dict");
   add_dict(py::reinterpret_borrow<py::dict>(dict), std::move(path), py::none());
 }
 
@@ -247,7 +286,7 @@ bool StateGuard::check() {
   if (stale_) return false;
   for (GuardedDict& guarded : dicts_) {
     const uint64_t version = version_of(guarded.dict.ptr());
-    if (version == guarded.version) continue;
+    if (version == guarded.version && version_proves_unchanged(guarded.dict.ptr())) continue;
     if (!same_items(guarded)) return false;
     guarded.version = version;  // the same values were written again
   }

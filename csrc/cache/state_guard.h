@@ -28,6 +28,10 @@
 // From 3.12 that tag is deprecated; as torch's own guards do (torch/csrc/dynamo/guards.cpp),
 // each guarded dict is watched by a dict watcher that gives it a new version on each change.
 //
+// CPython 3.13.0 sends no watcher event for `obj.name = value` where obj's __dict__ still
+// shares the object's inline values: there, such a dict's items are compared on every check
+// (probe_dict_watchers finds out at import whether this interpreter sends it).
+//
 // Threading: every method runs with the GIL held (the GIL is the cache's lock, shape_cache.h).
 #pragma once
 
@@ -53,6 +57,10 @@ class StateGuard {
   // update in place counts as a change), "cell", "list", "type", "class" (option: None),
   // "snapshot" (option: the function that snapshots it), each added as the add_ method of its kind.
   explicit StateGuard(const py::list& record);
+
+  // Finds out whether this interpreter's dict watchers see attribute stores (see above). Once,
+  // at import, before any guard is made: it runs Python code, which may switch threads.
+  static void probe_dict_watchers();
 
   // Guards `dict`'s items: every item when `keys` is None (an added or removed key counts as
   // a change), else the items of those keys (a key absent now must stay absent).

@@ -189,6 +189,22 @@ def test_a_swapped_class_or_a_method_patched_on_a_class_is_a_change():
     assert not guard.check() and "Patched" in guard.changed
 
 
+def test_an_object_whose_class_derives_from_a_builtin_type_is_guarded():
+    # peft's PeftType is a (str, Enum): its classes reach str, whose dict Python 3.12 keeps
+    # outside the type object (tp_dict is NULL there), and the guard raised TypeError.
+    import enum
+
+    class Kind(str, enum.Enum):
+        LORA = "LORA"
+
+    holder = Holder().eval()
+    holder.used.settings.kind = Kind.LORA
+    guard = guards.guard({"holder": holder})
+    assert guard.check()
+    holder.used.settings.kind = "LOHA"
+    assert not guard.check() and "kind" in guard.changed
+
+
 def test_only_the_modules_that_ran_are_guarded_with_their_ancestors():
     holder = Holder().eval()
     reached = {id(holder.used), id(holder.used.linear)}
