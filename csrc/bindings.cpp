@@ -100,13 +100,18 @@ py::object run_on_tensors(EntryRunner& runner, const py::args& tensors) {
 // The dispatcher's Python type lets the collector see through it to its entries
 // (ShapeDispatcher::traverse) and clear them.
 int dispatcher_traverse(PyObject* self, visitproc visit, void* arg) {
-  // An instance of a Python subclass (CachedFunction) comes here from CPython's
-  // subtype_traverse, which has visited its managed __dict__ already: pybind11_traverse would
-  // visit it again, and a reference counted twice makes the collector miscount the dict, so
-  // a cycle through it (a module whose own forward holds it) was never freed. Then only the
-  // type is visited, as pybind11_traverse does.
+  // Its __dict__ must be visited exactly once: a reference counted twice, or not at all, makes
+  // the collector miscount the dict, and a cycle through it (a module whose own forward holds
+  // it) is never freed. An instance of a Python subclass (CachedFunction) comes here from
+  // CPython's subtype_traverse. On 3.11 that has visited its managed dict already, so only the
+  // type is visited here, as pybind11_traverse does; from 3.12 on it leaves a dict the base
+  // type also manages to the base's traverse, pybind11_traverse (seen with gc.get_referents).
+#if PY_VERSION_HEX < 0x030C0000
   const bool dict_visited = Py_TYPE(self)->tp_traverse != &dispatcher_traverse &&
                             (Py_TYPE(self)->tp_flags & Py_TPFLAGS_MANAGED_DICT) != 0;
+#else
+  const bool dict_visited = false;
+#endif
   if (dict_visited) {
     Py_VISIT(Py_TYPE(self));
   } else if (int result = py::detail::pybind11_traverse(self, visit, arg)) {
@@ -186,6 +191,7 @@ void bind_cache(py::module_& m) {
   // Made in C++ from a builder's graph (built_entry.h); bound so that it can be listed and called.
   py::class_<CompiledGraphRunner, EntryRunner, std::shared_ptr<CompiledGraphRunner>>(m, "CompiledGraphRunner");
 
+  StateGuard::probe_dict_watchers();
   py::class_<StateGuard, std::shared_ptr<StateGuard>>(m, "StateGuard",
                                                       "What an entry was built from (csrc/cache/state_guard.h).")
       .def(py::init<>())

@@ -171,6 +171,16 @@ def test_a_module_whose_own_forward_holds_it_is_garbage_collected(padded):
     assert ref() is None
 
 
+def test_the_collector_sees_a_cached_functions_dict_exactly_once():
+    # Once on every Python: CPython 3.11 visits a subclass's managed dict itself, 3.12 and
+    # 3.13 leave it to the base type's traverse; twice or never, a cycle through it leaks.
+    @sc.cached
+    def f(x):
+        return x
+
+    assert sum(r is f.__dict__ for r in gc.get_referents(f)) == 1
+
+
 def test_unkeyable_argument_runs_uncached_with_one_warning():
     @sc.cached
     def f(x, extra):
