@@ -96,15 +96,17 @@ def _objects_before_frozen():
     they walk the build's new objects only. Garbage from before waits for the end of the build.
     Left alone when someone else froze objects (a server that forks keeps them frozen)."""
     freeze = gc.get_freeze_count() == 0
+    # The flag is up whenever objects may be frozen (set before, cleared after): a fork between
+    # the two steps leaves a child that unfreezes, never one that keeps the build's freeze.
     if freeze:
-        gc.freeze()
         _build_changes["froze"] = True
+        gc.freeze()
     try:
         yield
     finally:
         if freeze:
-            _build_changes["froze"] = False
             gc.unfreeze()
+            _build_changes["froze"] = False
 
 
 # What running builds have changed of the process, to undo after the last (and in a forked
