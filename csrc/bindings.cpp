@@ -121,8 +121,31 @@ int dispatcher_traverse(PyObject* self, visitproc visit, void* arg) {
   return py::cast<const ShapeDispatcher&>(py::handle(self)).traverse(visit, arg);
 }
 
+// The dispatcher's call slot. CPython calls it straight from the caller's frame: no lookup of
+// __call__, no pybind11 overload dispatch or argument casting, and one C call per level of a
+// recursive cached function (shape_dispatcher.cpp: RecursionAllowance) instead of three.
+PyObject* dispatcher_call(PyObject* self, PyObject* args, PyObject* kwargs) {
+  try {
+    if (!py::detail::is_holder_constructed(self)) {
+      PyErr_SetString(PyExc_TypeError, "shapecache: a ShapeDispatcher whose __init__ did not run cannot be called");
+      return nullptr;
+    }
+    auto& dispatcher = py::cast<ShapeDispatcher&>(py::handle(self));
+    const auto positional = py::reinterpret_borrow<py::args>(args);
+    const auto keywords = kwargs != nullptr ? py::reinterpret_borrow<py::kwargs>(kwargs) : py::kwargs();
+    return dispatcher.call(positional, keywords).release().ptr();
+  } catch (py::error_already_set& error) {
+    error.restore();
+    return nullptr;
+  } catch (...) {  // as pybind11's own dispatcher does: the registered translators, then SystemError
+    py::detail::try_translate_exceptions();
+    return nullptr;
+  }
+}
+
 void dispatcher_type_setup(PyHeapTypeObject* heap_type) {
   auto* type = &heap_type->ht_type;
+  type->tp_call = &dispatcher_call;  // (no __call__ is bound: setting one would replace this slot)
   type->tp_flags |= Py_TPFLAGS_HAVE_GC;
   type->tp_traverse = &dispatcher_traverse;
   type->tp_clear = [](PyObject* self) {
@@ -212,7 +235,6 @@ void bind_cache(py::module_& m) {
            py::arg("parameter_names"), py::arg("owner"), py::arg("key_training"), py::arg("background") = py::none(),
            py::kw_only(), py::arg("release_device_memory") = py::none(), py::arg("wake_build_worker") = py::none(),
            py::arg("run_on_fake_tensors") = py::none())
-      .def("__call__", &ShapeDispatcher::call)
       .def("queue_build", &ShapeDispatcher::queue_build,
            "Queues the background build of the bucket of a call with these arguments, without running it.")
       .def("stats", &ShapeDispatcher::stats)

@@ -33,15 +33,15 @@ class Pin {
   const ShapeKey& key_;
 };
 
-// CPython 3.11 counts C calls against the recursion limit together with Python frames, and
-// a call of a cached function is two of them before its frame (the instance's tp_call, then
-// pybind11's method call): a recursive cached function reached a third of the plain depth,
-// where any Python decorator reaches half. For the call's duration one of the two is given
-// back, so each level costs what a decorator's does. From 3.12 on, the limit counts Python
-// frames only (C calls have their own, larger one), and nothing is given back.
+// A recursive cached function goes as deep as under a Python decorator. CPython 3.11 counts
+// each level's two frames (the cached call, the function's) against one recursion limit, as
+// it counts a decorator's wrapper and function. From 3.12 on, C calls have a limit of their
+// own, and a level costs two of them (the call slot, and the function's frame entered from C)
+// where a decorator's costs none: for the call's duration one is given back, so the Python
+// limit, not the C one, ends the recursion, as for a decorated function.
 class RecursionAllowance {
  public:
-#if PY_VERSION_HEX < 0x030C0000
+#if PY_VERSION_HEX >= 0x030C0000
   RecursionAllowance() { Py_LeaveRecursiveCall(); }
   ~RecursionAllowance() {
     if (Py_EnterRecursiveCall("")) PyErr_Clear();  // restores the count it had; cannot pass the limit
@@ -78,7 +78,7 @@ ShapeDispatcher::ShapeDispatcher(py::object function, py::object builder, std::s
 // The hit, and the turns to the miss policy.
 py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs) {
   CachedCallScope scope;  // builds queued inside are ready once the outermost cached call ends
-  [[maybe_unused]] RecursionAllowance allowance;  // empty from 3.12 on
+  [[maybe_unused]] RecursionAllowance allowance;  // empty before 3.12
   py::object self = owner();
   if (transparent_here()) return call_python(function_, with_owner(self, args), kwargs);
   ++counters_.calls;
