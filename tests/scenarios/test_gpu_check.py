@@ -43,12 +43,13 @@ def test_steps_run_in_order_a_late_one_is_stopped_with_its_children_and_the_repo
         _gpu_check.Step("fails", (sys.executable, "-c", "import sys; print('broken'); sys.exit(3)"), 30),
         _gpu_check.Step("too slow", (sys.executable, "-c", LEAVES_A_CHILD, str(pid_file)), 3),
         _gpu_check.Step("after", (sys.executable, "-c", "print('still run')"), 30),
+        _gpu_check.Step("crashes", (sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"), 30),
     ]
     started = time.monotonic()
     report = _gpu_check.run_steps(steps, tmp_path / "out", {"device": "none", "torch": "x"}, total_seconds=60)
     assert time.monotonic() - started < 30
     statuses = [s["status"] for s in report["steps"]]
-    assert statuses == [0, 3, "timed out after 3 s", 0], statuses
+    assert statuses == [0, 3, "timed out after 3 s", 0, "killed by SIGSEGV"], statuses
     assert "broken" in report["steps"][1]["output_tail"] and "started" in report["steps"][2]["output_tail"]
     assert wait_gone(int(pid_file.read_text())), "the step's child outlived it"
     written = json.loads((tmp_path / "out" / "report.json").read_text())

@@ -183,20 +183,29 @@ def _read(path: Path) -> str:
 
 
 def run_step(command, seconds: float, log_path: Path) -> tuple:
-    """(exit status or "timed out after N s", seconds, output) of `command` run in a process
-    group of its own, its output written to `log_path`; the group is stopped when the command
-    ends or runs out of time."""
+    """(exit status, "killed by SIGNAL" or "timed out after N s", seconds, output) of `command`
+    run in a process group of its own, its output written to `log_path`; the group is stopped
+    when the command ends or runs out of time."""
     start = time.monotonic()
     # Output goes to a file, not a pipe: a child left running would keep a pipe open.
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             status = process.wait(timeout=seconds)
+            if status < 0:  # a crash in native code says nothing of itself: the report does
+                status = f"killed by {_signal_name(-status)}"
         except subprocess.TimeoutExpired:
             status = f"timed out after {seconds:.0f} s"
         finally:  # also on KeyboardInterrupt: nothing of the step outlives it
             stop_group(process)
     return status, time.monotonic() - start, _read(log_path)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def stop_group(process: subprocess.Popen) -> None:
