@@ -126,6 +126,7 @@ int dispatcher_traverse(PyObject* self, visitproc visit, void* arg) {
 // recursive cached function (shape_dispatcher.cpp: RecursionAllowance) instead of three.
 PyObject* dispatcher_call(PyObject* self, PyObject* args, PyObject* kwargs) {
   try {
+    py::detail::loader_life_support casts;  // where pybind11 casts keep their temporaries, as in its dispatcher
     if (!py::detail::is_holder_constructed(self)) {
       PyErr_SetString(PyExc_TypeError, "shapecache: a ShapeDispatcher whose __init__ did not run cannot be called");
       return nullptr;
@@ -137,6 +138,10 @@ PyObject* dispatcher_call(PyObject* self, PyObject* args, PyObject* kwargs) {
   } catch (py::error_already_set& error) {
     error.restore();
     return nullptr;
+#ifdef __GLIBCXX__
+  } catch (abi::__forced_unwind&) {  // a cancelled thread unwinds through here
+    throw;
+#endif
   } catch (...) {  // as pybind11's own dispatcher does: the registered translators, then SystemError
     py::detail::try_translate_exceptions();
     return nullptr;

@@ -35,13 +35,14 @@ class Pin {
 
 // A recursive cached function goes as deep as under a Python decorator. CPython 3.11 counts
 // each level's two frames (the cached call, the function's) against one recursion limit, as
-// it counts a decorator's wrapper and function. From 3.12 on, C calls have a limit of their
-// own, and a level costs two of them (the call slot, and the function's frame entered from C)
-// where a decorator's costs none: for the call's duration one is given back, so the Python
-// limit, not the C one, ends the recursion, as for a decorated function.
+// it counts a decorator's wrapper and function. 3.12 and 3.13 count C calls against a limit
+// of their own, and a level costs two of them (the call slot, and the function's frame
+// entered from C) where a decorator's costs none: for the call's duration one is given back,
+// so the Python limit, not the C one, ends the recursion, as for a decorated function. From
+// 3.14 on, the C limit is the stack's own depth, which nothing can give back.
 class RecursionAllowance {
  public:
-#if PY_VERSION_HEX >= 0x030C0000
+#if PY_VERSION_HEX >= 0x030C0000 && PY_VERSION_HEX < 0x030E0000
   RecursionAllowance() { Py_LeaveRecursiveCall(); }
   ~RecursionAllowance() {
     if (Py_EnterRecursiveCall("")) PyErr_Clear();  // restores the count it had; cannot pass the limit
@@ -78,7 +79,7 @@ ShapeDispatcher::ShapeDispatcher(py::object function, py::object builder, std::s
 // The hit, and the turns to the miss policy.
 py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs) {
   CachedCallScope scope;  // builds queued inside are ready once the outermost cached call ends
-  [[maybe_unused]] RecursionAllowance allowance;  // empty before 3.12
+  [[maybe_unused]] RecursionAllowance allowance;  // empty but on 3.12 and 3.13
   py::object self = owner();
   if (transparent_here()) return call_python(function_, with_owner(self, args), kwargs);
   ++counters_.calls;

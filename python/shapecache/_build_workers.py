@@ -94,9 +94,10 @@ def _objects_before_frozen():
     latency; docs/background-builds.md), and a build makes several, its own and the automatic
     ones: each stopped the threads that serve. Frozen,
     they walk the build's new objects only. Garbage from before waits for the end of the build.
-    Left alone when someone else froze objects since shapecache was imported (a server that
-    forks keeps them frozen): gc.unfreeze() would unfreeze theirs too."""
-    freeze = gc.get_freeze_count() <= _FROZEN_BY_THE_INTERPRETER
+    Left alone when any object is frozen already: a server that froze before it forked keeps
+    them frozen (gc.unfreeze() would unfreeze theirs too). CPython 3.12.1 starts with 375
+    frozen objects of its own, so there builds leave the collector alone."""
+    freeze = gc.get_freeze_count() == 0
     # The flag is up whenever objects may be frozen (set before, cleared after): a fork between
     # the two steps leaves a child that unfreezes, never one that keeps the build's freeze.
     if freeze:
@@ -110,13 +111,9 @@ def _objects_before_frozen():
             _build_changes["froze"] = False
 
 
-# Objects frozen when shapecache was imported: the interpreter's own (CPython 3.12.1 starts
-# with 375 frozen; 3.11 and 3.13 with none), not a server's, which freezes before it forks.
-_FROZEN_BY_THE_INTERPRETER = gc.get_freeze_count()
-
 # What running builds have changed of the process, to undo after the last (and in a forked
-# child): how many run, the switch interval before and as set, whether gc.freeze() is theirs.
-# Guarded by _lock.
+# child): how many run, the switch interval before and as set (guarded by _lock), whether
+# gc.freeze() is theirs (written by the one build that froze, with the GIL).
 _build_changes = {"builds": 0, "previous": None, "set": None, "froze": False}
 
 

@@ -80,15 +80,24 @@ def test_missing_headers_stop_the_build_naming_the_packages_and_the_cpu_only_swi
     assert "CUDA code OFF" in output and not recorded_decision(tmp_path).WITH_CUDA
 
 
-def test_the_cpu_only_switch_holds_for_the_build_it_is_given_to_not_the_next(tmp_path):
+def test_under_pip_the_cpu_only_switch_holds_for_the_build_it_is_given_to_not_the_next(tmp_path):
     # pip reuses a build folder: a build asked for without the switch, after one with it, must
     # build the CUDA code (the switch used to stay in CMake's cache, and the fix the CPU-only
-    # build's note names built CPU-only again).
+    # build's note names built CPU-only again). SKBUILD is what scikit-build-core defines.
     found = toolkit(tmp_path / "cuda-12.8", HEADERS)
-    output = configure(tmp_path, "-DSHAPECACHE_TORCH_CUDA=12.8", "-DSHAPECACHE_CPU_ONLY=ON", toolkit_root=found)
+    output = configure(tmp_path, "-DSKBUILD=2", "-DSHAPECACHE_TORCH_CUDA=12.8", "-DSHAPECACHE_CPU_ONLY=ON",
+                       toolkit_root=found)
     assert "CUDA code OFF" in output
-    output = configure(tmp_path, "-DSHAPECACHE_TORCH_CUDA=12.8", toolkit_root=found)
+    output = configure(tmp_path, "-DSKBUILD=2", "-DSHAPECACHE_TORCH_CUDA=12.8", toolkit_root=found)
     assert "torch CUDA '12.8', CUDA code ON" in output and recorded_decision(tmp_path).WITH_CUDA
+
+
+def test_a_folder_configured_by_hand_keeps_the_cpu_only_switch(tmp_path):
+    # as any cached option: a configure that `cmake --build` reruns by itself is given no -D
+    found = toolkit(tmp_path / "cuda-12.8", HEADERS)
+    configure(tmp_path, "-DSHAPECACHE_TORCH_CUDA=12.8", "-DSHAPECACHE_CPU_ONLY=ON", toolkit_root=found)
+    output = configure(tmp_path, "-DSHAPECACHE_TORCH_CUDA=12.8", toolkit_root=found)
+    assert "CUDA code OFF" in output and not recorded_decision(tmp_path).WITH_CUDA
 
 
 def test_cpu_only_is_honoured_even_where_everything_is_found(tmp_path):

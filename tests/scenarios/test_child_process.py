@@ -1,5 +1,6 @@
 """What the repro command and the benchmarks say of a strategy's process that ended badly."""
 
+import os
 import subprocess
 import sys
 
@@ -7,7 +8,9 @@ from shapecache.scenarios._child_process import why_it_failed
 
 
 def run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    # without faulthandler, which would print a traceback of the crash after the last line
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONFAULTHANDLER", "PYTHONDEVMODE")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
 
 
 def test_a_process_killed_by_a_signal_is_named_so_not_by_its_last_words():

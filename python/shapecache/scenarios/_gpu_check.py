@@ -159,10 +159,12 @@ def run_steps(steps: list[Step], out: Path, header: dict, total_seconds: float =
             report["steps"].append(entry)
         else:
             log = out / f"{step.name.replace(' ', '-')}.log"
+            started = time.monotonic()
             try:
                 status, seconds, output = run_step(step.command, min(step.seconds, left), log)
             except BaseException as stopped:  # the check itself is stopped: say so before it ends
-                status, seconds, output = f"stopped with the check ({type(stopped).__name__})", 0.0, _read(log)
+                status, output = f"stopped with the check ({type(stopped).__name__})", _read(log)
+                seconds = time.monotonic() - started
                 raise
             finally:
                 entry.update(status=status, seconds=round(seconds, 1), output_tail=output[-OUTPUT_TAIL:],
@@ -183,9 +185,9 @@ def _read(path: Path) -> str:
 
 
 def run_step(command, seconds: float, log_path: Path) -> tuple:
-    """(exit status, "killed by SIGNAL" or "timed out after N s", seconds, output) of `command`
-    run in a process group of its own, its output written to `log_path`; the group is stopped
-    when the command ends or runs out of time."""
+    """(status, seconds, output) of `command` run in a process group of its own, its output
+    written to `log_path`; status is the exit status, "killed by SIGNAL" or "timed out after
+    N s". The group is stopped when the command ends or runs out of time."""
     start = time.monotonic()
     # Output goes to a file, not a pipe: a child left running would keep a pipe open.
     with open(log_path, "wb") as log:
