@@ -56,7 +56,9 @@ uint64_t version_of(PyObject* dict) {
 // _testcapi's dict watcher: `o.x = 2` gives none, `o.__dict__["x"] = 2` gives one), so a
 // version that did not move proves nothing for such a dict. Probed once, at import
 // (probe_dict_watchers); 3.11's version tag and 3.12's watchers see every store.
+#if PY_VERSION_HEX >= 0x030D0000
 bool attribute_stores_watched = true;
+#endif
 
 bool version_proves_unchanged(PyObject* dict) {
 #if PY_VERSION_HEX >= 0x030D0000
