@@ -100,25 +100,18 @@ std::string key_text(const py::object& key) {
 void StateGuard::probe_dict_watchers() {
 #if PY_VERSION_HEX >= 0x030D0000
   try {
-    probe_attribute_stores();
+    py::dict scope;
+    scope["__builtins__"] = py::module_::import("builtins");
+    py::exec("class Probe:\n    pass\nprobe = Probe()\nprobe.x = 1\n", scope);
+    py::object probe = scope["probe"];
+    PyObject* dict = probe.attr("__dict__").ptr();  // materialized; the object keeps it alive
+    watch(dict);
+    const uint64_t before = version_of(dict);
+    probe.attr("x") = 2;
+    attribute_stores_watched = version_of(dict) != before;
   } catch (const py::error_already_set&) {  // (no watcher left, say): trust no version of such a dict
-    PyErr_Clear();
     attribute_stores_watched = false;
   }
-#endif
-}
-
-void StateGuard::probe_attribute_stores() {
-#if PY_VERSION_HEX >= 0x030D0000
-  py::dict scope;
-  scope["__builtins__"] = py::module_::import("builtins");
-  py::exec("class Probe:\n    pass\nprobe = Probe()\nprobe.x = 1\n", scope);
-  py::object probe = scope["probe"];
-  PyObject* dict = probe.attr("__dict__").ptr();  // materialized; the object keeps it alive
-  watch(dict);
-  const uint64_t before = version_of(dict);
-  probe.attr("x") = 2;
-  attribute_stores_watched = version_of(dict) != before;
 #endif
 }
 

@@ -93,7 +93,6 @@ class StateGuard {
   size_t tensor_count() const { return tensors_.size(); }
 
  private:
-  static void probe_attribute_stores();
   struct Item {
     py::object key;
     py::object value;  // null when the key was absent

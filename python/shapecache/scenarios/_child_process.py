@@ -13,9 +13,13 @@ def why_it_failed(done: subprocess.CompletedProcess) -> str:
     lines = (done.stderr or "").strip().splitlines()
     last = lines[-1] if lines else ""
     if done.returncode < 0:
-        try:
-            name = signal.Signals(-done.returncode).name
-        except ValueError:
-            name = f"signal {-done.returncode}"
-        return f"killed by {name}" + (f"; its last line: {last}" if last else "")
+        return f"killed by {signal_name(-done.returncode)}" + (f"; its last line: {last}" if last else "")
     return last or f"exit status {done.returncode}, with nothing on stderr"
+
+
+def signal_name(number: int) -> str:
+    """SIGSEGV for 11; "signal N" for a number Python does not name."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shapecache.scenarios._child_process import signal_name
+
 TOTAL_SECONDS = 600
 GRACE_SECONDS = 5  # between SIGTERM and SIGKILL for a step's process group
 STOP_SECONDS = 2 * GRACE_SECONDS  # the longest a step's group takes to stop (stop_group)
@@ -157,6 +159,7 @@ def run_steps(steps: list[Step], out: Path, header: dict, total_seconds: float =
         if left <= 1:
             entry.update(status="not run", seconds=0.0, output_tail=f"the check's {total_seconds:.0f} s were spent")
             report["steps"].append(entry)
+            write_report(report, out)
         else:
             log = out / f"{step.name.replace(' ', '-')}.log"
             started = time.monotonic()
@@ -172,7 +175,6 @@ def run_steps(steps: list[Step], out: Path, header: dict, total_seconds: float =
                 report["steps"].append(entry)
                 write_report(report, out)
         print(f"{step.name}: {entry['status']} in {entry['seconds']:.0f} s", flush=True)
-        write_report(report, out)
     print(f"report: {out / 'report.md'}")
     return report
 
@@ -195,19 +197,12 @@ def run_step(command, seconds: float, log_path: Path) -> tuple:
         try:
             status = process.wait(timeout=seconds)
             if status < 0:  # a crash in native code says nothing of itself: the report does
-                status = f"killed by {_signal_name(-status)}"
+                status = f"killed by {signal_name(-status)}"
         except subprocess.TimeoutExpired:
             status = f"timed out after {seconds:.0f} s"
         finally:  # also on KeyboardInterrupt: nothing of the step outlives it
             stop_group(process)
     return status, time.monotonic() - start, _read(log_path)
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 def stop_group(process: subprocess.Popen) -> None:
