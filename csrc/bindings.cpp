@@ -187,7 +187,7 @@ void bind_cache(py::module_& m) {
                           "All a builder may do to its cache (csrc/cache/build_handle.h).")
       .def("set_shared_bytes", &BuildHandle::set_shared_bytes, py::arg("pool") = py::none(),
            py::arg("workspace") = py::none())
-      .def("could_fit", &BuildHandle::could_fit, py::arg("bytes"))
+      .def("could_fit", &BuildHandle::could_fit, py::arg("bytes"), py::arg("shared_bytes") = py::none())
       .def("entries", &BuildHandle::entries)
       .def("erase_entry", &BuildHandle::erase_entry, py::arg("id"))
       .def("contains_entry", &BuildHandle::contains_entry, py::arg("id"))

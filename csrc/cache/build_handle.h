@@ -33,8 +33,12 @@ class BuildHandle {
 
   // Charges the device's shared bytes; a figure not given stays as it is. May evict.
   void set_shared_bytes(std::optional<int64_t> pool, std::optional<int64_t> workspace);
-  // Whether an entry of `bytes` fits the device's budget, after evictions.
-  bool could_fit(int64_t bytes) { return cache_->lru(device_).could_fit(bytes); }
+  // Whether an entry of `bytes` fits the device's budget, after evictions; with the shared
+  // bytes at `shared_bytes` where given (measured, not yet charged).
+  bool could_fit(int64_t bytes, std::optional<int64_t> shared_bytes) {
+    auto& lru = cache_->lru(device_);
+    return shared_bytes ? lru.could_fit_with_shared(bytes, *shared_bytes) : lru.could_fit(bytes);
+  }
   // The device's entries, most recently used first: (id, runner, pinned) each.
   py::list entries() { return cache_->entries(device_); }
   bool erase_entry(uint64_t id) { return cache_->erase_entry(device_, id).has_value(); }

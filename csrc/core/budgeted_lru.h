@@ -125,7 +125,12 @@ class BudgetedLru {
 
   // Whether an entry of `bytes` could be inserted now, possibly after evictions.
   bool could_fit(int64_t bytes) const {
-    return fits_after_evicting_all_unpinned(bytes, 1);
+    return fits_after_evicting_all_unpinned(bytes, 1, shared_bytes_);
+  }
+  // The same, were the shared bytes `shared_bytes`: a figure measured before it is charged,
+  // whose charge would evict entries for an insertion that cannot happen.
+  bool could_fit_with_shared(int64_t bytes, int64_t shared_bytes) const {
+    return fits_after_evicting_all_unpinned(bytes, 1, shared_bytes);
   }
 
   // New limits; evicts least recently used unpinned entries until they hold (as far as
@@ -248,7 +253,7 @@ class BudgetedLru {
   // max entries. If evicting every unpinned entry would not give that room, evict nothing;
   // otherwise evict least recently used unpinned entries until there is room.
   Room make_room(int64_t incoming_bytes, int64_t incoming_count) {
-    if (!fits_after_evicting_all_unpinned(incoming_bytes, incoming_count)) return Room{false, {}};
+    if (!fits_after_evicting_all_unpinned(incoming_bytes, incoming_count, shared_bytes_)) return Room{false, {}};
     return Room{true, evict_while_over(incoming_bytes, incoming_count)};
   }
 
@@ -258,8 +263,8 @@ class BudgetedLru {
            size() > max_entries_ - incoming_count;
   }
 
-  bool fits_after_evicting_all_unpinned(int64_t incoming_bytes, int64_t incoming_count) const {
-    return incoming_bytes <= budget_bytes_ - shared_bytes_ - pinned_bytes() &&
+  bool fits_after_evicting_all_unpinned(int64_t incoming_bytes, int64_t incoming_count, int64_t shared_bytes) const {
+    return incoming_bytes <= budget_bytes_ - shared_bytes - pinned_bytes() &&
            incoming_count <= max_entries_ - pinned_count();
   }
 

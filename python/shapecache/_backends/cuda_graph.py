@@ -81,9 +81,11 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
         eager_seconds = min(_timing.timings(lambda: runnable(*args, **kwargs), device, repeats=2))
 
     try:
+        # Measured, not yet charged: a pool grown past the budget is rebuilt below, with the
+        # other entries' graphs, which a charge now would evict.
         runner, entry_bytes = graph_pool.measured_capture(
             lambda: _C.capture_cuda_graph(runnable, owner, tuple(call_args), dict(kwargs), handle.tensors, guard),
-            handle)
+            handle, charge=False)
     except torch.OutOfMemoryError:
         raise  # the cache's own retry: evict, empty the allocator's cache, build again
     except Exception as error:  # noqa: BLE001  (the call computed its result already: never fail it here)
@@ -93,9 +95,19 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
                       f"graph ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
                       "its bucket runs eager", RuntimeWarning, stacklevel=2)
         return BuiltEntry(function, 0, output, "eager")
-    if graph_pool.pool_over_budget(handle, entry_bytes):
+    if not graph_pool.pool_over_budget(handle, entry_bytes, graph_pool.pool_and_workspace_bytes(device)):
+        graph_pool.charge_shared_bytes(handle)
+    else:
         # Evicting entries cannot shrink the pool (see graph_pool.py): rebuild it.
-        rebuilt = graph_pool.rebuild_largest_first(handle, runner)
+        try:
+            rebuilt = graph_pool.rebuild_largest_first(handle, runner)
+        except graph_pool.GraphTooLarge as too_large:
+            # The pool was rebuilt without it: this bucket runs eager, its temporaries held only
+            # while it runs, in the allocator's cache, outside the budget like any eager call's.
+            warnings.warn(f"shapecache: the CUDA graph of a bucket of {getattr(function, '__qualname__', function)} "
+                          f"on {device} leaves no room under the budget ({too_large}); its bucket runs eager",
+                          RuntimeWarning, stacklevel=2)
+            return BuiltEntry(function, 0, output, "eager")
         if rebuilt is None:  # a graph of the device is running up the stack: keep what runs
             handle.evict_unpinned()
             runner.release()

@@ -14,7 +14,10 @@ Costs come from the allocator's own figures, never estimates:
 The pool only shrinks once no graph uses it: dropping one graph returns its blocks to the
 pool, not to the device. So when a new bucket would take the pool past the budget, evicting
 entries cannot help; `rebuild_largest_first` drops every graph of the device, lets the pool
-go, and captures them all again, largest first, under the budget rule.
+go, and captures them all again, largest first, under the budget rule. A new graph that leaves
+no room even alone in an emptied pool (a VAE decoder at a large size under a budget sized for
+the UNet) is given up there, before the others are captured beside it: the pool is rebuilt
+without it, and its bucket runs eager.
 """
 
 from __future__ import annotations
@@ -77,9 +80,13 @@ def charge_shared_bytes(handle) -> None:
     handle.set_shared_bytes(pool=_C.cuda_graph_pool_bytes(device), workspace=_C.workspace_stats(device)["bytes"])
 
 
-def measured_capture(capture, handle) -> tuple:
-    """Runs `capture() -> runner`; returns (runner, the entry's own bytes) and charges the
-    pool as it is afterwards through `handle`."""
+def pool_and_workspace_bytes(device) -> int:
+    return _C.cuda_graph_pool_bytes(device) + _C.workspace_stats(device)["bytes"]
+
+
+def measured_capture(capture, handle, charge: bool = True) -> tuple:
+    """Runs `capture() -> runner`; returns (runner, the entry's own bytes) and, with `charge`,
+    charges the pool as it is afterwards through `handle`."""
     device = handle.device
     # Under the device's lock from the first figure to the last: another thread's capture or
     # replay between them would be counted as this one's (and a synchronisation beside a
@@ -93,47 +100,63 @@ def measured_capture(capture, handle) -> tuple:
         free_after, _ = torch.cuda.mem_get_info(device)
         reserved_after = torch.cuda.memory_reserved(device)
     unseen = max(0, (free_before - free_after) - (reserved_after - reserved_before))
-    charge_shared_bytes(handle)
+    if charge:
+        charge_shared_bytes(handle)
     return runner, runner.static_input_bytes + unseen
 
 
-def measured_recapture(runner, handle) -> int:
+def measured_recapture(runner, handle, charge: bool = True) -> int:
     """Captures a released `runner` again; returns its bytes as `measured_capture` does."""
 
     def recapture():
         runner.recapture()
         return runner
 
-    return measured_capture(recapture, handle)[1]
+    return measured_capture(recapture, handle, charge)[1]
 
 
-def pool_over_budget(handle, entry_bytes: int) -> bool:
-    """Whether the pool and workspace, with one more entry of `entry_bytes`, exceed the budget
-    even if every other entry went (the budget rule's own check, BudgetedLru::could_fit, with
-    no entry pinned)."""
-    return not handle.could_fit(entry_bytes)
+def pool_over_budget(handle, entry_bytes: int, shared_bytes: int | None = None) -> bool:
+    """Whether the pool and workspace (as charged, or `shared_bytes` measured and not yet
+    charged), with one more entry of `entry_bytes`, exceed the budget even if every other entry
+    went (the budget rule's own check, BudgetedLru::could_fit, with no entry pinned)."""
+    return not handle.could_fit(entry_bytes, shared_bytes)
 
 
 def is_graph(runner) -> bool:
     return isinstance(runner, _C.CudaGraphRunner)
 
 
+class GraphTooLarge(Exception):
+    """The new bucket's graph, captured alone into an emptied pool, leaves no room under the
+    budget: it was released, and the pool rebuilt without it."""
+
+    def __init__(self, entry_bytes: int, shared_bytes: int):
+        super().__init__(f"alone in an emptied pool it needs {shared_bytes} bytes of pool and workspace and "
+                         f"{entry_bytes} of its own")
+        self.entry_bytes, self.shared_bytes = entry_bytes, shared_bytes
+
+
 def rebuild_largest_first(handle, new_runner, *, graphs_of=is_graph, recapture=measured_recapture,
-                          release=release_device_memory) -> int | None:
-    """Drops every graph of the handle's device in its cache and `new_runner`'s, lets the pool empty, and
-    captures them again largest first (most input bytes first: for one model, a bucket's
-    temporaries grow with its input). Each recaptured entry is charged at its new cost under
-    the budget rule, which may evict least recently used ones; entries evicted before their
-    turn are not captured again. Returns `new_runner`'s bytes, or None (nothing rebuilt)
-    when a graph of the device is running up the stack and cannot be dropped.
+                          release=release_device_memory, shared_bytes=None) -> int | None:
+    """Drops every graph of the handle's device in its cache and `new_runner`'s, lets the pool
+    empty, and captures `new_runner` again alone, then the others largest first (most input
+    bytes first: for one model, a bucket's temporaries grow with its input). `new_runner` goes
+    first because its capture is what took the pool past the budget: alone in the empty pool
+    it needs what it will ever need, so a graph that leaves no room even then is released
+    before any other is captured, the pool emptied again, and GraphTooLarge raised once the
+    others are back. Each recaptured entry is charged at its new cost under the budget rule,
+    which may evict least recently used ones; entries evicted before their turn are not
+    captured again. Returns `new_runner`'s bytes, or None (nothing rebuilt) when a graph of
+    the device is running up the stack and cannot be dropped.
 
     Graphs that other caches captured into the device's pool keep it from emptying: the
     rebuild is then correct but frees less.
 
-    `graphs_of`, `recapture` and `release` are the CUDA layer's; the pool lifecycle test
-    (tests/core/test_pool_generations.py) runs this same order on the CPU with its model of
-    torch's allocators in their place.
+    `graphs_of`, `recapture`, `release` and `shared_bytes` (the device's pool and workspace
+    bytes now) are the CUDA layer's; the pool lifecycle test (tests/core/test_pool_generations.py)
+    runs this same order on the CPU with its model of torch's allocators in their place.
     """
+    shared_bytes = shared_bytes or (lambda: pool_and_workspace_bytes(handle.device))
     graphs = [(entry_id, runner, pinned) for entry_id, runner, pinned in handle.entries()
               if graphs_of(runner)]
     if any(pinned for _, _, pinned in graphs):
@@ -145,24 +168,31 @@ def rebuild_largest_first(handle, new_runner, *, graphs_of=is_graph, recapture=m
         else:
             handle.erase_entry(entry_id)  # stale: rebuilt from the caller's call when next used
     del graphs
-    queue.append((None, new_runner))
     handle.count_pool_rebuild()
     for _, runner in queue:
         runner.release()
+    new_runner.release()
     release(handle)
+
+    # The caller's own bucket (its errors are its builder's to handle), measured before its
+    # pool is charged: a charge past the budget would evict every entry for a graph that
+    # cannot stay.
+    new_bytes = recapture(new_runner, handle, charge=False)
+    too_large = None
+    if not handle.could_fit(new_bytes, shared_bytes()):
+        too_large = GraphTooLarge(new_bytes, shared_bytes())
+        new_runner.release()
+    release(handle)  # charges the pool as it is now: the new graph's, or emptied again
 
     # sorted() is stable: among equals, the most recently used (listed first) goes first.
     queue = sorted(queue, key=lambda item: item[1].static_input_bytes, reverse=True)
-    new_bytes = None
     while queue:
         entry_id, runner = queue.pop(0)
-        if entry_id is not None and not handle.contains_entry(entry_id):
+        if not handle.contains_entry(entry_id):
             continue  # evicted by an earlier recapture's cost
         try:
             entry_bytes = recapture(runner, handle)
         except Exception as error:
-            if entry_id is None:
-                raise  # the caller's own bucket: its builder's error handling takes over
             # Out of memory, its module gone, or a capture that failed: the entry goes, and is
             # built again from its caller's next call.
             if not isinstance(error, (torch.OutOfMemoryError, ReferenceError)):
@@ -172,9 +202,8 @@ def rebuild_largest_first(handle, new_runner, *, graphs_of=is_graph, recapture=m
             del runner, error
             release(handle)
             continue
-        if entry_id is None:
-            new_bytes = entry_bytes
-        else:
-            handle.set_entry_bytes(entry_id, entry_bytes)
+        handle.set_entry_bytes(entry_id, entry_bytes)
         del runner  # an entry evicted later must not be kept alive here
+    if too_large is not None:
+        raise too_large
     return new_bytes
