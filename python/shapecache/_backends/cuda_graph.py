@@ -78,7 +78,11 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
 
     eager_seconds = None
     if keep_only_if_faster:
-        eager_seconds = min(_timing.timings(lambda: runnable(*args, **kwargs), device, repeats=2))
+        # On the warm-up's stream too: the caching allocator keeps freed blocks per stream, so
+        # eager runs on the caller's stream would cache a second set of the call's temporaries
+        # beside the warm-up's, outside any budget. (Timed device-wide: the stream is the same.)
+        with torch.cuda.device(device), torch.cuda.stream(side):
+            eager_seconds = min(_timing.timings(lambda: runnable(*args, **kwargs), device, repeats=2))
 
     try:
         # Measured, not yet charged: a pool grown past the budget is rebuilt below, with the
