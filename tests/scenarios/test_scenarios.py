@@ -87,13 +87,16 @@ def test_repro_runs_each_strategy_and_draws_the_plot(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.vram_budget("24GiB")
-def test_sdxl_size_loop_naive_runs_out_and_shapecache_completes():
+def test_sdxl_size_loop_naive_grows_with_every_size_and_shapecache_completes():
     from shapecache.scenarios import build_model
 
     sizes = [(1024, 1024), (1024, 1152), (1360, 1536), (1536, 1360), (1536, 1536)]
     unet = build_model("sdxl", torch.device("cuda"))
     naive = size_loop(unet, sizes, strategy="naive")
-    assert naive[-1].error and naive[-1].error.startswith("OutOfMemoryError") and len(naive) > 1
+    # Each size's graph keeps a pool of its own: measured on an H200, 6.7 GiB after the first
+    # size and 10.6 GiB after the fifth, which these five sizes keep under the 24 GiB cap.
+    assert [r.error for r in naive] == [None] * len(sizes)
+    assert all(later.reserved > earlier.reserved for earlier, later in zip(naive, naive[1:]))
     import gc
 
     gc.collect()
