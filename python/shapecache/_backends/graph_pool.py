@@ -139,13 +139,14 @@ class GraphTooLarge(Exception):
 def rebuild_largest_first(handle, new_runner, *, graphs_of=is_graph, recapture=measured_recapture,
                           release=release_device_memory, shared_bytes=None) -> int | None:
     """Drops every graph of the handle's device in its cache and `new_runner`'s, lets the pool
-    empty, and captures `new_runner` again alone, then the others largest first (most input
-    bytes first: for one model, a bucket's temporaries grow with its input). `new_runner` goes
-    first because its capture is what took the pool past the budget: alone in the empty pool
-    it needs what it will ever need, so a graph that leaves no room even then is released
-    before any other is captured, the pool emptied again, and GraphTooLarge raised once the
-    others are back. Each recaptured entry is charged at its new cost under the budget rule,
-    which may evict least recently used ones; entries evicted before their turn are not
+    empty, and captures `new_runner` alone first: its capture is what took the pool past the
+    budget, and alone in the empty pool it needs what it will ever need. A graph that leaves
+    no room even then is given up: released, the pool emptied again, the others captured, and
+    GraphTooLarge raised. Otherwise the pool is emptied once more and every graph captured
+    again largest first (most input bytes first: for one model, a bucket's temporaries grow
+    with its input), so that each reuses the blocks a larger one left. Each recaptured entry
+    is charged at its new cost under the budget rule, which may evict least recently used
+    ones (the entry being recaptured among them); entries evicted before their turn are not
     captured again. Returns `new_runner`'s bytes, or None (nothing rebuilt) when a graph of
     the device is running up the stack and cannot be dropped.
 
@@ -181,18 +182,27 @@ def rebuild_largest_first(handle, new_runner, *, graphs_of=is_graph, recapture=m
     too_large = None
     if not handle.could_fit(new_bytes, shared_bytes()):
         too_large = GraphTooLarge(new_bytes, shared_bytes())
+    if too_large is not None or queue:
+        # Given up, or captured again below in its place among the others: a smaller graph
+        # captured first would leave blocks a larger one cannot reuse, and the pool would end
+        # up larger than its largest graph needs.
         new_runner.release()
     release(handle)  # charges the pool as it is now: the new graph's, or emptied again
+    if too_large is None and queue:
+        queue.append((None, new_runner))
 
     # sorted() is stable: among equals, the most recently used (listed first) goes first.
     queue = sorted(queue, key=lambda item: item[1].static_input_bytes, reverse=True)
+    kept_bytes = new_bytes
     while queue:
         entry_id, runner = queue.pop(0)
-        if not handle.contains_entry(entry_id):
+        if entry_id is not None and not handle.contains_entry(entry_id):
             continue  # evicted by an earlier recapture's cost
         try:
             entry_bytes = recapture(runner, handle)
         except Exception as error:
+            if entry_id is None:
+                raise  # the caller's own bucket: its builder's error handling takes over
             # Out of memory, its module gone, or a capture that failed: the entry goes, and is
             # built again from its caller's next call.
             if not isinstance(error, (torch.OutOfMemoryError, ReferenceError)):
@@ -202,8 +212,13 @@ def rebuild_largest_first(handle, new_runner, *, graphs_of=is_graph, recapture=m
             del runner, error
             release(handle)
             continue
-        handle.set_entry_bytes(entry_id, entry_bytes)
+        if entry_id is None:
+            kept_bytes = entry_bytes
+        elif handle.contains_entry(entry_id):  # its own capture's charge may have evicted it
+            handle.set_entry_bytes(entry_id, entry_bytes)
+        else:
+            runner.release()
         del runner  # an entry evicted later must not be kept alive here
     if too_large is not None:
         raise too_large
-    return new_bytes
+    return kept_bytes
