@@ -10,6 +10,7 @@ records a violation instead of aborting, and the test fails on it. Random sequen
 recording, or lose count of a live graph.
 """
 
+import contextlib
 import warnings
 import weakref
 
@@ -337,15 +338,17 @@ def test_a_second_capture_while_one_records_is_refused_before_touching_the_alloc
 
 CPU = torch.device("cpu")
 BUDGET = 400
-SIZES = st.integers(1, 7)
-DECODER_SIZE = 7  # a bucket of another model on the same pool: small inputs, temporaries past the budget
+SIZES = st.integers(1, 8)
+# Buckets of another model on the same pool (a VAE decoder): small inputs, large temporaries.
+FITTING_DECODER_SIZE = 7  # 315 of temporaries: fits the budget alone, larger than any UNet bucket
+DECODER_SIZE = 8  # 480: more than the budget even alone
 FAILURES = st.sampled_from((None, None, None, "oom", "oom twice") + STEPS)
 
 
 class BucketGraph:
     """One bucket's graph: input bytes 10 * size, temporaries 40 * size in the pool; from
-    DECODER_SIZE on, another model's (a VAE decoder at a large size): input bytes `size`,
-    temporaries 60 * size, more than the budget even alone in the pool."""
+    FITTING_DECODER_SIZE on, another model's (a VAE decoder): input bytes `size`, temporaries
+    45 * size (315, which fits alone), or 60 * size from DECODER_SIZE (480, which does not)."""
 
     def __init__(self, device, size):
         self.device, self.size = device, size
@@ -354,10 +357,11 @@ class BucketGraph:
 
     @property
     def static_input_bytes(self):
-        return self.size if self.size >= DECODER_SIZE else 10 * self.size
+        return self.size if self.size >= FITTING_DECODER_SIZE else 10 * self.size
 
     def capture(self, fail_at=None):
-        self.graph = self.device.capture((60 if self.size >= DECODER_SIZE else 40) * self.size, fail_at)
+        factor = 60 if self.size >= DECODER_SIZE else 45 if self.size >= FITTING_DECODER_SIZE else 40
+        self.graph = self.device.capture(factor * self.size, fail_at)
 
     def recapture(self):
         assert self.graph is None, "recapture() needs a released graph"
@@ -455,6 +459,7 @@ class GraphDevice:
     def build(self, args, kwargs, handle):  # _backends/cuda_graph.py's build, after the warm-up
         (x,) = args
         runner = BucketGraph(self, x.numel())
+        pool_before = self.pool_bytes()
         fail_at = self.failures.pop(0) if self.failures else None
         try:
             runner.capture(fail_at)
@@ -468,8 +473,9 @@ class GraphDevice:
         else:
             try:
                 rebuilt = graph_pool.rebuild_largest_first(
-                    handle, runner, graphs_of=lambda r: isinstance(r, BucketGraph),
-                    recapture=self.recapture, release=self.release_memory, shared_bytes=self.pool_bytes)
+                    handle, runner, pool_before, graphs_of=lambda r: isinstance(r, BucketGraph),
+                    recapture=self.recapture, release=self.release_memory, shared_bytes=self.pool_bytes,
+                    lock=lambda device: contextlib.nullcontext())
             except graph_pool.GraphTooLarge:
                 self.too_large.add(x.numel())
                 return BuiltEntry((lambda y: y * 2), 0, x * 2, "eager")
@@ -479,7 +485,7 @@ class GraphDevice:
                 self.release_memory(handle)
                 rebuilt = self.recapture(runner, handle)
                 # What it grew the running graph's pool by stays until that pool is rebuilt
-                # (docs/budgets.md); the entry itself is not kept.
+                # (docs/backends.md); the entry itself is not kept.
                 self.grown_under_a_replay = not handle.could_fit(rebuilt)
             entry_bytes = rebuilt
         return BuiltEntry(runner, entry_bytes, x * 2, "cuda_graph")
@@ -552,7 +558,7 @@ class PoolUnderBudget(RuleBasedStateMachine):
     @invariant()
     def the_pool_stays_within_the_budget(self):
         # but after a graph too large was captured beside a running one: its pool cannot empty
-        # until that one is released, at the next rebuild (docs/budgets.md)
+        # until that one is released, at the next rebuild (docs/backends.md)
         if self.device.pool_bytes() <= BUDGET:
             self.device.grown_under_a_replay = False
         assert self.device.pool_bytes() <= BUDGET or self.device.grown_under_a_replay
@@ -580,16 +586,31 @@ def test_a_graph_too_large_even_alone_runs_eager_and_the_pool_is_rebuilt_without
         machine.call(size)
     handle = _C._testing.build_handle(machine.device.cache, CPU)
     graphs_before = {id(runner) for _, runner, _ in handle.entries()}
-    machine.call(DECODER_SIZE)  # 420 alone: more than the budget of 400 even in an emptied pool
+    machine.call(DECODER_SIZE)  # 480 alone: more than the budget of 400 even in an emptied pool
     assert machine.device.too_large == {DECODER_SIZE}
     entries = handle.entries()
     kinds = sorted(type(runner).__name__ for _, runner, _ in entries)
     assert kinds == ["BucketGraph", "BucketGraph", "function"]  # the two graphs stay, the decoder runs eager
     assert {id(runner) for _, runner, _ in entries if isinstance(runner, BucketGraph)} == graphs_before
-    assert machine.device.pool_bytes() == 240  # rebuilt without the decoder's 420
+    assert machine.device.pool_bytes() == 240  # rebuilt without the decoder's 480
     stats = machine.device.cache.stats()
     assert stats["evictions"] == 0 and stats["devices"]["cpu"]["bytes"] <= BUDGET
     machine.call(DECODER_SIZE)  # served by its eager entry: no capture, no rebuild
     assert machine.device.cache.stats()["pool_rebuilds"] == stats["pool_rebuilds"]
+    machine.torch_never_asserts()
+    machine.every_live_graph_is_counted_in_its_generation()
+
+
+def test_a_graph_with_small_inputs_but_the_largest_temporaries_is_kept_first_in_the_rebuilt_pool():
+    machine = PoolUnderBudget()
+    machine.call(6)  # temporaries 240
+    machine.call(FITTING_DECODER_SIZE)  # 315 beside them: 555, past the budget of 400
+    # Captured alone it needs 315, more than the pool before it (240): it stays, and the UNet
+    # bucket is captured into its blocks. By input bytes (7 against 60) it would go last.
+    assert machine.device.pool_bytes() == 315
+    stats = machine.device.cache.stats()
+    assert stats["pool_rebuilds"] == 1 and stats["evictions"] == 0
+    handle = _C._testing.build_handle(machine.device.cache, CPU)
+    assert sorted(runner.size for _, runner, _ in handle.entries()) == [6, FITTING_DECODER_SIZE]
     machine.torch_never_asserts()
     machine.every_live_graph_is_counted_in_its_generation()

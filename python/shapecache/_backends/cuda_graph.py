@@ -14,6 +14,7 @@ from shapecache import _timing
 from shapecache._backends import graph_pool, guards
 from shapecache._backends.compile import entry_point
 from shapecache._backends.entry import BuildContext, Builder, BuiltEntry, register
+from shapecache._backends.exported import first_line
 from shapecache._extension import _C
 
 _warm_up_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -84,6 +85,7 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
         with torch.cuda.device(device), torch.cuda.stream(side):
             eager_seconds = min(_timing.timings(lambda: runnable(*args, **kwargs), device, repeats=2))
 
+    pool_before = graph_pool.pool_and_workspace_bytes(device)
     try:
         # Measured, not yet charged: a pool grown past the budget is rebuilt below, with the
         # other entries' graphs, which a charge now would evict.
@@ -103,20 +105,28 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
         graph_pool.charge_shared_bytes(handle)
     else:
         # Evicting entries cannot shrink the pool (see graph_pool.py): rebuild it.
+        what = getattr(function, '__qualname__', function)
         try:
-            rebuilt = graph_pool.rebuild_largest_first(handle, runner)
+            rebuilt = graph_pool.rebuild_largest_first(handle, runner, pool_before)
+            if rebuilt is None:  # a graph of the device is running up the stack: keep what runs
+                handle.evict_unpinned()
+                runner.release()
+                graph_pool.release_device_memory(handle)
+                rebuilt = graph_pool.measured_recapture(runner, handle)
         except graph_pool.GraphTooLarge as too_large:
             # The pool was rebuilt without it: this bucket runs eager, its temporaries held only
             # while it runs, in the allocator's cache, outside the budget like any eager call's.
-            warnings.warn(f"shapecache: the CUDA graph of a bucket of {getattr(function, '__qualname__', function)} "
-                          f"on {device} leaves no room under the budget ({too_large}); its bucket runs eager",
+            warnings.warn(f"shapecache: the CUDA graph of a bucket of {what} on {device} leaves no room under the "
+                          f"budget ({too_large}); its bucket runs eager", RuntimeWarning, stacklevel=2)
+            return BuiltEntry(function, 0, output, "eager")
+        except torch.OutOfMemoryError:
+            raise  # the cache's own retry
+        except Exception as error:  # noqa: BLE001  (the call computed its result already: never fail it here)
+            runner.release()
+            warnings.warn(f"shapecache: capturing {what} again while its device's graph pool was rebuilt failed "
+                          f"({type(error).__name__}: {first_line(error)}); its bucket runs eager",
                           RuntimeWarning, stacklevel=2)
             return BuiltEntry(function, 0, output, "eager")
-        if rebuilt is None:  # a graph of the device is running up the stack: keep what runs
-            handle.evict_unpinned()
-            runner.release()
-            graph_pool.release_device_memory(handle)
-            rebuilt = graph_pool.measured_recapture(runner, handle)
         entry_bytes = rebuilt
 
     name = "compile+cuda_graph" if compiled else "cuda_graph"

@@ -136,15 +136,19 @@ class GraphTooLarge(Exception):
         self.entry_bytes, self.shared_bytes = entry_bytes, shared_bytes
 
 
-def rebuild_largest_first(handle, new_runner, *, graphs_of=is_graph, recapture=measured_recapture,
-                          release=release_device_memory, shared_bytes=None) -> int | None:
+def rebuild_largest_first(handle, new_runner, pool_before: int, *, graphs_of=is_graph,
+                          recapture=measured_recapture, release=release_device_memory, shared_bytes=None,
+                          lock=device_lock) -> int | None:
     """Drops every graph of the handle's device in its cache and `new_runner`'s, lets the pool
     empty, and captures `new_runner` alone first: its capture is what took the pool past the
     budget, and alone in the empty pool it needs what it will ever need. A graph that leaves
     no room even then is given up: released, the pool emptied again, the others captured, and
-    GraphTooLarge raised. Otherwise the pool is emptied once more and every graph captured
-    again largest first (most input bytes first: for one model, a bucket's temporaries grow
-    with its input), so that each reuses the blocks a larger one left. Each recaptured entry
+    GraphTooLarge raised. If alone it needs at least `pool_before` (the pool and workspace
+    before its first capture, which the others needed), it is the largest: it stays, and the
+    others are captured after it into its blocks. Otherwise the pool is emptied once more and
+    every graph captured again largest first (most input bytes first: for one model, a
+    bucket's temporaries grow with its input), so that each reuses the blocks a larger one
+    left. Each recaptured entry
     is charged at its new cost under the budget rule, which may evict least recently used
     ones (the entry being recaptured among them); entries evicted before their turn are not
     captured again. Returns `new_runner`'s bytes, or None (nothing rebuilt) when a graph of
@@ -153,9 +157,11 @@ def rebuild_largest_first(handle, new_runner, *, graphs_of=is_graph, recapture=m
     Graphs that other caches captured into the device's pool keep it from emptying: the
     rebuild is then correct but frees less.
 
-    `graphs_of`, `recapture`, `release` and `shared_bytes` (the device's pool and workspace
-    bytes now) are the CUDA layer's; the pool lifecycle test (tests/core/test_pool_generations.py)
-    runs this same order on the CPU with its model of torch's allocators in their place.
+    `graphs_of`, `recapture`, `release`, `shared_bytes` (the device's pool and workspace bytes
+    now) and `lock` (the device's capture lock, held from the new graph's capture to the figure
+    read after it, so that another thread's capture is not counted as its) are the CUDA
+    layer's; the pool lifecycle test (tests/core/test_pool_generations.py) runs this same
+    order on the CPU with its model of torch's allocators in their place.
     """
     shared_bytes = shared_bytes or (lambda: pool_and_workspace_bytes(handle.device))
     graphs = [(entry_id, runner, pinned) for entry_id, runner, pinned in handle.entries()
@@ -177,29 +183,65 @@ def rebuild_largest_first(handle, new_runner, *, graphs_of=is_graph, recapture=m
 
     # The caller's own bucket (its errors are its builder's to handle), measured before its
     # pool is charged: a charge past the budget would evict every entry for a graph that
-    # cannot stay.
-    new_bytes = recapture(new_runner, handle, charge=False)
-    too_large = None
-    if not handle.could_fit(new_bytes, shared_bytes()):
-        too_large = GraphTooLarge(new_bytes, shared_bytes())
-    if too_large is not None or queue:
-        # Given up, or captured again below in its place among the others: a smaller graph
-        # captured first would leave blocks a larger one cannot reuse, and the pool would end
-        # up larger than its largest graph needs.
-        new_runner.release()
-    release(handle)  # charges the pool as it is now: the new graph's, or emptied again
-    if too_large is None and queue:
-        queue.append((None, new_runner))
-
+    # cannot stay. Captures below are charged once a round is over, for the same reason.
+    with lock(handle.device):
+        new_bytes = recapture(new_runner, handle, charge=False)
+        alone = shared_bytes()
     # sorted() is stable: among equals, the most recently used (listed first) goes first.
-    queue = sorted(queue, key=lambda item: item[1].static_input_bytes, reverse=True)
-    kept_bytes = new_bytes
-    while queue:
-        entry_id, runner = queue.pop(0)
+    others = sorted(queue, key=lambda item: item[1].static_input_bytes, reverse=True)
+    if not handle.could_fit(new_bytes, alone):
+        new_runner.release()
+        release(handle)
+        captured = _capture_largest_first(handle, others, recapture, release, shared_bytes, lock)
+        release(handle)  # charges the pool as the round left it
+        _settle(handle, captured)
+        raise GraphTooLarge(new_bytes, alone)
+    # Every other graph needed at most the pool as it was before the new one (`pool_before`):
+    # a new graph that needs at least that alone stays first, and the others reuse its blocks.
+    # Else all go largest first by input bytes, which for one model ranks their temporaries.
+    if alone >= pool_before or not others:
+        captured = [(None, new_runner, new_bytes, alone)] + _capture_round(handle, others, recapture, release,
+                                                                           shared_bytes, lock)
+    else:
+        new_runner.release()
+        release(handle)
+        in_order = sorted(queue + [(None, new_runner)], key=lambda item: item[1].static_input_bytes, reverse=True)
+        captured = _capture_largest_first(handle, in_order, recapture, release, shared_bytes, lock)
+    release(handle)  # charges the pool as the round left it
+    return _settle(handle, captured)
+
+
+def _capture_largest_first(handle, order, recapture, release, shared_bytes, lock) -> list:
+    """`_capture_round` of `order` (sorted by input bytes); where the pool then leaves no room,
+    a graph ranked after others by its inputs needed more than they left (another model's: a
+    VAE decoder has small inputs and large temporaries) and its blocks went on top of theirs:
+    once more, ranked by how much each capture grew the pool, which for the first is all it
+    needs and for a later one no more than that."""
+    captured = _capture_round(handle, order, recapture, release, shared_bytes, lock)
+    if handle.could_fit(0, shared_bytes()):
+        return captured
+    by_growth = sorted(captured, key=lambda item: item[3], reverse=True)
+    for _, runner, _, _ in captured:
+        runner.release()
+    release(handle)
+    return _capture_round(handle, [(entry_id, runner) for entry_id, runner, _, _ in by_growth],
+                          recapture, release, shared_bytes, lock)
+
+
+def _capture_round(handle, order, recapture, release, shared_bytes, lock) -> list:
+    """Captures the released runners of `order` ((entry id or None for the new bucket, runner)
+    pairs), in order, charging nothing; returns (entry id, runner, bytes, how much its capture
+    grew the pool and workspace) for each captured. An entry that failed is dropped; the new
+    bucket's error is raised."""
+    captured = []
+    for entry_id, runner in order:
         if entry_id is not None and not handle.contains_entry(entry_id):
-            continue  # evicted by an earlier recapture's cost
+            continue  # evicted meanwhile (a failed capture's clean-up charges the pool)
         try:
-            entry_bytes = recapture(runner, handle)
+            with lock(handle.device):
+                before = shared_bytes()
+                entry_bytes = recapture(runner, handle, charge=False)
+                captured.append((entry_id, runner, entry_bytes, shared_bytes() - before))
         except Exception as error:
             if entry_id is None:
                 raise  # the caller's own bucket: its builder's error handling takes over
@@ -211,14 +253,18 @@ def rebuild_largest_first(handle, new_runner, *, graphs_of=is_graph, recapture=m
             handle.erase_entry(entry_id)
             del runner, error
             release(handle)
-            continue
+    return captured
+
+
+def _settle(handle, captured: list) -> int | None:
+    """Charges each recaptured entry at its new cost (which may evict least recently used
+    ones); returns the new bucket's bytes, if it was among them."""
+    new_bytes = None
+    for entry_id, runner, entry_bytes, _ in captured:
         if entry_id is None:
-            kept_bytes = entry_bytes
-        elif handle.contains_entry(entry_id):  # its own capture's charge may have evicted it
+            new_bytes = entry_bytes
+        elif handle.contains_entry(entry_id):
             handle.set_entry_bytes(entry_id, entry_bytes)
-        else:
+        else:  # evicted by the round's charge: an entry let go must not keep its graph
             runner.release()
-        del runner  # an entry evicted later must not be kept alive here
-    if too_large is not None:
-        raise too_large
-    return kept_bytes
+    return new_bytes
