@@ -206,8 +206,8 @@ def test_sd15_size_pipeline_over_service_sizes_stays_within_budget():
     assert st["fallbacks"] == 0
     unet_entries = sc.stats(pipe.unet)["entries"]
     assert len(unet_entries) == len(sizes) and {e["backend"] for e in unet_entries} == {"cuda_graph"}
-    decoder_backends = {e["bucket"].split(" ")[0]: e["backend"] for e in sc.stats(pipe.vae.decoder)["entries"]}
-    assert decoder_backends["sample=(1, 4, 192, 192)"] == "eager"
+    largest = [e for e in sc.stats(pipe.vae.decoder)["entries"] if e["bucket"].startswith("sample=(1, 4, 192, 192) ")]
+    assert len(largest) == 1 and largest[0]["backend"] == "eager"
 
 
 @pytest.mark.slow
