@@ -45,13 +45,21 @@ def release_device_memory(handle) -> None:
 
         return_free_memory()
     if device.type == "cuda":
-        with every_device_lock(), torch.cuda.device(device):
-            torch.cuda.empty_cache()  # every device's cached blocks, not only this one's
-            host_empty_cache = getattr(torch._C, "_host_emptyCache", None)  # CUDA builds of torch have it
-            if host_empty_cache is not None:
-                host_empty_cache()
+        empty_allocator_caches(device)
         if _C.has_cuda_graphs:
             charge_shared_bytes(handle)
+
+
+def empty_allocator_caches(device) -> None:
+    """Gives the device allocator's cached blocks (every device's: the caching allocator's
+    emptyCache walks all of them) and the pinned host allocator's back, as torch.cuda.graph
+    does before each capture (torch/cuda/graphs.py, 2.11 and 2.13). Not during a capture,
+    which torch's allocator forbids."""
+    with every_device_lock(), torch.cuda.device(device):
+        torch.cuda.empty_cache()
+        host_empty_cache = getattr(torch._C, "_host_emptyCache", None)  # CUDA builds of torch have it
+        if host_empty_cache is not None:
+            host_empty_cache()
 
 
 def device_lock(device):
