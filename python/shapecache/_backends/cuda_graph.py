@@ -105,7 +105,7 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
         # A function that cannot be captured (a synchronising call, a CPU round trip): the
         # allocators were cleaned up (csrc/core/pool_generations.h); this bucket runs eager.
         warnings.warn(f"shapecache: {getattr(function, '__qualname__', function)} could not be captured as a CUDA "
-                      f"graph ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+                      f"graph ({type(error).__name__}: {first_line(error)}); "
                       "its bucket runs eager", RuntimeWarning, stacklevel=2)
         return BuiltEntry(function, 0, output, "eager")
     if not graph_pool.pool_over_budget(handle, entry_bytes, graph_pool.pool_and_workspace_bytes(device)):

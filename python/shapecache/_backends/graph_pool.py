@@ -156,11 +156,10 @@ def rebuild_largest_first(handle, new_runner, pool_before: int, *, graphs_of=is_
     others are captured after it into its blocks. Otherwise the pool is emptied once more and
     every graph captured again largest first (most input bytes first: for one model, a
     bucket's temporaries grow with its input), so that each reuses the blocks a larger one
-    left. Each recaptured entry
-    is charged at its new cost under the budget rule, which may evict least recently used
-    ones (the entry being recaptured among them); entries evicted before their turn are not
-    captured again. Returns `new_runner`'s bytes, or None (nothing rebuilt) when a graph of
-    the device is running up the stack and cannot be dropped.
+    left. A round's captures are charged when it ends, under the budget rule, which may evict
+    least recently used entries (one just recaptured among them). Returns `new_runner`'s
+    bytes, or None (nothing rebuilt) when a graph of the device is running up the stack and
+    cannot be dropped.
 
     Graphs that other caches captured into the device's pool keep it from emptying: the
     rebuild is then correct but frees less.
@@ -195,8 +194,7 @@ def rebuild_largest_first(handle, new_runner, pool_before: int, *, graphs_of=is_
     with lock(handle.device):
         new_bytes = recapture(new_runner, handle, charge=False)
         alone = shared_bytes()
-    # sorted() is stable: among equals, the most recently used (listed first) goes first.
-    others = sorted(queue, key=lambda item: item[1].static_input_bytes, reverse=True)
+    others = _largest_inputs_first(queue)
     if not handle.could_fit(new_bytes, alone):
         new_runner.release()
         release(handle)
@@ -213,10 +211,16 @@ def rebuild_largest_first(handle, new_runner, pool_before: int, *, graphs_of=is_
     else:
         new_runner.release()
         release(handle)
-        in_order = sorted(queue + [(None, new_runner)], key=lambda item: item[1].static_input_bytes, reverse=True)
-        captured = _capture_largest_first(handle, in_order, recapture, release, shared_bytes, lock)
+        captured = _capture_largest_first(handle, _largest_inputs_first(queue + [(None, new_runner)]), recapture,
+                                          release, shared_bytes, lock)
     release(handle)  # charges the pool as the round left it
     return _settle(handle, captured)
+
+
+def _largest_inputs_first(pairs: list) -> list:
+    """(entry id, runner) pairs, most input bytes first; sorted() is stable, so among equals
+    the most recently used (listed first) goes first."""
+    return sorted(pairs, key=lambda item: item[1].static_input_bytes, reverse=True)
 
 
 def _capture_largest_first(handle, order, recapture, release, shared_bytes, lock) -> list:
