@@ -60,3 +60,26 @@ macro(torch_from_python WITH_CUDA)
   endforeach()
   find_library(TORCH_PYTHON_LIBRARY torch_python PATHS "${_torch_lib}" REQUIRED NO_DEFAULT_PATH)
 endmacro()
+
+# link_shared_libstdcxx(TARGET): links TARGET to the shared C++ runtime torch runs with, never
+# to a copy of it. `-lstdc++` takes the first directory of the search path holding either
+# libstdc++.so or libstdc++.a, and a toolchain whose own prefix (`g++ -B<dir>`, as a GPU image's
+# /opt/gcc/bin/g++ wrapper does) holds only the archive gets it linked statically; so does
+# `-static-libstdc++`. The module then carries a second libstdc++ whose locale torch's never
+# initialised: a number written to a std::ostringstream comes out empty or crashes the process.
+# `-l:libstdc++.so.6` names the shared object itself (the runtime's soname, in the system's
+# library directory), after the objects and before the driver's own runtime libraries, so it
+# resolves every symbol and an archive named later adds nothing.
+function(link_shared_libstdcxx TARGET)
+  if(NOT (CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_SYSTEM_NAME STREQUAL "Linux"))
+    return()
+  endif()
+  include(CheckLinkerFlag)
+  check_linker_flag(CXX "-l:libstdc++.so.6" SHAPECACHE_LINKER_FINDS_LIBSTDCXX_SO)
+  if(SHAPECACHE_LINKER_FINDS_LIBSTDCXX_SO)
+    target_link_libraries(${TARGET} PRIVATE "-l:libstdc++.so.6")
+  else()
+    message(WARNING "the linker finds no libstdc++.so.6: the module may carry a static copy of libstdc++, whose "
+                    "numbers in messages come out empty or crash (docs/gpu.md)")
+  endif()
+endfunction()
