@@ -348,7 +348,8 @@ FAILURES = st.sampled_from((None, None, None, "oom", "oom twice") + STEPS)
 class BucketGraph:
     """One bucket's graph: input bytes 10 * size, temporaries 40 * size in the pool; from
     FITTING_DECODER_SIZE on, another model's (a VAE decoder): input bytes `size`, temporaries
-    45 * size (315, which fits alone), or 60 * size from DECODER_SIZE (480, which does not)."""
+    45 * size (315, which fits alone), or 60 * size from DECODER_SIZE (480, which does not).
+    Its outputs (the device's outputs_per_size * size) stay in the pool while it lives."""
 
     def __init__(self, device, size):
         self.device, self.size = device, size
@@ -361,7 +362,7 @@ class BucketGraph:
 
     def capture(self, fail_at=None):
         factor = 60 if self.size >= DECODER_SIZE else 45 if self.size >= FITTING_DECODER_SIZE else 40
-        self.graph = self.device.capture(factor * self.size, fail_at)
+        self.graph = self.device.capture(factor * self.size, self.device.outputs_per_size * self.size, fail_at)
 
     def recapture(self):
         assert self.graph is None, "recapture() needs a released graph"
@@ -392,8 +393,9 @@ class GraphDevice:
     """What the CUDA layer keeps per device: the pool's generations on the two allocators, the
     pool's bytes, and the cache its graphs are entries of."""
 
-    def __init__(self):
+    def __init__(self, budget=BUDGET, outputs_per_size=12):
         self.allocator, self.host = AllocatorModel("device"), AllocatorModel("host")
+        self.outputs_per_size = outputs_per_size  # a graph's outputs, held in the pool while it lives
         self.generations = _C._testing.PoolGenerations()
         self.next_id = 0
         self.held = {}     # pool id -> bytes of blocks the allocator holds for it
@@ -403,7 +405,7 @@ class GraphDevice:
         self.inner_call = None
         self.too_large = set()  # sizes whose graph was given up: they run eager
         self.grown_under_a_replay = False  # a graph too large, captured beside a running one
-        self.cache = _C.ShapeCache(lambda device: BUDGET, None)
+        self.cache = _C.ShapeCache(lambda device: budget, None)
         self.cached = _C.ShapeDispatcher(lambda x: x * 2, self.build, self.cache, [], ["x"], None, False,
                                          release_device_memory=self.release_memory)
 
@@ -411,7 +413,7 @@ class GraphDevice:
         self.next_id += 1
         return (0, self.next_id)
 
-    def capture(self, temporaries, fail_at):
+    def capture(self, temporaries, outputs, fail_at):
         graph = GraphModel(self.allocator, self.host, None if fail_at == "oom" else fail_at)
 
         def body():
@@ -426,8 +428,10 @@ class GraphDevice:
             self.drop(graph)
             raise
         pool = graph.pool
+        # A graph's outputs stay allocated in the pool while it lives: no later capture reuses them.
+        self.held[pool] = self.held.get(pool, 0) + outputs
         if temporaries > self.largest.get(pool, 0):
-            self.held[pool] = self.held.get(pool, 0) + temporaries
+            self.held[pool] += temporaries
             self.largest[pool] = temporaries
         return graph
 
@@ -492,9 +496,9 @@ class GraphDevice:
 
 
 class PoolUnderBudget(RuleBasedStateMachine):
-    def __init__(self):
+    def __init__(self, **device):
         super().__init__()
-        self.device = GraphDevice()
+        self.device = GraphDevice(**device)
 
     def call(self, size):
         with warnings.catch_warnings():
@@ -569,7 +573,7 @@ TestPoolUnderBudget.settings = settings(max_examples=100, stateful_step_count=30
 
 
 def test_a_pool_grown_smallest_first_past_the_budget_is_rebuilt_largest_first_on_the_cpu_model():
-    machine = PoolUnderBudget()
+    machine = PoolUnderBudget(outputs_per_size=0)  # the figures below are the temporaries'
     for size in (1, 2, 3, 4):  # temporaries 40, 80, 120, 160: smallest first the pool adds each
         machine.call(size)
     stats = machine.device.cache.stats()
@@ -581,7 +585,7 @@ def test_a_pool_grown_smallest_first_past_the_budget_is_rebuilt_largest_first_on
 
 
 def test_a_graph_too_large_even_alone_runs_eager_and_the_pool_is_rebuilt_without_it_on_the_cpu_model():
-    machine = PoolUnderBudget()
+    machine = PoolUnderBudget(outputs_per_size=0)  # the figures below are the temporaries'
     for size in (6, 5):  # temporaries 240, then 200 in the blocks the first left
         machine.call(size)
     handle = _C._testing.build_handle(machine.device.cache, CPU)
@@ -602,7 +606,7 @@ def test_a_graph_too_large_even_alone_runs_eager_and_the_pool_is_rebuilt_without
 
 
 def test_a_graph_with_small_inputs_but_the_largest_temporaries_is_kept_first_in_the_rebuilt_pool():
-    machine = PoolUnderBudget()
+    machine = PoolUnderBudget(outputs_per_size=0)  # the figures below are the temporaries'
     machine.call(6)  # temporaries 240
     machine.call(FITTING_DECODER_SIZE)  # 315 beside them: 555, past the budget of 400
     # Captured alone it needs 315, more than the pool before it (240): it stays, and the UNet
@@ -612,5 +616,26 @@ def test_a_graph_with_small_inputs_but_the_largest_temporaries_is_kept_first_in_
     assert stats["pool_rebuilds"] == 1 and stats["evictions"] == 0
     handle = _C._testing.build_handle(machine.device.cache, CPU)
     assert sorted(runner.size for _, runner, _ in handle.entries()) == [6, FITTING_DECODER_SIZE]
+    machine.torch_never_asserts()
+    machine.every_live_graph_is_counted_in_its_generation()
+
+
+def test_a_rebuilt_pool_leaves_room_for_the_bucket_that_was_called_on_the_cpu_model():
+    # Every graph's outputs stay in the pool (on a GPU in whole segments: a graph may grow the
+    # pool by more than its own bytes). Size 6 takes the pool of 1, 3 and 4 past the budget; it
+    # alone needs 312 of pool and 60 of its own. Recapturing 4, 3 and 1 into its blocks adds
+    # their outputs, 96, which would leave no room for it (408 + 60 > 400): the rebuild keeps
+    # the others only while the pool leaves the called bucket room.
+    machine = PoolUnderBudget()
+    handle = _C._testing.build_handle(machine.device.cache, CPU)
+    for size in (3, 1, 4, 6):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no bucket is given up
+            machine.call(size)
+        assert machine.device.pool_bytes() <= BUDGET
+        assert machine.device.cache.stats()["devices"]["cpu"]["bytes"] <= BUDGET
+        assert any(isinstance(r, BucketGraph) and r.size == size for _, r, _ in handle.entries())
+    assert machine.device.cache.stats()["pool_rebuilds"] == 2  # for 4 (past the budget too), then for 6
+    assert sorted(r.size for _, r, _ in handle.entries()) == [1, 6]
     machine.torch_never_asserts()
     machine.every_live_graph_is_counted_in_its_generation()

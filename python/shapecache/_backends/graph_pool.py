@@ -17,7 +17,9 @@ entries cannot help; `rebuild_largest_first` drops every graph of the device, le
 go, and captures them all again, largest first, under the budget rule. A new graph that leaves
 no room even alone in an emptied pool (a VAE decoder at a large size under a budget sized for
 the UNet) is given up there, before the others are captured beside it: the pool is rebuilt
-without it, and its bucket runs eager.
+without it, and its bucket runs eager. Every graph's outputs stay in the pool while it lives, so
+a graph captured into a larger one's blocks still grows it (on a GPU by whole segments, 2 MiB
+for small outputs): a rebuilt pool keeps the others only while it leaves the new bucket room.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -195,10 +198,11 @@ def rebuild_largest_first(handle, new_runner, pool_before: int, *, graphs_of=is_
         new_bytes = recapture(new_runner, handle, charge=False)
         alone = shared_bytes()
     others = _largest_inputs_first(queue)
+    rounds = _Rounds(handle, recapture, release, shared_bytes, lock)
     if not handle.could_fit(new_bytes, alone):
         new_runner.release()
         release(handle)
-        captured = _capture_largest_first(handle, others, recapture, release, shared_bytes, lock)
+        captured = rounds.largest_first(others, room_for=0)
         release(handle)  # charges the pool as the round left it
         _settle(handle, captured)
         raise GraphTooLarge(new_bytes, alone)
@@ -206,13 +210,12 @@ def rebuild_largest_first(handle, new_runner, pool_before: int, *, graphs_of=is_
     # a new graph that needs at least that alone stays first, and the others reuse its blocks.
     # Else all go largest first by input bytes, which for one model ranks their temporaries.
     if alone >= pool_before or not others:
-        captured = [(None, new_runner, new_bytes, alone)] + _capture_round(handle, others, recapture, release,
-                                                                           shared_bytes, lock)
+        captured = rounds.within_budget(others, room_for=new_bytes,
+                                        captured=[_Captured(None, new_runner, new_bytes, alone, alone)])
     else:
         new_runner.release()
         release(handle)
-        captured = _capture_largest_first(handle, _largest_inputs_first(queue + [(None, new_runner)]), recapture,
-                                          release, shared_bytes, lock)
+        captured = rounds.largest_first(_largest_inputs_first(queue + [(None, new_runner)]), room_for=new_bytes)
     release(handle)  # charges the pool as the round left it
     return _settle(handle, captured)
 
@@ -223,56 +226,94 @@ def _largest_inputs_first(pairs: list) -> list:
     return sorted(pairs, key=lambda item: item[1].static_input_bytes, reverse=True)
 
 
-def _capture_largest_first(handle, order, recapture, release, shared_bytes, lock) -> list:
-    """`_capture_round` of `order` (sorted by input bytes); where the pool then leaves no room,
-    a graph ranked after others by its inputs needed more than they left (another model's: a
-    VAE decoder has small inputs and large temporaries) and its blocks went on top of theirs:
-    once more, ranked by how much each capture grew the pool, which for the first is all it
-    needs and for a later one no more than that."""
-    captured = _capture_round(handle, order, recapture, release, shared_bytes, lock)
-    if handle.could_fit(0, shared_bytes()):
+class _Captured(NamedTuple):
+    entry_id: int | None  # None: the new bucket's
+    runner: object
+    entry_bytes: int
+    growth: int  # how much its capture grew the pool and workspace
+    pool_after: int  # the pool and workspace after its capture
+
+
+class _Rounds:
+    """Capture rounds of one rebuild, charging nothing (the rebuild charges once they end)."""
+
+    def __init__(self, handle, recapture, release, shared_bytes, lock):
+        self.handle, self.recapture, self.release, self.shared_bytes, self.lock = (
+            handle, recapture, release, shared_bytes, lock)
+
+    def largest_first(self, order: list, room_for: int) -> list:
+        """`within_budget` of `order` (sorted by input bytes); where the pool then leaves no
+        room, a graph ranked after others by its inputs needed more than they left (another
+        model's: a VAE decoder has small inputs and large temporaries) and its blocks went on
+        top of theirs: once more, ranked by how much each capture grew the pool, which for the
+        first is all it needs and for a later one no more than that."""
+        captured = self.round(order)
+        if self.handle.could_fit(room_for, self.shared_bytes()):
+            return captured
+        by_growth = sorted(captured, key=lambda capture: capture.growth, reverse=True)
+        self.release_all(captured)
+        return self.within_budget([(c.entry_id, c.runner) for c in by_growth], room_for)
+
+    def within_budget(self, order: list, room_for: int, captured: list = ()) -> list:
+        """Captures `order` after `captured` (captured already, into the same pool); returns
+        every capture once the pool leaves `room_for` bytes (the new bucket's own) under the
+        budget. Otherwise one of the other graphs goes, its entry erased (built again from its
+        caller's next call): the one whose capture took the pool past that room or, where the
+        new bucket's did, the last captured before it; and the rest are captured again into
+        an emptied pool (a pool shrinks only whole). The new bucket fits alone (checked
+        before), so this ends."""
+        captured = list(captured) + self.round(order)
+        while not self.handle.could_fit(room_for, self.shared_bytes()):
+            others = [c for c in captured if c.entry_id is not None]
+            if not others:
+                break
+            crossing = next((i for i, c in enumerate(captured) if not self.handle.could_fit(room_for, c.pool_after)),
+                            len(captured) - 1)
+            before = [c for c in captured[:crossing + 1] if c.entry_id is not None]
+            dropped = before[-1] if before else others[0]
+            self.release_all(captured)
+            self.handle.erase_entry(dropped.entry_id)
+            captured = self.round([(c.entry_id, c.runner) for c in captured if c is not dropped])
         return captured
-    by_growth = sorted(captured, key=lambda item: item[3], reverse=True)
-    for _, runner, _, _ in captured:
-        runner.release()
-    release(handle)
-    return _capture_round(handle, [(entry_id, runner) for entry_id, runner, _, _ in by_growth],
-                          recapture, release, shared_bytes, lock)
 
+    def release_all(self, captured: list) -> None:
+        for capture in captured:
+            capture.runner.release()
+        self.release(self.handle)
 
-def _capture_round(handle, order, recapture, release, shared_bytes, lock) -> list:
-    """Captures the released runners of `order` ((entry id or None for the new bucket, runner)
-    pairs), in order, charging nothing; returns (entry id, runner, bytes, how much its capture
-    grew the pool and workspace) for each captured. An entry that failed is dropped; the new
-    bucket's error is raised."""
-    captured = []
-    for entry_id, runner in order:
-        if entry_id is not None and not handle.contains_entry(entry_id):
-            continue  # evicted meanwhile (a failed capture's clean-up charges the pool)
-        try:
-            with lock(handle.device):
-                before = shared_bytes()
-                entry_bytes = recapture(runner, handle, charge=False)
-                captured.append((entry_id, runner, entry_bytes, shared_bytes() - before))
-        except Exception as error:
-            if entry_id is None:
-                raise  # the caller's own bucket: its builder's error handling takes over
-            # Out of memory, its module gone, or a capture that failed: the entry goes, and is
-            # built again from its caller's next call.
-            if not isinstance(error, (torch.OutOfMemoryError, ReferenceError)):
-                warnings.warn(f"shapecache: recapturing a graph on {handle.device} failed ({error!r}); its entry was "
-                              "dropped", RuntimeWarning, stacklevel=2)
-            handle.erase_entry(entry_id)
-            del runner, error
-            release(handle)
-    return captured
+    def round(self, order: list) -> list:
+        """Captures the released runners of `order` ((entry id or None for the new bucket,
+        runner) pairs), in order; returns a _Captured for each. An entry that failed is
+        dropped; the new bucket's error is raised."""
+        handle, captured = self.handle, []
+        for entry_id, runner in order:
+            if entry_id is not None and not handle.contains_entry(entry_id):
+                continue  # evicted meanwhile (a failed capture's clean-up charges the pool)
+            try:
+                with self.lock(handle.device):
+                    before = self.shared_bytes()
+                    entry_bytes = self.recapture(runner, handle, charge=False)
+                    after = self.shared_bytes()
+                    captured.append(_Captured(entry_id, runner, entry_bytes, after - before, after))
+            except Exception as error:
+                if entry_id is None:
+                    raise  # the caller's own bucket: its builder's error handling takes over
+                # Out of memory, its module gone, or a capture that failed: the entry goes, and is
+                # built again from its caller's next call.
+                if not isinstance(error, (torch.OutOfMemoryError, ReferenceError)):
+                    warnings.warn(f"shapecache: recapturing a graph on {handle.device} failed ({error!r}); its "
+                                  "entry was dropped", RuntimeWarning, stacklevel=2)
+                handle.erase_entry(entry_id)
+                del runner, error
+                self.release(handle)
+        return captured
 
 
 def _settle(handle, captured: list) -> int | None:
     """Charges each recaptured entry at its new cost (which may evict least recently used
     ones); returns the new bucket's bytes, if it was among them."""
     new_bytes = None
-    for entry_id, runner, entry_bytes, _ in captured:
+    for entry_id, runner, entry_bytes, _, _ in captured:
         if entry_id is None:
             new_bytes = entry_bytes
         elif handle.contains_entry(entry_id):
