@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import threading
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -551,3 +553,54 @@ def test_a_change_during_the_build_leaves_the_entry_stale_and_it_is_built_again(
     finally:
         CHANGED_DURING_THE_TRACE.clear()
         sc.uncached(net)
+
+
+def test_a_build_leaves_no_weakref_on_the_weights():
+    # torch.utils.swap_tensors refuses a tensor with a weakref: module.to() and
+    # load_state_dict(assign=True) under swap_module_params_on_conversion must still work.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
+    cached = sc.cached(model, backend="compile")
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        cached(x)
+    assert sc.stats(cached)["builds"] == 1
+    assert all(not weakref.getweakrefs(p) for p in model.parameters())
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        model.to(torch.float64)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    with torch.no_grad():
+        torch.testing.assert_close(cached(x.double()), model(x.double()), **CLOSE)
+
+
+class CastingHook:
+    """As diffusers' hook registry with layerwise casting: forward bound to the LIVE module, which
+    it casts up before and down after each call (module.to())."""
+
+    def __init__(self, module):
+        self.original = module.forward
+        module.to(torch.float16)
+
+    def __call__(self, module, *args):
+        module.to(torch.float32)
+        out = self.original(*args)
+        module.to(torch.float16)
+        return out
+
+
+def test_a_hook_that_casts_the_live_module_leaves_it_whole():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
+    reference = copy.deepcopy(model)
+    for layer in (model[0], model[2], reference[0], reference[2]):
+        layer.forward = functools.partial(CastingHook(layer), layer)
+    weights = [id(p) for p in model.parameters()]
+    cached = sc.cached(model, backend="compile")
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(cached(x), reference(x), **CLOSE)
+    assert [id(p) for p in model.parameters()] == weights
+    assert all(type(p) is torch.nn.Parameter and p.dtype == torch.float16 for p in model.parameters())

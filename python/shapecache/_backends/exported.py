@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import sys
 import threading
@@ -184,7 +185,10 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    with _build_lock:
+    # The trace may reach the live model after all (a hook registry's forward is bound to the
+    # live module and calls `module.to()` on it): its parameters and buffers are put back.
+    live_tensors = _LiveTensors(roots)
+    with _build_lock, _dropping_tracing_leftovers():
         try:
             if quiet_warnings_here():
                 with warnings.catch_warnings():
@@ -197,6 +201,10 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
             raise ExportFailed(f"{type(error).__name__}: {first_line(error)}") from error
         finally:
             _put_back(module.trace.shared, module.trace.written)
+            replaced = live_tensors.put_back()
+        if replaced:
+            raise WritesState(f"the parameters or buffers of the live model ({', '.join(replaced[:3])}; "
+                              "module.to() in a hook)")
         if module.trace.state_written:
             raise WritesState(module.trace.state_written)
         reached = {id(copies.live(module)) for module in copies.ran.values()}
@@ -209,12 +217,67 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
         with (_loaded_modules() as loaded, inductor_config.patch(options), tracing(_static_context()),
               functorch_config.patch(enable_autograd_cache=False)):
             compiled = compile_fx(graph, list(tensors), ignore_shape_env=True)
+        # aot_autograd hangs the traced module's zero_grad, named_parameters and named_buffers
+        # on the functions it returns: through them the entry keeps the module's graph, and its
+        # nodes' fake values keep their fake mode, which holds a weakref to every weight (see
+        # _dropping_tracing_leftovers). The values were the compiler's, and are dropped.
+        for submodule in graph.modules():
+            if isinstance(submodule, torch.fx.GraphModule):
+                for node in submodule.graph.nodes:
+                    node.meta.clear()
         del graph
 
     layout = module.trace.output_layout
     weakref.finalize(compiled, _forget_modules, loaded)  # with the last entry that runs it
     return CompiledCall(compiled, None if layout.is_one_tensor() else layout.rebuild, guard, before,
                         _constants_of(loaded, [t for _, t in read], roots.values()))
+
+
+class _LiveTensors:
+    """The parameters and buffers of the live module trees, to put back the fake tensors a
+    trace left in them. The copies have dicts of their own: only code that refers back to a
+    live module writes these, as diffusers' hook registry does (its forward is bound to the
+    live module, and layerwise casting's hook calls `module.to()` on it). A real tensor
+    written meanwhile is another thread's, and is kept."""
+
+    def __init__(self, roots):
+        self._dicts = [(f"{path}.{name}".rstrip("."), d, dict(d)) for path, root in roots.items()
+                       for name, module in root.named_modules(remove_duplicate=True)
+                       for d in (module._parameters, module._buffers)]
+
+    def put_back(self) -> list[str]:
+        """Puts back each item the trace replaced with a fake tensor; names them."""
+        from torch._subclasses.fake_tensor import is_fake
+
+        changed = []
+        for path, d, before in self._dicts:
+            for key in [k for k, v in d.items() if v is not before.get(k) and isinstance(v, torch.Tensor) and is_fake(v)]:
+                changed.append(f"{path}.{key}")
+                if key in before:
+                    d[key] = before[key]
+                else:
+                    d.pop(key, None)
+        return changed
+
+
+@contextlib.contextmanager
+def _dropping_tracing_leftovers():
+    """Drops what torch keeps of the last trace until the next one: export's map of fake
+    tensors to graph nodes, and aot_autograd's RNG-state tracker. Both hold fake tensors whose
+    fake mode memoizes each real tensor it faked by a weak reference: left alone, every weight
+    of the model keeps a weakref, and torch.utils.swap_tensors refuses to swap a tensor that has
+    one (module.to() and load_state_dict(assign=True) with
+    torch.__future__.set_swap_module_params_on_conversion(True)). The weakrefs go when the
+    fake modes are collected (a cycle: the garbage collector runs)."""
+    try:
+        yield
+    finally:
+        from torch._decomp.decompositions_for_rng import PhiloxStateTracker
+        from torch.fx.experimental import proxy_tensor
+
+        getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", {}).clear()
+        PhiloxStateTracker.reset()
+        gc.collect()
 
 
 def _constants_of(modules: list, read: list, roots) -> list[torch.Tensor]:
