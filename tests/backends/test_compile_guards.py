@@ -39,6 +39,13 @@ class Processor:
         return x * self.scale
 
 
+OUTPUT_GAIN = 1.0  # module-level state a helper reads, as a feature flag or a global scale is
+
+
+def with_output_gain(y):
+    return y * OUTPUT_GAIN
+
+
 class Block(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -52,6 +59,7 @@ class Block(torch.nn.Module):
         y = self.processor(self.linear(x)) * self.factor * torch.from_numpy(self.gains)
         if 2 in self.active:
             y = y * 2
+        y = with_output_gain(y)
         return y + 1 if self.training else y
 
 
@@ -69,6 +77,7 @@ class Net(torch.nn.Module):
 
 def twins():
     """A model to cache and an equal one to call plainly."""
+    set_global_read_by_a_helper(None, 1.0)
     torch.manual_seed(0)
     net = Net().eval()
     return net, copy.deepcopy(net)
@@ -144,6 +153,11 @@ def scale_gains_in_place(net, value):
     net.first.gains *= value
 
 
+def set_global_read_by_a_helper(_, value):
+    global OUTPUT_GAIN
+    OUTPUT_GAIN = value
+
+
 def replace_submodule(net, _):
     torch.manual_seed(1)
     net.second.linear = torch.nn.Linear(6, 6)
@@ -151,7 +165,7 @@ def replace_submodule(net, _):
 
 MUTATIONS = [set_factor, set_same_factor, train_submodule, eval_all, swap_processor, set_processor_scale,
              replace_parameter, replace_data, update_in_place, update_plain_tensor, update_buffer,
-             replace_plain_tensor, replace_submodule, toggle_active, scale_gains_in_place]
+             replace_plain_tensor, replace_submodule, toggle_active, scale_gains_in_place, set_global_read_by_a_helper]
 
 
 @pytest.mark.parametrize("mutate", MUTATIONS, ids=lambda m: m.__name__)
@@ -604,3 +618,82 @@ def test_a_hook_that_casts_the_live_module_leaves_it_whole():
             torch.testing.assert_close(cached(x), reference(x), **CLOSE)
     assert [id(p) for p in model.parameters()] == weights
     assert all(type(p) is torch.nn.Parameter and p.dtype == torch.float16 for p in model.parameters())
+
+
+def test_a_pre_hook_reads_its_closure_and_the_entry_answers_as_the_uncached_model():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU()).eval()
+    state = {"gain": 1.0}
+    scale = 1.0
+
+    def pre(module, args):
+        return (args[0] * scale * state["gain"],)
+
+    net[0].register_forward_pre_hook(pre)
+    plain = copy.deepcopy(net)  # the same hook function: it reads the same closure
+    cached = compiled(net)
+    x = torch.randn(2, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a hook a graph would drop: Dynamo builds the bucket
+        check(cached, plain, x)
+        scale = 4.0  # the cell
+        check(cached, plain, x)
+        state["gain"] = 2.0  # what the cell holds
+        check(cached, plain, x)
+    assert sc.stats(cached)["invalidations"] == 2
+
+
+def denoise(model, x, options):
+    return model(x) * options["guidance"]
+
+
+def test_a_partial_given_to_cached_is_guarded_by_its_arguments():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 6).eval()
+    options = {"guidance": 1.0}
+    run = sc.cached(functools.partial(denoise, model, options=options), backend="compile", budget="1GiB")
+    x = torch.randn(2, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(run(x), model(x), **CLOSE)
+        options["guidance"] = 7.5
+        torch.testing.assert_close(run(x), model(x) * 7.5, **CLOSE)
+        with torch.no_grad():
+            model.weight.mul_(2)
+        torch.testing.assert_close(run(x), model(x) * 7.5, **CLOSE)
+    assert sc.stats(run)["invalidations"] == 2
+
+
+class Denoiser:
+    """A callable object given to sc.cached, holding its model and its options."""
+
+    def __init__(self, model):
+        self.model, self.guidance = model, 1.0
+
+    def __call__(self, x):
+        return self.model(x) * self.guidance
+
+
+def test_a_callable_object_given_to_cached_is_guarded_by_its_attributes():
+    torch.manual_seed(0)
+    denoiser = Denoiser(torch.nn.Linear(6, 6).eval())
+    run = sc.cached(denoiser, backend="compile", budget="1GiB")
+    x = torch.randn(2, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(run(x), denoiser.model(x), **CLOSE)
+        denoiser.guidance = 3.0
+        torch.testing.assert_close(run(x), denoiser.model(x) * 3.0, **CLOSE)
+    assert sc.stats(run)["invalidations"] == 1
+
+
+def test_inference_tensors_updated_in_place_are_read_where_they_are_instead_of_frozen():
+    with torch.inference_mode():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 6)).eval()
+        other = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 6)).eval()
+    cached = sc.cached(model, backend="compile", budget="1GiB", compile_options={"options": {"freezing": True}})
+    x = torch.randn(2, 6)
+    with torch.inference_mode():
+        with pytest.warns(RuntimeWarning, match="freezing is off .* inference tensors"):
+            torch.testing.assert_close(cached(x), model(x), **CLOSE)
+        model.load_state_dict(other.state_dict())  # copy_ into inference tensors: no version moves
+        torch.testing.assert_close(cached(x), other(x), **CLOSE)

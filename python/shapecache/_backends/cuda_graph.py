@@ -11,7 +11,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from shapecache import _timing
-from shapecache._backends import graph_pool, guards
+from shapecache._backends import called_code, graph_pool, guards
 from shapecache._backends.compile import entry_point
 from shapecache._backends.entry import BuildContext, Builder, BuiltEntry, register
 from shapecache._backends.exported import first_line
@@ -64,7 +64,7 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
     caller = torch.cuda.current_stream(device)
     side = warm_up_stream(device)
     side.wait_stream(caller)
-    with torch.cuda.device(device), torch.cuda.stream(side):
+    with torch.cuda.device(device), torch.cuda.stream(side), called_code.recording_calls() as called:
         output = runnable(*args, **kwargs)
     caller.wait_stream(side)
     for t in tree_leaves(output):
@@ -75,7 +75,7 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
     # recorded after the warm-up, whose lazy initialisation the capture then reads. What the
     # capture itself writes makes it stale: the bucket is given up (miss_policy.h).
     guard = guards.guard(guards.call_roots(args, kwargs, context.has_owner, context.parameter_names),
-                         functions=[function])
+                         functions=[function], called=called)
 
     eager_seconds = None
     if keep_only_if_faster:

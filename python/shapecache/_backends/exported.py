@@ -43,7 +43,7 @@ import torch
 from torch._guards import tracing
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from shapecache._backends import guards, tracing_threads
+from shapecache._backends import called_code, guards, tracing_threads
 from shapecache._extension import _C
 from shapecache._holder import holder_on
 from shapecache._host_memory import memory_of, memory_ranges
@@ -190,12 +190,13 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
     live_tensors = _LiveTensors(roots)
     with _build_lock, _dropping_tracing_leftovers():
         try:
-            if quiet_warnings_here():
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # export's notes on how it traced are not the user's concern
+            with called_code.recording_calls() as called:  # the globals the traced code reads
+                if quiet_warnings_here():
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")  # export's notes on how it traced are not the user's concern
+                        program = torch.export.export(module, tensors, strict=False)
+                else:
                     program = torch.export.export(module, tensors, strict=False)
-            else:
-                program = torch.export.export(module, tensors, strict=False)
             graph = program.module()
         except Exception as error:  # noqa: BLE001  (export's failures share no base class)
             raise ExportFailed(f"{type(error).__name__}: {first_line(error)}") from error
@@ -209,8 +210,15 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
             raise WritesState(module.trace.state_written)
         reached = {id(copies.live(module)) for module in copies.ran.values()}
         read = _tensors_read(program)
-        guard = guards.record(roots, functions=[function], reached=reached, tensors=read)
+        guard = guards.record(roots, functions=[function], reached=reached, tensors=read, called=called)
         del program
+        if options.get("freezing") and any(tensor.is_inference() for _, tensor in read):
+            options["freezing"] = False
+            warnings.warn(f"shapecache: inductor's freezing is off for {getattr(function, '__qualname__', function)}: "
+                          "its weights are inference tensors (made or loaded under torch.inference_mode()), which "
+                          "keep no version counter, so an update in place (load_state_dict) would not be seen in a "
+                          "frozen copy; its graphs read the weights where they are. Make and load the model outside "
+                          "inference_mode to freeze them.", RuntimeWarning, stacklevel=2)
         # AOT autograd's own cache is off for these builds: its key pickles the exported module,
         # whose closures do not pickle, so it never hits and logs a traceback on every build;
         # inductor's FX graph cache below it is what a second process reads.

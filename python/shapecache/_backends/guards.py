@@ -13,7 +13,11 @@ A compiled entry answers for the state it was built from. It depends on:
 - every tensor among those: its object, memory and version counter, so that replacing a
   parameter, ``.data =``, ``.to()`` and in-place updates are seen;
 - for a function: the globals its code names and its closure cells (the modules and tensors
-  found there are walked as above);
+  found there are walked as above); for a ``functools.partial``, its function, arguments and
+  keywords; for a callable object, its attributes;
+- the globals named by the code that ran while the entry was built (a flag a helper reads;
+  called_code.py), and the closure cells and globals of the functions hanging from a module
+  (a hook and what its closure holds);
 - the class of each module and plain object guarded, and the attributes of its classes (up
   to ``nn.Module``): a swapped ``__class__`` or a method patched on a class is a change;
 - torch's global forward hooks.
@@ -35,6 +39,7 @@ import torch
 from torch.nn.modules import module as _module_globals
 from torch.utils._pytree import tree_flatten
 
+from shapecache._backends import called_code
 from shapecache._extension import _C
 
 # How deep plain objects hanging from a module are walked (a processor, a hook and its state).
@@ -52,6 +57,8 @@ _NOT_READ_BY_FORWARD = frozenset({"_non_persistent_buffers_set"})
 # guarded on its own), tensors, and the cache itself (its counters change as it works).
 _NOT_WALKED = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial,
                types.ModuleType, torch.nn.Module, torch.Tensor, _C.ShapeDispatcher)
+# Code, not a callable object whose attributes are its state.
+_CODE = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.BuiltinMethodType)
 
 
 class Guarded:
@@ -88,25 +95,55 @@ class Guarded:
     def function(self, function, path: str, roots: dict) -> None:
         """The globals `function`'s code names and its closure cells; modules found there are
         added to `roots` (name -> module) for the caller to walk."""
+        if isinstance(function, functools.partial):
+            for i, argument in enumerate(function.args):
+                self._argument(argument, f"{path}.args[{i}]", roots)
+            for name, argument in function.keywords.items():
+                self._argument(argument, f"{path}.keywords[{name!r}]", roots)
+            self.function(function.func, f"{path}.func", roots)
+            return
         function = inspect.unwrap(function) if callable(function) else function
+        if not isinstance(function, _CODE) and isinstance(getattr(function, "__dict__", None), dict):
+            # A callable object: its attributes, and what its class's __call__ reads.
+            if self._first(function):
+                self._classes(function, path)
+                self._add_dict(function.__dict__, path)
+                for name, value in function.__dict__.items():
+                    self._argument(value, f"{path}.{name}", roots)
+            self.function(type(function).__call__, f"{path}.__call__", roots)
+            return
         if inspect.ismethod(function):
             if isinstance(function.__self__, torch.nn.Module):
                 roots.setdefault(f"{path}.__self__", function.__self__)
             function = function.__func__
         if not inspect.isfunction(function):
             return
-        code = function.__code__
-        names = [name for name in code.co_names if name in function.__globals__]
-        if names:
-            self.record.append(("dict", function.__globals__, f"{function.__module__} (globals)", names))
-        for name in names:
-            self._found(function.__globals__[name], f"{function.__module__}.{name}", roots)
-        for name, cell in zip(code.co_freevars, function.__closure__ or (), strict=True):
+        self.globals_read(function.__code__, function.__globals__, roots)
+        for name, cell in zip(function.__code__.co_freevars, function.__closure__ or (), strict=True):
             self.record.append(("cell", cell, f"{function.__qualname__}.<{name}>", None))
             try:
-                self._found(cell.cell_contents, f"{function.__qualname__}.<{name}>", roots)
+                self._argument(cell.cell_contents, f"{function.__qualname__}.<{name}>", roots)
             except ValueError:  # an empty cell
                 pass
+
+    def globals_read(self, code, module_globals: dict, roots: dict) -> None:
+        """The globals `code` names (its ``co_names`` that `module_globals` holds): compared
+        whenever that dict changes; the containers among them compared too, and the modules
+        among them added to `roots`."""
+        names = [name for name in code.co_names if name in module_globals]
+        if not names:
+            return
+        module_name = module_globals.get("__name__", "?")
+        self.record.append(("dict", module_globals, f"{module_name} (globals)", names))
+        for name in names:
+            value = module_globals[name]
+            if isinstance(value, (torch.nn.Module, torch.Tensor, dict, list, set)) or _is_numpy_array(value):
+                self._argument(value, f"{module_name}.{name}", roots)
+
+    def called(self, calls: dict, roots: dict) -> None:
+        """The globals read by the code that ran (called_code.recording_calls)."""
+        for code, module_globals in calls.items():
+            self.globals_read(code, module_globals, roots)
 
     def global_hooks(self) -> None:
         for name in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_with_kwargs",
@@ -115,11 +152,13 @@ class Guarded:
             if isinstance(hooks, dict):
                 self.record.append(("dict", hooks, f"torch.nn.modules.module.{name}", None))
 
-    def _found(self, value, path: str, roots: dict) -> None:
+    def _argument(self, value, path: str, roots: dict) -> None:
+        """A value a function holds or reads: a module is added to `roots` (its tree is
+        guarded), anything else guarded as a module's attribute is."""
         if isinstance(value, torch.nn.Module):
             roots.setdefault(path, value)
-        elif isinstance(value, torch.Tensor):
-            self.tensor(value, path)
+        else:
+            self._value(value, path, _OBJECT_DEPTH)
 
     def _value(self, value, path: str, depth: int) -> None:
         if isinstance(value, torch.Tensor):
@@ -142,12 +181,38 @@ class Guarded:
         elif _is_numpy_array(value):
             if value.size <= _ARRAY_ELEMENTS and self._first(value):
                 self.record.append(("snapshot", value, path, _array_snapshot))
+        elif isinstance(value, (types.FunctionType, functools.partial, types.MethodType)):
+            if depth > 0 and self._first(value):
+                self._code_state(value, path, depth - 1)
         elif depth > 0 and not isinstance(value, _NOT_WALKED) and isinstance(getattr(value, "__dict__", None), dict):
             if self._first(value):
                 self._classes(value, path)
                 self._add_dict(value.__dict__, path)
                 for name, item in value.__dict__.items():
                     self._value(item, f"{path}.{name}", depth - 1)
+
+    def _code_state(self, function, path: str, depth: int) -> None:
+        """What a function hanging from a module (a hook, a forward replaced by a partial)
+        reads besides its arguments: its closure cells and what they hold, the globals its
+        code names, a partial's arguments, a bound method's object."""
+        if _defined_in_a_library(function):
+            return
+        if isinstance(function, functools.partial):
+            self._value(function.func, f"{path}.func", depth + 1)
+            for i, argument in enumerate(function.args):
+                self._value(argument, f"{path}.args[{i}]", depth)
+            self._value(function.keywords, f"{path}.keywords", depth)
+        elif isinstance(function, types.MethodType):
+            self._value(function.__self__, f"{path}.__self__", depth)
+            self._value(function.__func__, f"{path}.__func__", depth + 1)
+        else:
+            self.globals_read(function.__code__, function.__globals__, {})
+            for name, cell in zip(function.__code__.co_freevars, function.__closure__ or (), strict=True):
+                self.record.append(("cell", cell, f"{path}.<{name}>", None))
+                try:
+                    self._value(cell.cell_contents, f"{path}.<{name}>", depth)
+                except ValueError:  # an empty cell
+                    pass
 
     def _classes(self, obj, path: str) -> None:
         """Which class `obj` is, and the attributes of its classes up to torch's and Python's
@@ -169,6 +234,15 @@ class Guarded:
             return False
         self._seen.add(id(obj))
         return True
+
+
+def _defined_in_a_library(function) -> bool:
+    """Whether `function` (a partial's or a bound method's, followed) is torch's, the standard
+    library's or shapecache's own (a torch hook, the trace's own recorder): what those read is
+    not the user's state."""
+    while isinstance(function, (functools.partial, types.MethodType)):
+        function = function.func if isinstance(function, functools.partial) else function.__func__
+    return str(getattr(function, "__module__", None) or "").partition(".")[0] in called_code.LIBRARIES
 
 
 def _version_of(tensor: torch.Tensor) -> int | bool:
@@ -206,7 +280,7 @@ def guard(roots: dict, functions: Iterable[Callable] = (), **options) -> _C.Stat
 
 
 def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensors: Iterable = (),
-           python_only: bool = False, collect: list | None = None) -> list[tuple]:
+           python_only: bool = False, collect: list | None = None, called: dict | None = None) -> list[tuple]:
     """What a guard over the module trees of `roots` (path -> module) and of the modules the
     globals and closures of `functions` hold checks: a record, made into a ``_C.StateGuard``
     in one call (by ``guard``, or by the cache from a builder's ``BuiltEntry.guard``).
@@ -216,7 +290,9 @@ def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensor
     trees). `tensors`:
     (path, tensor) pairs the graph reads besides those (constants it lifted); their owning
     modules are guarded too. `python_only`: no tensors, and not the parameter and buffer dicts.
-    `collect`: receives the dicts of modules and objects guarded, and the lists."""
+    `collect`: receives the dicts of modules and objects guarded, and the lists. `called`: the
+    code that ran while the entry was built (called_code.recording_calls), whose globals read
+    are guarded."""
     guarded = Guarded(python_only, collect)
     guarded.global_hooks()
     # Modules reached through globals and closures were traced live, without a record of
@@ -224,6 +300,7 @@ def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensor
     found: dict = {}
     for i, function in enumerate(functions):
         guarded.function(function, f"function {i}", found)
+    guarded.called(called or {}, found)
     tensors = list(tensors)
     owned_by = _owners(roots.values()) if reached is not None else {}
     needed = set(reached or ())
