@@ -697,3 +697,23 @@ def test_inference_tensors_updated_in_place_are_read_where_they_are_instead_of_f
             torch.testing.assert_close(cached(x), model(x), **CLOSE)
         model.load_state_dict(other.state_dict())  # copy_ into inference tensors: no version moves
         torch.testing.assert_close(cached(x), other(x), **CLOSE)
+
+
+def test_a_hook_on_a_model_a_function_reaches_through_a_global_runs_on_every_call():
+    net, plain = twins()
+    collected = []
+    net.first.register_forward_hook(lambda module, args, output: collected.append(output))
+    global GLOBAL_MODEL
+    GLOBAL_MODEL = net
+
+    @sc.cached(backend="compile", budget="1GiB")
+    def run(x):
+        return GLOBAL_MODEL(x)
+
+    x = torch.randn(2, 6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            check(run, plain, x)
+    assert any("forward hooks" in str(w.message) for w in caught)  # built by Dynamo, which runs them
+    assert len(collected) == 3 and all(type(t) is torch.Tensor for t in collected)

@@ -52,7 +52,7 @@ class CompiledBuilder(Builder):
         effects, so a bucket that needs Dynamo is not built there (it runs uncached)."""
         device, run_call = handle.device, handle.run_call
         options = context.compile_options
-        hooks = exported.hooks_a_graph_drops(args, kwargs, context.has_owner, context.parameter_names)
+        hooks = exported.hooks_a_graph_drops(function, args, kwargs, context.has_owner, context.parameter_names)
         if exported.handles(options) and not hooks:
             if device.type == "cpu":
                 exported.warm_up(options)  # the compiler's start-up is not this entry's (shapecache/_host_memory.py)

@@ -90,21 +90,25 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
 _GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks")
 
 
-def hooks_a_graph_drops(args: tuple, kwargs: dict, has_owner: bool, parameter_names) -> list[str]:
+def hooks_a_graph_drops(function: Callable, args: tuple, kwargs: dict, has_owner: bool, parameter_names) -> list[str]:
     """The forward hooks and pre-hooks that are not torch's own (an activation collector, a
-    probe) on the modules among the call's arguments, and the global ones, named: a trace would
-    run them once, on fake tensors, and a graph never again. Those of the module whose forward
-    is cached are not among them: its own ``__call__`` runs them around the cache, on every
-    call. Modules reached only through globals or closures are not looked at."""
+    probe) on the modules among the call's arguments and those the function's globals and
+    closures hold, and the global ones, named: a trace would run them once, on fake tensors,
+    and a graph never again. Those of the module whose forward is cached are not among them:
+    its own ``__call__`` runs them around the cache, on every call."""
     from torch.nn.modules import module as module_globals
 
     found = [f"a global forward hook ({_name_of(hook)})" for name in _GLOBAL_HOOK_DICTS
              for hook in getattr(module_globals, name, {}).values() if not _torchs_own(hook)]
     owner = args[0] if has_owner and args else None
-    for path, root in guards.call_roots(args, kwargs, has_owner, parameter_names).items():
+    roots = guards.call_roots(args, kwargs, has_owner, parameter_names)
+    guards.Guarded(python_only=True).function(function, "function", roots)  # adds the modules found there
+    looked_at: set[int] = set()
+    for path, root in roots.items():
         for name, module in root.named_modules(remove_duplicate=True):
-            if module is owner:
+            if module is owner or id(module) in looked_at:
                 continue
+            looked_at.add(id(module))
             for hooks in _HOOK_DICTS:
                 found += [f"{path}.{name}".rstrip(".") + f" ({_name_of(hook)})"
                           for hook in getattr(module, hooks, {}).values() if not _torchs_own(hook)]
