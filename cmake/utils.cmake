@@ -69,14 +69,19 @@ endmacro()
 # initialised: a number written to a std::ostringstream comes out empty or crashes the process.
 # `-l:libstdc++.so.6` names the shared object itself (the runtime's soname, in the system's
 # library directory), after the objects and before the driver's own runtime libraries, so it
-# resolves every symbol and an archive named later adds nothing.
+# resolves every symbol and an archive named later adds nothing; inside --push-state,-Bdynamic
+# so that a -Bstatic in effect from the flags before it does not refuse the shared object.
 function(link_shared_libstdcxx TARGET)
   if(NOT (CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_SYSTEM_NAME STREQUAL "Linux"))
     return()
   endif()
   include(CheckLinkerFlag)
+  set(dynamic "LINKER:--push-state,-Bdynamic,-l:libstdc++.so.6,--pop-state")
+  check_linker_flag(CXX "${dynamic}" SHAPECACHE_LINKER_TAKES_LIBSTDCXX_SO_DYNAMIC)
   check_linker_flag(CXX "-l:libstdc++.so.6" SHAPECACHE_LINKER_FINDS_LIBSTDCXX_SO)
-  if(SHAPECACHE_LINKER_FINDS_LIBSTDCXX_SO)
+  if(SHAPECACHE_LINKER_TAKES_LIBSTDCXX_SO_DYNAMIC)
+    target_link_libraries(${TARGET} PRIVATE "-Wl,--push-state,-Bdynamic,-l:libstdc++.so.6,--pop-state")
+  elseif(SHAPECACHE_LINKER_FINDS_LIBSTDCXX_SO)
     target_link_libraries(${TARGET} PRIVATE "-l:libstdc++.so.6")
   else()
     message(WARNING "the linker finds no libstdc++.so.6: the module may carry a static copy of libstdc++, whose "

@@ -42,15 +42,16 @@ def wrapper_with_only_the_archive(tmp_path: Path) -> Path:
     return wrapper
 
 
-def build(tmp_path: Path, compiler: Path, link_shared: bool) -> list[str]:
+def build(tmp_path: Path, compiler: Path, link_shared: bool, linker_flags: str = "") -> list[str]:
     """Builds a shared library that writes a number to a std::ostringstream; returns its NEEDED entries."""
-    project = tmp_path / ("shared" if link_shared else "plain")
+    project = tmp_path / (("shared" if link_shared else "plain") + ("-flags" if linker_flags else ""))
     project.mkdir()
     (project / "describe.cpp").write_text(SOURCE)
     (project / "CMakeLists.txt").write_text(
         "cmake_minimum_required(VERSION 3.18)\nproject(describe LANGUAGES CXX)\n"
         f'include("{ROOT / "cmake" / "utils.cmake"}")\n'
         "add_library(describe SHARED describe.cpp)\n"
+        + (f'target_link_libraries(describe PRIVATE "{linker_flags}")\n' if linker_flags else "")
         + ("link_shared_libstdcxx(describe)\n" if link_shared else ""))
     for command in (["cmake", "-S", str(project), "-B", str(project / "build"), f"-DCMAKE_CXX_COMPILER={compiler}"],
                     ["cmake", "--build", str(project / "build")]):
@@ -66,3 +67,13 @@ def test_a_compiler_prefix_holding_only_the_archive_still_links_the_shared_libst
     # The hazard is real with this wrapper: a plain link takes the archive.
     assert "libstdc++.so.6" not in build(tmp_path, wrapper, link_shared=False)
     assert "libstdc++.so.6" in build(tmp_path, wrapper, link_shared=True)
+
+
+def test_the_shared_libstdcxx_is_linked_under_a_static_link_mode_and_static_libstdcxx(tmp_path):
+    # Flags a toolchain may add before the module's own libraries: the linker still in -Bstatic
+    # mode where they end, and the driver's -static-libstdc++.
+    wrapper = tmp_path / "g++"
+    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("g++")} "$@" -static-libstdc++\n')
+    wrapper.chmod(0o755)
+    needed = build(tmp_path, wrapper, link_shared=True, linker_flags="-Wl,-Bstatic")
+    assert "libstdc++.so.6" in needed

@@ -2,29 +2,62 @@
 
 A forward reads module-level state through the functions it calls: a flag read by a helper,
 a table a block looks up. Neither the module trees nor the cached function's own code show
-them; the code that ran does. While a build traces or warms up a call, a profile function on
-the building thread records each code object that starts, with its module's globals, once.
-The libraries' own code (torch, the standard library, shapecache) is left out: what it reads
-at module level is its configuration, which a build does not bake in as a user's flag would;
-so is code generated at run time (a namedtuple's methods, an FX graph's forward), whose
-globals are no module's.
+them; the code that ran does. While a build traces or warms up a call, the building thread
+records each code object that starts, with its module's globals, once. The libraries' own
+code (torch, the standard library, shapecache) is left out: what it reads at module level is
+its configuration, which a build does not bake in as a user's flag would; so is code
+generated at run time (a namedtuple's methods, an FX graph's forward), whose globals are no
+module's.
 
-The profile function is per thread (``sys.setprofile``): other threads, serving calls
-meanwhile, are not slowed. A Python profile function already set on the thread is called on
-from it, so it sees the build as before. A profiler set from C (cProfile) cannot be called
-from Python nor set back from it: under one, nothing is recorded (profiling a build is not
-serving).
+How code starting is seen, cheapest first, leaving any debugger, profiler or coverage tool
+that watches the process as it was:
+- Python 3.12 and later: ``sys.monitoring``'s PY_START event, under a tool id of its own
+  (other tools, cProfile among them, keep theirs). A library's code is disabled for the
+  event once seen, for good: a trace then pays for the user's code alone. The event is
+  process-wide while a build records: other threads' calls of user code pay a dictionary
+  lookup each.
+- Python 3.11: a trace function on the building thread (``sys.settrace``: called when a
+  frame starts, not on C calls), where none is set; else a profile function
+  (``sys.setprofile``), calling on a Python one already set.
+- Where neither is free (a debugger and cProfile both on the building thread, 3.11), nothing
+  is recorded and one warning says so: such an entry does not see the globals its callees
+  read.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
+import threading
+import warnings
 
 # Top-level packages whose code is not recorded.
 LIBRARIES = frozenset(sys.stdlib_module_names) | frozenset(
-    {"torch", "functorch", "shapecache", "sympy", "numpy", "triton", "optree", "typing_extensions", "_pytest",
-     "pluggy", "hypothesis"})
+    {"torch", "functorch", "shapecache", "sympy", "numpy", "triton", "optree", "typing_extensions"})
+
+_MONITORING = getattr(sys, "monitoring", None)
+_TOOL_IDS = (3, 4)  # sys.monitoring's ids that no tool named by Python claims
+
+_lock = threading.Lock()
+_recording: dict[int, tuple[dict, set]] = {}  # thread id -> (calls, seen): the threads recording now
+_tool: int | None = None
+_active = 0  # recordings under way, in any thread
+_collecting = threading.local()  # .now: the garbage collector runs on this thread
+
+
+def _collection_starts(phase: str, _info) -> None:
+    if phase == "start":
+        _collecting.now = True
+
+
+def _collection_ends(phase: str, _info) -> None:
+    if phase == "stop":
+        _collecting.now = False
+
+
+def _is_collecting() -> bool:
+    return getattr(_collecting, "now", False)
 
 
 @contextlib.contextmanager
@@ -33,27 +66,126 @@ def recording_calls():
     it belongs to, for each code object of user code that started on this thread."""
     calls: dict = {}
     seen: set = set()
+    with _collections_not_recorded():
+        if _MONITORING is not None:
+            recorder = _monitoring
+        elif sys.gettrace() is None:
+            recorder = _tracing
+        elif sys.getprofile() is None or callable(sys.getprofile()):
+            recorder = _profiling
+        else:
+            recorder = _not_recording
+        with recorder(calls, seen):
+            yield calls
+
+
+@contextlib.contextmanager
+def _collections_not_recorded():
+    """What runs while the garbage collector does (gc.callbacks, weakref callbacks,
+    finalizers: a test framework's timing, a library's cache clean-up) is no part of the
+    call, and is not recorded: callbacks first and last among gc.callbacks say when a
+    collection starts and ends."""
+    global _active
+    with _lock:
+        _active += 1
+        if _active == 1:
+            gc.callbacks.insert(0, _collection_starts)
+            gc.callbacks.append(_collection_ends)
+    try:
+        yield
+    finally:
+        with _lock:
+            _active -= 1
+            if _active == 0:
+                gc.callbacks.remove(_collection_starts)
+                gc.callbacks.remove(_collection_ends)
+
+
+@contextlib.contextmanager
+def _monitoring(calls: dict, seen: set):
+    global _tool
+    thread = threading.get_ident()
+    with _lock:
+        if _tool is None:
+            _tool = next((i for i in _TOOL_IDS if _MONITORING.get_tool(i) is None), None)
+            if _tool is None:
+                _warn_not_recording("sys.monitoring has no tool id free")
+            else:
+                _MONITORING.use_tool_id(_tool, "shapecache")
+                _MONITORING.register_callback(_tool, _MONITORING.events.PY_START, _on_start)
+        if _tool is not None:
+            _recording[thread] = (calls, seen)
+            _MONITORING.set_events(_tool, _MONITORING.events.PY_START)
+    try:
+        yield
+    finally:
+        with _lock:
+            _recording.pop(thread, None)
+            if _tool is not None and not _recording:
+                _MONITORING.set_events(_tool, 0)
+
+
+def _on_start(code, _offset):
+    if _is_collecting():
+        return None
+    module_globals = sys._getframe(1).f_globals  # the frame that starts
+    if not _is_users_module(module_globals):
+        return _MONITORING.DISABLE  # a library's code is never recorded: not seen again, by any thread
+    recording = _recording.get(threading.get_ident())
+    if recording is not None and code not in recording[1]:
+        recording[1].add(code)
+        recording[0][code] = module_globals
+    return None
+
+
+@contextlib.contextmanager
+def _tracing(calls: dict, seen: set):
+    def trace(frame, event, _arg):
+        code = frame.f_code
+        if code not in seen and not _is_collecting():
+            seen.add(code)
+            if _is_users_module(frame.f_globals):
+                calls[code] = frame.f_globals
+        # None: no tracing of the frame's lines
+
+    sys.settrace(trace)
+    try:
+        yield
+    finally:
+        sys.settrace(None)
+
+
+@contextlib.contextmanager
+def _profiling(calls: dict, seen: set):
     previous = sys.getprofile()
-    if previous is not None and not callable(previous):
-        yield calls
-        return
 
     def profile(frame, event, arg):
-        if event == "call":
+        if event == "call" and not _is_collecting():
             code = frame.f_code
             if code not in seen:
                 seen.add(code)
-                module_globals = frame.f_globals
-                if _is_users_module(module_globals):
-                    calls[code] = module_globals
+                if _is_users_module(frame.f_globals):
+                    calls[code] = frame.f_globals
         if previous is not None:
             previous(frame, event, arg)
 
     sys.setprofile(profile)
     try:
-        yield calls
+        yield
     finally:
         sys.setprofile(previous)
+
+
+@contextlib.contextmanager
+def _not_recording(calls: dict, seen: set):
+    _warn_not_recording("a trace function and a profiler set from C are both on the building thread")
+    yield
+
+
+def _warn_not_recording(why: str) -> None:
+    warnings.warn(f"shapecache: a build could not record the code it ran ({why}); its entry does not see the "
+                  "globals the functions it calls read (call sc.clear after changing them)", RuntimeWarning,
+                  stacklevel=4)
 
 
 def _is_users_module(module_globals: dict) -> bool:

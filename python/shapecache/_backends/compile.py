@@ -116,7 +116,7 @@ def _build_with_dynamo(function, context, args, kwargs, device) -> BuiltEntry:
     # Dynamo guards what its graph read itself; shapecache's guard over the whole module trees
     # makes its entries stale on the same changes as every other backend's.
     guard = guards.record(guards.call_roots(args, kwargs, context.has_owner, context.parameter_names),
-                          functions=[function])
+                          functions=[function], hooks_state=False)
     return BuiltEntry(runner, held.bytes(output), output, "compile", guard)
 
 

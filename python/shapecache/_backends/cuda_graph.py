@@ -5,6 +5,7 @@ eager warm-up on a side stream, and replayed from C++. The pool's size and rebui
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -64,7 +65,9 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
     caller = torch.cuda.current_stream(device)
     side = warm_up_stream(device)
     side.wait_stream(caller)
-    with torch.cuda.device(device), torch.cuda.stream(side), called_code.recording_calls() as called:
+    # The globals the call's code reads are guarded (guards.py); Dynamo guards its own.
+    recording = contextlib.nullcontext({}) if compiled else called_code.recording_calls()
+    with torch.cuda.device(device), torch.cuda.stream(side), recording as called:
         output = runnable(*args, **kwargs)
     caller.wait_stream(side)
     for t in tree_leaves(output):

@@ -191,8 +191,8 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
 
     # The trace may reach the live model after all (a hook registry's forward is bound to the
     # live module and calls `module.to()` on it): its parameters and buffers are put back.
-    live_tensors = _LiveTensors(roots)
     with _build_lock, _dropping_tracing_leftovers():
+        live_tensors = _LiveTensors(roots)  # under the lock: no other trace is leaving fakes in them
         try:
             with called_code.recording_calls() as called:  # the globals the traced code reads
                 if quiet_warnings_here():
@@ -216,7 +216,7 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
         read = _tensors_read(program)
         guard = guards.record(roots, functions=[function], reached=reached, tensors=read, called=called)
         del program
-        if options.get("freezing") and any(tensor.is_inference() for _, tensor in read):
+        if options.get("freezing", inductor_config.freezing) and any(tensor.is_inference() for _, tensor in read):
             options["freezing"] = False
             warnings.warn(f"shapecache: inductor's freezing is off for {getattr(function, '__qualname__', function)}: "
                           "its weights are inference tensors (made or loaded under torch.inference_mode()), which "
@@ -265,10 +265,11 @@ class _LiveTensors:
         for path, d, before in self._dicts:
             for key in [k for k, v in d.items() if v is not before.get(k) and isinstance(v, torch.Tensor) and is_fake(v)]:
                 changed.append(f"{path}.{key}")
-                if key in before:
-                    d[key] = before[key]
-                else:
+                old = before.get(key, _ABSENT)
+                if old is _ABSENT:
                     d.pop(key, None)
+                elif not (isinstance(old, torch.Tensor) and is_fake(old)):  # never a fake one back
+                    d[key] = old
         return changed
 
 

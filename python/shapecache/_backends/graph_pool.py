@@ -257,23 +257,31 @@ class _Rounds:
     def within_budget(self, order: list, room_for: int, captured: list = ()) -> list:
         """Captures `order` after `captured` (captured already, into the same pool); returns
         every capture once the pool leaves `room_for` bytes (the new bucket's own) under the
-        budget. Otherwise one of the other graphs goes, its entry erased (built again from its
-        caller's next call): the one whose capture took the pool past that room or, where the
-        new bucket's did, the last captured before it; and the rest are captured again into
-        an emptied pool (a pool shrinks only whole). The new bucket fits alone (checked
-        before), so this ends."""
+        budget. Otherwise other graphs go, their entries erased (built again from their
+        callers' next calls), and the rest are captured again into an emptied pool (a pool
+        shrinks only whole): in the order captured, each other graph stays while what its
+        capture added to the pool still leaves that room, so one more pass does where
+        captures add what they added before. Where the pool still leaves no room, the last
+        other graph goes too, and so on: the new bucket fits alone (checked before), so this
+        ends."""
         captured = list(captured) + self.round(order)
         while not self.handle.could_fit(room_for, self.shared_bytes()):
             others = [c for c in captured if c.entry_id is not None]
             if not others:
                 break
-            crossing = next((i for i, c in enumerate(captured) if not self.handle.could_fit(room_for, c.pool_after)),
-                            len(captured) - 1)
-            before = [c for c in captured[:crossing + 1] if c.entry_id is not None]
-            dropped = before[-1] if before else others[0]
+            pool = captured[0].pool_after - captured[0].growth  # before the round
+            kept = []
+            for capture in captured:
+                if capture.entry_id is None or self.handle.could_fit(room_for, pool + capture.growth):
+                    kept.append(capture)
+                    pool += capture.growth
+            if len(kept) == len(captured):  # the sum did not show it: the last other goes
+                kept = [k for k in kept if k is not others[-1]]
             self.release_all(captured)
-            self.handle.erase_entry(dropped.entry_id)
-            captured = self.round([(c.entry_id, c.runner) for c in captured if c is not dropped])
+            for capture in captured:
+                if not any(capture is k for k in kept):
+                    self.handle.erase_entry(capture.entry_id)
+            captured = self.round([(c.entry_id, c.runner) for c in kept])
         return captured
 
     def release_all(self, captured: list) -> None:

@@ -15,9 +15,9 @@ A compiled entry answers for the state it was built from. It depends on:
 - for a function: the globals its code names and its closure cells (the modules and tensors
   found there are walked as above); for a ``functools.partial``, its function, arguments and
   keywords; for a callable object, its attributes;
-- the globals named by the code that ran while the entry was built (a flag a helper reads;
+- the globals read by the code that ran while the entry was built (a flag a helper reads;
   called_code.py), and the closure cells and globals of the functions hanging from a module
-  (a hook and what its closure holds);
+  (a hook, a forward replaced by a partial); for an entry Dynamo built, hooks by identity;
 - the class of each module and plain object guarded, and the attributes of its classes (up
   to ``nn.Module``): a swapped ``__class__`` or a method patched on a class is a change;
 - torch's global forward hooks.
@@ -30,6 +30,9 @@ check; larger ones only by identity.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import dis
 import functools
 import inspect
 import types
@@ -57,6 +60,10 @@ _NOT_READ_BY_FORWARD = frozenset({"_non_persistent_buffers_set"})
 # guarded on its own), tensors, and the cache itself (its counters change as it works).
 _NOT_WALKED = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial,
                types.ModuleType, torch.nn.Module, torch.Tensor, _C.ShapeDispatcher)
+# A module's hook dicts: the hooks are guarded by identity, the functions' own state is not.
+_HOOK_DICTS = frozenset({"_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
+                         "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                         "_load_state_dict_post_hooks"})
 # Code, not a callable object whose attributes are its state.
 _CODE = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.BuiltinMethodType)
 
@@ -64,7 +71,7 @@ _CODE = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, 
 class Guarded:
     """Collects what an entry depends on, once per object."""
 
-    def __init__(self, python_only: bool = False, collect: list | None = None):
+    def __init__(self, python_only: bool = False, collect: list | None = None, hooks_state: bool = True):
         # (kind, object, path, option) per item, made into a _C.StateGuard in one call
         self.record: list[tuple] = []
         self._collect = collect  # receives every dict and list guarded, when given
@@ -72,6 +79,12 @@ class Guarded:
         # Python state alone: no tensors, and not the dicts that hold parameters and buffers
         # (a trace swaps fake tensors into those).
         self._python_only = python_only
+        # While a function's state is walked: where the modules met in it go (their trees are
+        # guarded whole); None while a module's own state is (its submodules are guarded apart).
+        self._roots: dict | None = None
+        # Whether what hooks keep (a hook object's settings, a hook function's closure) is
+        # guarded: a graph bakes in what they read; Dynamo runs the hooks and guards it itself.
+        self._hooks_state = hooks_state
 
     def module(self, module: torch.nn.Module, path: str) -> None:
         """The module's own state: its attribute dict, the dicts it holds, their tensors and
@@ -84,6 +97,12 @@ class Guarded:
         for name, value in state.items():
             if name in _NOT_READ_BY_FORWARD or (self._python_only and name in ("_parameters", "_buffers")):
                 continue
+            if name in _HOOK_DICTS and not self._hooks_state:
+                # Which hooks, by identity; not the state a hook keeps (an activation collector's
+                # list changes on every call): Dynamo's own guards cover what the hooks read.
+                if isinstance(value, dict) and self._first(value):
+                    self._add_dict(value, f"{path}.{name}")
+                continue
             self._value(value, f"{path}.{name}", _OBJECT_DEPTH)
 
     def tensor(self, tensor: torch.Tensor, path: str) -> None:
@@ -95,6 +114,9 @@ class Guarded:
     def function(self, function, path: str, roots: dict) -> None:
         """The globals `function`'s code names and its closure cells; modules found there are
         added to `roots` (name -> module) for the caller to walk."""
+        if isinstance(function, torch.nn.Module):
+            roots.setdefault(path, function)
+            return
         if isinstance(function, functools.partial):
             for i, argument in enumerate(function.args):
                 self._argument(argument, f"{path}.args[{i}]", roots)
@@ -127,17 +149,18 @@ class Guarded:
                 pass
 
     def globals_read(self, code, module_globals: dict, roots: dict) -> None:
-        """The globals `code` names (its ``co_names`` that `module_globals` holds): compared
-        whenever that dict changes; the containers among them compared too, and the modules
-        among them added to `roots`."""
-        names = [name for name in code.co_names if name in module_globals]
+        """The globals `code` reads (``_global_names``) that `module_globals` holds: compared
+        whenever that dict changes; the state among them (containers, a configuration object)
+        compared too, and the modules among them added to `roots`."""
+        names = [name for name in _global_names(code) if name in module_globals]
         if not names:
             return
         module_name = module_globals.get("__name__", "?")
         self.record.append(("dict", module_globals, f"{module_name} (globals)", names))
         for name in names:
             value = module_globals[name]
-            if isinstance(value, (torch.nn.Module, torch.Tensor, dict, list, set)) or _is_numpy_array(value):
+            if isinstance(value, (torch.nn.Module, torch.Tensor, dict, list, set)) or _is_numpy_array(value) or \
+                    _is_configuration(value):
                 self._argument(value, f"{module_name}.{name}", roots)
 
     def called(self, calls: dict, roots: dict) -> None:
@@ -157,12 +180,19 @@ class Guarded:
         guarded), anything else guarded as a module's attribute is."""
         if isinstance(value, torch.nn.Module):
             roots.setdefault(path, value)
-        else:
+            return
+        outer, self._roots = self._roots, roots
+        try:
             self._value(value, path, _OBJECT_DEPTH)
+        finally:
+            self._roots = outer
 
     def _value(self, value, path: str, depth: int) -> None:
         if isinstance(value, torch.Tensor):
             self.tensor(value, path)
+        elif isinstance(value, torch.nn.Module):
+            if self._roots is not None:
+                self._roots.setdefault(path, value)
         elif isinstance(value, dict):
             if self._first(value):
                 self._add_dict(value, path)
@@ -236,6 +266,30 @@ class Guarded:
         return True
 
 
+@functools.lru_cache(maxsize=4096)
+def _global_names(code) -> tuple[str, ...]:
+    """The names `code` and the code nested in it (a comprehension, a lambda) load as globals:
+    not ``co_names`` whole, which holds attribute names too (``self.out`` would make a global
+    ``out`` a dependency)."""
+    names = {instruction.argval for instruction in dis.get_instructions(code)
+             if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names.update(_global_names(constant))
+    return tuple(sorted(names))
+
+
+def _is_configuration(value) -> bool:
+    """Whether a global is an object whose attributes are settings a forward reads: a
+    namespace, a dataclass, or an instance of the user's own class (not a library's: a
+    logger's cache changes as it runs)."""
+    if isinstance(value, (types.SimpleNamespace, argparse.Namespace)) or (
+            dataclasses.is_dataclass(value) and not isinstance(value, type)):
+        return True
+    return (not isinstance(value, _NOT_WALKED) and isinstance(getattr(value, "__dict__", None), dict)
+            and type(value).__module__.partition(".")[0] not in called_code.LIBRARIES)
+
+
 def _defined_in_a_library(function) -> bool:
     """Whether `function` (a partial's or a bound method's, followed) is torch's, the standard
     library's or shapecache's own (a torch hook, the trace's own recorder): what those read is
@@ -280,7 +334,8 @@ def guard(roots: dict, functions: Iterable[Callable] = (), **options) -> _C.Stat
 
 
 def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensors: Iterable = (),
-           python_only: bool = False, collect: list | None = None, called: dict | None = None) -> list[tuple]:
+           python_only: bool = False, collect: list | None = None, called: dict | None = None,
+           hooks_state: bool = True) -> list[tuple]:
     """What a guard over the module trees of `roots` (path -> module) and of the modules the
     globals and closures of `functions` hold checks: a record, made into a ``_C.StateGuard``
     in one call (by ``guard``, or by the cache from a builder's ``BuiltEntry.guard``).
@@ -292,8 +347,9 @@ def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensor
     modules are guarded too. `python_only`: no tensors, and not the parameter and buffer dicts.
     `collect`: receives the dicts of modules and objects guarded, and the lists. `called`: the
     code that ran while the entry was built (called_code.recording_calls), whose globals read
-    are guarded."""
-    guarded = Guarded(python_only, collect)
+    are guarded. `hooks_state`: whether the state hooks keep is guarded, or only which hooks
+    (for an entry Dynamo built, whose guards cover what the hooks read)."""
+    guarded = Guarded(python_only, collect, hooks_state)
     guarded.global_hooks()
     # Modules reached through globals and closures were traced live, without a record of
     # which of them ran: their whole trees are guarded.
