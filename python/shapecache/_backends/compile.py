@@ -160,14 +160,15 @@ def _settle(device) -> None:
         return_free_memory()
 
 
-_warned = weakref.WeakSet()
+_warned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # function -> the texts it was warned with
 
 
 def _warn_once(function, text: str) -> None:
     try:
-        if function in _warned:
+        texts = _warned.setdefault(function, set())
+        if text in texts:
             return
-        _warned.add(function)
+        texts.add(text)
     except TypeError:  # not weakly referenceable: warn every time
         pass
     warnings.warn(f"shapecache: {getattr(function, '__qualname__', function)}: {text}", RuntimeWarning, stacklevel=3)
