@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import sys
 import threading
 import types
 import warnings
@@ -860,3 +861,68 @@ def test_inference_tensors_are_not_frozen_when_freezing_is_set_in_inductors_conf
             torch.testing.assert_close(cached(x), model(x), **CLOSE)
         model.load_state_dict(other.state_dict())
         torch.testing.assert_close(cached(x), other(x), **CLOSE)
+
+
+def a_user_module(name: str, source: str) -> types.ModuleType:
+    """A module of the user's, imported: its code's globals are its own dict."""
+    module = types.ModuleType(name)
+    sys.modules[name] = module
+    exec(source, module.__dict__)  # noqa: S102  (the test's own source)
+    return module
+
+
+HELPERS = """
+import types
+SCALE = 1.0
+GAIN = 1.0
+STATS = types.SimpleNamespace(calls=0)
+class Trainer:
+    def __init__(self):
+        self.scale, self.step = 1.0, 0
+TRAINER = Trainer()
+def scaled(y):
+    return y * SCALE
+def counted(y):
+    STATS.calls += 1
+    return y * 2
+def trainer_scaled(y):
+    return y * TRAINER.scale
+"""
+
+
+def test_what_a_helper_reads_off_a_module_or_an_object_is_seen_and_nothing_else():
+    helpers = a_user_module("shapecache_test_helpers", HELPERS)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 6).eval()
+    service = a_user_module("shapecache_test_service", "import shapecache_test_helpers as helpers\n"
+                                                        "MODEL = None\n"
+                                                        "def run(x):\n"
+                                                        "    return helpers.trainer_scaled(helpers.scaled(MODEL(x))) * helpers.GAIN\n")
+    service.MODEL = model
+    run = sc.cached(service.run, backend="compile", budget="1GiB")
+    x = torch.randn(2, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(run(x), model(x), **CLOSE)
+        for _ in range(3):
+            helpers.TRAINER.step += 1  # an attribute no code of the call reads
+            torch.testing.assert_close(run(x), model(x), **CLOSE)
+        assert sc.stats(run)["invalidations"] == 0 and sc.stats(run)["hits"] == 3
+        helpers.SCALE = 5.0  # read by scaled() as a global of its module; the service reads helpers.scaled
+        torch.testing.assert_close(run(x), model(x) * 5.0, **CLOSE)
+        helpers.TRAINER.scale = 2.0  # read off an object of the user's class
+        torch.testing.assert_close(run(x), model(x) * 10.0, **CLOSE)
+        helpers.GAIN = 3.0  # read off the module by the service's own code
+        torch.testing.assert_close(run(x), model(x) * 30.0, **CLOSE)
+    assert sc.stats(run)["invalidations"] == 3, str({k: v for k, v in sc.stats(run).items() if k != "entries"})
+
+
+def test_a_helper_that_counts_in_a_global_makes_the_call_run_uncached_and_counts_every_call():
+    helpers = a_user_module("shapecache_test_counting", HELPERS)
+    model = torch.nn.Linear(6, 6).eval()
+    run = sc.cached(lambda x: helpers.counted(model(x)), backend="compile", budget="1GiB")
+    x = torch.randn(2, 6)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match=r"writes shapecache_test_counting\.STATS\.calls"):
+        for _ in range(4):
+            torch.testing.assert_close(run(x), model(x) * 2, **CLOSE)
+    assert helpers.STATS.calls == 4  # the trace's own write was put back
+    assert sc.stats(run)["builds"] == 0

@@ -27,9 +27,12 @@ that watches the process as it was:
 from __future__ import annotations
 
 import contextlib
+import dis
+import functools
 import gc
 import sys
 import threading
+import types
 import warnings
 
 # Top-level packages whose code is not recorded.
@@ -40,7 +43,7 @@ _MONITORING = getattr(sys, "monitoring", None)
 _TOOL_IDS = (3, 4)  # sys.monitoring's ids that no tool named by Python claims
 
 _lock = threading.Lock()
-_recording: dict[int, tuple[dict, set]] = {}  # thread id -> (calls, seen): the threads recording now
+_recording: dict = {}  # thread id -> its Recorded: the threads recording now
 _tool: int | None = None
 _active = 0  # recordings under way, in any thread
 _collecting = threading.local()  # .now: the garbage collector runs on this thread
@@ -60,12 +63,82 @@ def _is_collecting() -> bool:
     return getattr(_collecting, "now", False)
 
 
+_ABSENT = object()
+
+
+@functools.lru_cache(maxsize=4096)
+def global_reads(code) -> dict[str, frozenset]:
+    """The globals `code` and the code nested in it (a comprehension, a lambda) load, each
+    with the attributes loaded off it right away (``CFG.scale``, ``config_module.SCALE``;
+    empty where the global is used whole). Not ``co_names`` whole, which holds attribute
+    names too (``self.out`` would make a global ``out`` a dependency)."""
+    reads: dict[str, set] = {}
+    instructions = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "COPY", "NOP")]
+    for i, instruction in enumerate(instructions):
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            attributes = reads.setdefault(instruction.argval, set())
+            following = instructions[i + 1] if i + 1 < len(instructions) else None
+            if following is not None and following.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                attributes.add(following.argval)
+            else:
+                attributes.add(None)  # used whole
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            for name, attributes in global_reads(constant).items():
+                reads.setdefault(name, set()).update(attributes)
+    return {name: frozenset(attributes) for name, attributes in reads.items()}
+
+
+class Recorded:
+    """The user code that started on the building thread: `globals` maps each code object to
+    its module's globals. What each read (a global, an attribute loaded off one) held when
+    the code first started is kept, so that a call that writes state it reads (a helper's
+    ``STATS.calls += 1``, which a graph would not write again) is found and undone
+    (`put_back`)."""
+
+    def __init__(self):
+        self.globals: dict = {}
+        self._seen: set = set()
+        self._before: list = []  # (path, dict, key, the value it held)
+
+    def saw(self, code, module_globals: dict) -> None:
+        self._seen.add(code)
+        if not _is_users_module(module_globals):
+            return
+        self.globals[code] = module_globals
+        module_name = module_globals.get("__name__")
+        for name, attributes in global_reads(code).items():
+            value = module_globals.get(name, _ABSENT)
+            self._before.append((f"{module_name}.{name}", module_globals, name, value))
+            state = getattr(value, "__dict__", None)
+            if isinstance(state, dict) and not isinstance(value, type):
+                for attribute in attributes - {None}:
+                    self._before.append((f"{module_name}.{name}.{attribute}", state, attribute,
+                                         state.get(attribute, _ABSENT)))
+
+    def seen(self, code) -> bool:
+        return code in self._seen
+
+    def put_back(self) -> list[str]:
+        """Puts back each read whose value the call replaced (a trace leaves nothing of the
+        user's changed); names them. A write another thread made meanwhile cannot be told
+        from the call's, and is undone with it."""
+        written = []
+        for path, state, key, value in self._before:
+            if state.get(key, _ABSENT) is not value:
+                written.append(path)
+                if value is _ABSENT:
+                    state.pop(key, None)
+                else:
+                    state[key] = value
+        return written
+
+
 @contextlib.contextmanager
 def recording_calls():
-    """Yields a dict, filled until the block ends: code object -> the globals of the module
-    it belongs to, for each code object of user code that started on this thread."""
-    calls: dict = {}
-    seen: set = set()
+    """Yields a Recorded, filled until the block ends with the user code that started on
+    this thread."""
+    recorded = Recorded()
     with _collections_not_recorded():
         if _MONITORING is not None:
             recorder = _monitoring
@@ -75,8 +148,8 @@ def recording_calls():
             recorder = _profiling
         else:
             recorder = _not_recording
-        with recorder(calls, seen):
-            yield calls
+        with recorder(recorded):
+            yield recorded
 
 
 @contextlib.contextmanager
@@ -102,7 +175,7 @@ def _collections_not_recorded():
 
 
 @contextlib.contextmanager
-def _monitoring(calls: dict, seen: set):
+def _monitoring(recorded: Recorded):
     global _tool
     thread = threading.get_ident()
     with _lock:
@@ -112,10 +185,12 @@ def _monitoring(calls: dict, seen: set):
                 _warn_not_recording("sys.monitoring has no tool id free")
             else:
                 _MONITORING.use_tool_id(_tool, "shapecache")
-                _MONITORING.register_callback(_tool, _MONITORING.events.PY_START, _on_start)
+                for event in (_MONITORING.events.PY_START, _MONITORING.events.PY_RESUME):
+                    _MONITORING.register_callback(_tool, event, _on_start)
         if _tool is not None:
-            _recording[thread] = (calls, seen)
-            _MONITORING.set_events(_tool, _MONITORING.events.PY_START)
+            _recording[thread] = recorded
+            # PY_RESUME too: a generator started before the build and resumed in it
+            _MONITORING.set_events(_tool, _MONITORING.events.PY_START | _MONITORING.events.PY_RESUME)
     try:
         yield
     finally:
@@ -128,44 +203,37 @@ def _monitoring(calls: dict, seen: set):
 def _on_start(code, _offset):
     if _is_collecting():
         return None
-    module_globals = sys._getframe(1).f_globals  # the frame that starts
-    if not _is_users_module(module_globals):
+    module_globals = sys._getframe(1).f_globals  # the frame that starts (or resumes)
+    if _is_library(module_globals):
         return _MONITORING.DISABLE  # a library's code is never recorded: not seen again, by any thread
-    recording = _recording.get(threading.get_ident())
-    if recording is not None and code not in recording[1]:
-        recording[1].add(code)
-        recording[0][code] = module_globals
+    recorded = _recording.get(threading.get_ident())
+    if recorded is not None and not recorded.seen(code):
+        recorded.saw(code, module_globals)
     return None
 
 
 @contextlib.contextmanager
-def _tracing(calls: dict, seen: set):
+def _tracing(recorded: Recorded):
     def trace(frame, event, _arg):
-        code = frame.f_code
-        if code not in seen and not _is_collecting():
-            seen.add(code)
-            if _is_users_module(frame.f_globals):
-                calls[code] = frame.f_globals
+        if not recorded.seen(frame.f_code) and not _is_collecting():
+            recorded.saw(frame.f_code, frame.f_globals)
         # None: no tracing of the frame's lines
 
     sys.settrace(trace)
     try:
         yield
     finally:
-        sys.settrace(None)
+        if sys.gettrace() is trace:  # not a debugger's, set during the build (breakpoint())
+            sys.settrace(None)
 
 
 @contextlib.contextmanager
-def _profiling(calls: dict, seen: set):
+def _profiling(recorded: Recorded):
     previous = sys.getprofile()
 
     def profile(frame, event, arg):
-        if event == "call" and not _is_collecting():
-            code = frame.f_code
-            if code not in seen:
-                seen.add(code)
-                if _is_users_module(frame.f_globals):
-                    calls[code] = frame.f_globals
+        if event == "call" and not recorded.seen(frame.f_code) and not _is_collecting():
+            recorded.saw(frame.f_code, frame.f_globals)
         if previous is not None:
             previous(frame, event, arg)
 
@@ -173,11 +241,12 @@ def _profiling(calls: dict, seen: set):
     try:
         yield
     finally:
-        sys.setprofile(previous)
+        if sys.getprofile() is profile:
+            sys.setprofile(previous)
 
 
 @contextlib.contextmanager
-def _not_recording(calls: dict, seen: set):
+def _not_recording(recorded: Recorded):
     _warn_not_recording("a trace function and a profiler set from C are both on the building thread")
     yield
 
@@ -186,6 +255,11 @@ def _warn_not_recording(why: str) -> None:
     warnings.warn(f"shapecache: a build could not record the code it ran ({why}); its entry does not see the "
                   "globals the functions it calls read (call sc.clear after changing them)", RuntimeWarning,
                   stacklevel=4)
+
+
+def _is_library(module_globals: dict) -> bool:
+    name = module_globals.get("__name__")
+    return isinstance(name, str) and name.partition(".")[0] in LIBRARIES
 
 
 def _is_users_module(module_globals: dict) -> bool:

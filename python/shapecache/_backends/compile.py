@@ -160,15 +160,16 @@ def _settle(device) -> None:
         return_free_memory()
 
 
-_warned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # function -> the texts it was warned with
+_warned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # function -> the reasons it was warned of
 
 
 def _warn_once(function, text: str) -> None:
+    reason = text.split(" (")[0]  # a failure's details (its shapes) differ from bucket to bucket
     try:
-        texts = _warned.setdefault(function, set())
-        if text in texts:
+        reasons = _warned.setdefault(function, set())
+        if reason in reasons:
             return
-        texts.add(text)
+        reasons.add(reason)
     except TypeError:  # not weakly referenceable: warn every time
         pass
     warnings.warn(f"shapecache: {getattr(function, '__qualname__', function)}: {text}", RuntimeWarning, stacklevel=3)

@@ -193,6 +193,7 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
     # live module and calls `module.to()` on it): its parameters and buffers are put back.
     with _build_lock, _dropping_tracing_leftovers():
         live_tensors = _LiveTensors(roots)  # under the lock: no other trace is leaving fakes in them
+        called = None
         try:
             with called_code.recording_calls() as called:  # the globals the traced code reads
                 if quiet_warnings_here():
@@ -207,6 +208,9 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
         finally:
             _put_back(module.trace.shared, module.trace.written)
             replaced = live_tensors.put_back()
+            globals_written = called.put_back() if called is not None else []
+        if globals_written:
+            raise WritesState(f"{', '.join(globals_written[:3])} (read by the code it calls)")
         if replaced:
             raise WritesState(f"the parameters or buffers of the live model ({', '.join(replaced[:3])}; "
                               "module.to() in a hook)")

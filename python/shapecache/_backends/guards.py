@@ -30,9 +30,6 @@ check; larger ones only by identity.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import dis
 import functools
 import inspect
 import types
@@ -149,23 +146,34 @@ class Guarded:
                 pass
 
     def globals_read(self, code, module_globals: dict, roots: dict) -> None:
-        """The globals `code` reads (``_global_names``) that `module_globals` holds: compared
-        whenever that dict changes; the state among them (containers, a configuration object)
-        compared too, and the modules among them added to `roots`."""
-        names = [name for name in _global_names(code) if name in module_globals]
-        if not names:
+        """The globals `code` reads (``called_code.global_reads``) that `module_globals` holds,
+        compared whenever that dict changes. Of a global used whole, what it holds is guarded
+        too where it is state (a module, a tensor, a container); of one whose attributes are
+        loaded (``CFG.scale``, ``config_module.SCALE``), those attributes, as a module's are."""
+        reads = {name: attributes for name, attributes in called_code.global_reads(code).items()
+                 if name in module_globals}
+        if not reads:
             return
         module_name = module_globals.get("__name__", "?")
-        self.record.append(("dict", module_globals, f"{module_name} (globals)", names))
-        for name in names:
-            value = module_globals[name]
-            if isinstance(value, (torch.nn.Module, torch.Tensor, dict, list, set)) or _is_numpy_array(value) or \
-                    _is_configuration(value):
-                self._argument(value, f"{module_name}.{name}", roots)
+        self.record.append(("dict", module_globals, f"{module_name} (globals)", sorted(reads)))
+        for name, attributes in reads.items():
+            value, path = module_globals[name], f"{module_name}.{name}"
+            if None in attributes and (isinstance(value, (torch.nn.Module, torch.Tensor, dict, list, set))
+                                       or _is_numpy_array(value)):
+                self._argument(value, path, roots)
+            loaded = sorted(attributes - {None})
+            state = getattr(value, "__dict__", None)
+            if loaded and isinstance(state, dict) and not isinstance(value, (type, torch.nn.Module)) and not (
+                    isinstance(value, types.ModuleType) and value.__name__.partition(".")[0] in called_code.LIBRARIES):
+                self.record.append(("dict", state, path, [a for a in loaded if a in state]))
+                for attribute in loaded:
+                    item = state.get(attribute)
+                    if isinstance(item, (torch.nn.Module, torch.Tensor, dict, list, set)) or _is_numpy_array(item):
+                        self._argument(item, f"{path}.{attribute}", roots)
 
-    def called(self, calls: dict, roots: dict) -> None:
-        """The globals read by the code that ran (called_code.recording_calls)."""
-        for code, module_globals in calls.items():
+    def called(self, recorded, roots: dict) -> None:
+        """The globals read by the code that ran (a called_code.Recorded)."""
+        for code, module_globals in recorded.globals.items():
             self.globals_read(code, module_globals, roots)
 
     def global_hooks(self) -> None:
@@ -266,30 +274,6 @@ class Guarded:
         return True
 
 
-@functools.lru_cache(maxsize=4096)
-def _global_names(code) -> tuple[str, ...]:
-    """The names `code` and the code nested in it (a comprehension, a lambda) load as globals:
-    not ``co_names`` whole, which holds attribute names too (``self.out`` would make a global
-    ``out`` a dependency)."""
-    names = {instruction.argval for instruction in dis.get_instructions(code)
-             if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
-    for constant in code.co_consts:
-        if isinstance(constant, types.CodeType):
-            names.update(_global_names(constant))
-    return tuple(sorted(names))
-
-
-def _is_configuration(value) -> bool:
-    """Whether a global is an object whose attributes are settings a forward reads: a
-    namespace, a dataclass, or an instance of the user's own class (not a library's: a
-    logger's cache changes as it runs)."""
-    if isinstance(value, (types.SimpleNamespace, argparse.Namespace)) or (
-            dataclasses.is_dataclass(value) and not isinstance(value, type)):
-        return True
-    return (not isinstance(value, _NOT_WALKED) and isinstance(getattr(value, "__dict__", None), dict)
-            and type(value).__module__.partition(".")[0] not in called_code.LIBRARIES)
-
-
 def _defined_in_a_library(function) -> bool:
     """Whether `function` (a partial's or a bound method's, followed) is torch's, the standard
     library's or shapecache's own (a torch hook, the trace's own recorder): what those read is
@@ -334,7 +318,7 @@ def guard(roots: dict, functions: Iterable[Callable] = (), **options) -> _C.Stat
 
 
 def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensors: Iterable = (),
-           python_only: bool = False, collect: list | None = None, called: dict | None = None,
+           python_only: bool = False, collect: list | None = None, called=None,
            hooks_state: bool = True) -> list[tuple]:
     """What a guard over the module trees of `roots` (path -> module) and of the modules the
     globals and closures of `functions` hold checks: a record, made into a ``_C.StateGuard``
@@ -346,8 +330,8 @@ def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensor
     (path, tensor) pairs the graph reads besides those (constants it lifted); their owning
     modules are guarded too. `python_only`: no tensors, and not the parameter and buffer dicts.
     `collect`: receives the dicts of modules and objects guarded, and the lists. `called`: the
-    code that ran while the entry was built (called_code.recording_calls), whose globals read
-    are guarded. `hooks_state`: whether the state hooks keep is guarded, or only which hooks
+    code that ran while the entry was built (a called_code.Recorded), whose globals read are
+    guarded. `hooks_state`: whether the state hooks keep is guarded, or only which hooks
     (for an entry Dynamo built, whose guards cover what the hooks read)."""
     guarded = Guarded(python_only, collect, hooks_state)
     guarded.global_hooks()
@@ -356,7 +340,8 @@ def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensor
     found: dict = {}
     for i, function in enumerate(functions):
         guarded.function(function, f"function {i}", found)
-    guarded.called(called or {}, found)
+    if called is not None:
+        guarded.called(called, found)
     tensors = list(tensors)
     owned_by = _owners(roots.values()) if reached is not None else {}
     needed = set(reached or ())
