@@ -622,13 +622,9 @@ def test_a_hook_that_casts_the_live_module_leaves_it_whole():
     assert all(type(p) is torch.nn.Parameter and p.dtype == torch.float16 for p in model.parameters())
 
 
-class Hooked(torch.nn.Sequential):
-    """A class of its own: the warning that names hooks is given once per cached function."""
-
-
 def test_a_pre_hook_reads_its_closure_and_the_entry_answers_as_the_uncached_model():
     torch.manual_seed(0)
-    net = Hooked(torch.nn.Linear(6, 6), torch.nn.ReLU()).eval()
+    net = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU()).eval()
     state = {"gain": 1.0}
     scale = 1.0
 
@@ -728,7 +724,7 @@ def test_a_hook_on_a_model_a_function_reaches_through_a_global_runs_on_every_cal
 
 def test_a_hook_that_keeps_state_does_not_make_its_bucket_rebuild_on_every_call():
     torch.manual_seed(0)
-    net = Hooked(torch.nn.Linear(6, 6), torch.nn.ReLU()).eval()
+    net = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU()).eval()
     outputs = []
     calls = 0
 

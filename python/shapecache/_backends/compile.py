@@ -68,8 +68,8 @@ class CompiledBuilder(Builder):
                     return not_built(function, args, kwargs, f"torch.export could not capture it as one graph ({failure}), "
                                      "and Dynamo compiles only by running the call again", run_call=False)
                 function(*args, **kwargs)  # a call that fails by itself raises its own error here, and builds nothing
-                _warn_once(function, f"torch.export could not capture it as one graph ({failure}); its buckets are "
-                           "compiled by Dynamo, whose compiled code stays in memory after eviction")
+                _warn_once(function, context, args, f"torch.export could not capture it as one graph ({failure}); its "
+                           "buckets are compiled by Dynamo, whose compiled code stays in memory after eviction")
             except exported.WritesState as written:
                 return not_built(function, args, kwargs, f"the call writes {written}, which a compiled graph would not "
                                  "write again on later calls", run_call=run_call)
@@ -91,7 +91,7 @@ class CompiledBuilder(Builder):
             return not_built(function, args, kwargs, f"{why}, and Dynamo compiles only by running the call again",
                              run_call=False)
         if hooks:
-            _warn_once(function, f"{why}; its buckets are compiled by Dynamo, whose compiled code stays in memory "
+            _warn_once(function, context, args, f"{why}; its buckets are compiled by Dynamo, whose compiled code stays in memory "
                        "after eviction")
         return _build_with_dynamo(function, context, args, kwargs, device)
 
@@ -160,13 +160,16 @@ def _settle(device) -> None:
         return_free_memory()
 
 
-_warned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # function -> the reasons it was warned of
+_warned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cached model or function -> reasons warned of
 
 
-def _warn_once(function, text: str) -> None:
+def _warn_once(function, context: BuildContext, args: tuple, text: str) -> None:
+    """Warns of `text` once per reason and cached model (its owner: every Sequential shares
+    one forward function), or per function where there is none."""
     reason = text.split(" (")[0]  # a failure's details (its shapes) differ from bucket to bucket
+    key = args[0] if context.has_owner and args else function
     try:
-        reasons = _warned.setdefault(function, set())
+        reasons = _warned.setdefault(key, set())
         if reason in reasons:
             return
         reasons.add(reason)
