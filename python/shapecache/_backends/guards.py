@@ -12,7 +12,7 @@ A compiled entry answers for the state it was built from. It depends on:
   hanging from it (a processor's scale, a hook's settings), a few levels deep;
 - every tensor among those: its object, memory and version counter, so that replacing a
   parameter, ``.data =``, ``.to()`` and in-place updates are seen;
-- for a function: the globals its code names and its closure cells (the modules and tensors
+- for a function: the globals its code reads and its closure cells (the modules and tensors
   found there are walked as above); for a ``functools.partial``, its function, arguments and
   keywords; for a callable object, its attributes;
 - the globals read by the code that ran while the entry was built (a flag a helper reads;
