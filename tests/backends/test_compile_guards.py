@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import subprocess
 import sys
 import threading
 import types
@@ -922,3 +923,25 @@ def test_a_helper_that_counts_in_a_global_makes_the_call_run_uncached_and_counts
             torch.testing.assert_close(run(x), model(x) * 2, **CLOSE)
     assert helpers.STATS.calls == 4  # the trace's own write was put back
     assert sc.stats(run)["builds"] == 0
+
+
+DROPPED_AT_MODULE_LEVEL = """
+import gc, weakref, torch, shapecache as sc
+m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+sc.cached(m, backend="compile")
+with torch.no_grad():
+    m(torch.randn(2, 8))
+    m(torch.randn(2, 8))
+weight = weakref.ref(m[0].weight)
+del m
+gc.collect()
+print("weight alive after one collection:", weight() is not None)
+"""
+
+
+def test_a_model_dropped_at_module_level_lets_its_weights_go_in_one_collection():
+    # The compiled function kept the traced module through aot_autograd's convenience
+    # methods: a cycle the collector saw only once the entry had gone, a pass later.
+    result = subprocess.run([sys.executable, "-c", DROPPED_AT_MODULE_LEVEL], capture_output=True, text=True,
+                            timeout=300)
+    assert "weight alive after one collection: False" in result.stdout, result.stdout + result.stderr[-2000:]

@@ -241,6 +241,15 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
             if isinstance(submodule, torch.fx.GraphModule):
                 for node in submodule.graph.nodes:
                     node.meta.clear()
+        # Those bound methods also keep the traced module itself, a cycle (its train and eval
+        # are methods bound to it) holding the model's weights: freed only by a second
+        # collection after the entry goes, when the model is let go of. Nothing calls them.
+        wrapper = compiled
+        while wrapper is not None:  # functools.wraps copied them onto each wrapper
+            for name in ("zero_grad", "named_parameters", "named_buffers"):
+                if getattr(getattr(wrapper, name, None), "__self__", None) is graph:
+                    delattr(wrapper, name)
+            wrapper = getattr(wrapper, "__wrapped__", None)
         del graph
 
     layout = module.trace.output_layout
