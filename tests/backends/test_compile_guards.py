@@ -246,8 +246,8 @@ def test_any_sequence_of_changes_and_calls_answers_as_the_uncached_model_compile
     run_differentially("compile", steps)
 
 
-def test_a_function_calling_a_global_model_sees_its_weights_replaced():
-    net, plain = twins()
+def cached_function_of_a_global_model(net):
+    """A cached function that calls `net` through a global, as usage.md's first example does."""
     global GLOBAL_MODEL
     GLOBAL_MODEL = net
 
@@ -255,6 +255,12 @@ def test_a_function_calling_a_global_model_sees_its_weights_replaced():
     def run(x):
         return GLOBAL_MODEL(x)
 
+    return run
+
+
+def test_a_function_calling_a_global_model_sees_its_weights_replaced():
+    net, plain = twins()
+    run = cached_function_of_a_global_model(net)
     x = torch.randn(2, 6)
     check(run, plain, x)
     for model in (net, plain):
@@ -707,13 +713,7 @@ def test_a_hook_on_a_model_a_function_reaches_through_a_global_runs_on_every_cal
     net, plain = twins()
     collected = []
     net.first.register_forward_hook(lambda module, args, output: collected.append(output))
-    global GLOBAL_MODEL
-    GLOBAL_MODEL = net
-
-    @sc.cached(backend="compile", budget="1GiB")
-    def run(x):
-        return GLOBAL_MODEL(x)
-
+    run = cached_function_of_a_global_model(net)
     x = torch.randn(2, 6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -60,9 +60,11 @@ class CompiledBuilder(Builder):
                 _settle(device)  # what earlier evictions freed goes back to the system first
                 compiled = exported.compile_call(function, args, kwargs, handle.tensors, context.parameter_names,
                                                  context.has_owner, options)
-                # What the trace left (its copies of the model, the exported program: cycles) is
-                # collected now, not when the model is let go of.
-                _settle(device)
+                # What the trace left (its copies of the model, the exported program: cycles) was
+                # collected as the build ended (exported._dropping_tracing_leftovers); what that
+                # freed goes back to the system.
+                if device.type == "cpu":
+                    return_free_memory()
             except exported.ExportFailed as failure:
                 if not run_call:
                     return not_built(function, args, kwargs, f"torch.export could not capture it as one graph ({failure}), "

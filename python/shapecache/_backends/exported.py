@@ -294,7 +294,8 @@ def _dropping_tracing_leftovers():
     of the model keeps a weakref, and torch.utils.swap_tensors refuses to swap a tensor that has
     one (module.to() and load_state_dict(assign=True) with
     torch.__future__.set_swap_module_params_on_conversion(True)). The weakrefs go when the
-    fake modes are collected (a cycle: the garbage collector runs)."""
+    fake modes are collected (a cycle: the garbage collector runs here, once per build, for
+    them and for the rest the trace left: its copies of the model, the exported program)."""
     try:
         yield
     finally:

@@ -138,12 +138,11 @@ class Guarded:
         if not inspect.isfunction(function):
             return
         self.globals_read(function.__code__, function.__globals__, roots)
-        for name, cell in zip(function.__code__.co_freevars, function.__closure__ or (), strict=True):
-            self.record.append(("cell", cell, f"{function.__qualname__}.<{name}>", None))
-            try:
-                self._argument(cell.cell_contents, f"{function.__qualname__}.<{name}>", roots)
-            except ValueError:  # an empty cell
-                pass
+        outer, self._roots = self._roots, roots  # modules the cells hold are walked whole
+        try:
+            self._cells(function, function.__qualname__, _OBJECT_DEPTH)
+        finally:
+            self._roots = outer
 
     def globals_read(self, code, module_globals: dict, roots: dict) -> None:
         """The globals `code` reads (``called_code.global_reads``) that `module_globals` holds,
@@ -245,12 +244,16 @@ class Guarded:
             self._value(function.__func__, f"{path}.__func__", depth + 1)
         else:
             self.globals_read(function.__code__, function.__globals__, {})
-            for name, cell in zip(function.__code__.co_freevars, function.__closure__ or (), strict=True):
-                self.record.append(("cell", cell, f"{path}.<{name}>", None))
-                try:
-                    self._value(cell.cell_contents, f"{path}.<{name}>", depth)
-                except ValueError:  # an empty cell
-                    pass
+            self._cells(function, path, depth)
+
+    def _cells(self, function, path: str, depth: int) -> None:
+        """A function's closure cells, and what each holds."""
+        for name, cell in zip(function.__code__.co_freevars, function.__closure__ or (), strict=True):
+            self.record.append(("cell", cell, f"{path}.<{name}>", None))
+            try:
+                self._value(cell.cell_contents, f"{path}.<{name}>", depth)
+            except ValueError:  # an empty cell
+                pass
 
     def _classes(self, obj, path: str) -> None:
         """Which class `obj` is, and the attributes of its classes up to torch's and Python's
