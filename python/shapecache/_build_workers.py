@@ -174,6 +174,9 @@ def _settling() -> bool:
 
 def _at_exit() -> None:
     _C.cancel_all_builds()
+    compile_process = sys.modules.get("shapecache._backends.compile_process")
+    if compile_process is not None:
+        compile_process.stop_all()  # a compile in a process of its own is stopped, not waited for
     # The running build is waited for; the compiler's own workers may be gone by now, which
     # fails it, and a failure at exit is nobody's to read.
     warnings.simplefilter("ignore")

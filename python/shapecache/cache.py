@@ -88,6 +88,10 @@ class CacheOptions:
         if build not in BUILDS:
             raise ValueError(f"build={build!r}: expected 'inline' (a miss waits for its build) or 'background' (a "
                              "miss runs uncached while a worker thread builds)")
+        if build == "background":
+            from shapecache._backends import compile_process
+
+            compile_process.where()  # its environment variable, checked here
         check_available(backend)  # last: the options are checked even where the backend cannot run
         return cls(parsed, backend, buckets, max_entries, dict(compile_options), tune_convs, build)
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._pytree import tree_leaves
 
-from shapecache._backends import exported, guards
+from shapecache._backends import compile_process, exported, guards
 from shapecache._backends.entry import BuildContext, Builder, BuiltEntry, not_built, register
 from shapecache._backends.exported import first_line
 from shapecache._host_memory import memory_ranges, resident_bytes, resident_bytes_of, return_free_memory
@@ -54,12 +54,13 @@ class CompiledBuilder(Builder):
         options = context.compile_options
         hooks = exported.hooks_a_graph_drops(function, args, kwargs, context.has_owner, context.parameter_names)
         if exported.handles(options) and not hooks:
-            if device.type == "cpu":
+            elsewhere = compile_process.usable(exported.inductor_options(options), device, in_background=not run_call)
+            if device.type == "cpu" and not elsewhere:
                 exported.warm_up(options)  # the compiler's start-up is not this entry's (shapecache/_host_memory.py)
             try:
                 _settle(device)  # what earlier evictions freed goes back to the system first
                 compiled = exported.compile_call(function, args, kwargs, handle.tensors, context.parameter_names,
-                                                 context.has_owner, options)
+                                                 context.has_owner, options, in_background=not run_call)
                 # What the trace left (its copies of the model, the exported program: cycles) was
                 # collected as the build ended (exported._dropping_tracing_leftovers); what that
                 # freed goes back to the system.
@@ -83,7 +84,7 @@ class CompiledBuilder(Builder):
                 # guard, which then sees what the run updates (BatchNorm's statistics in
                 # training); in the background, the entry's first hit does (miss_policy.h).
                 return BuiltEntry(runner=None, graph=compiled.graph, rebuild=compiled.rebuild,
-                                  bytes=held_bytes(compiled.constants, device),
+                                  bytes=held_bytes(compiled.constants, device) + compiled.constant_bytes,
                                   backend="compile", guard=compiled.guard, built_from=compiled.built_from,
                                   ran_call=False)
         # Dynamo runs hooks as torch.compile does: on the call's own tensors, on every call.

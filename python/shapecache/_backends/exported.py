@@ -43,7 +43,7 @@ import torch
 from torch._guards import tracing
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from shapecache._backends import called_code, guards, tracing_threads
+from shapecache._backends import called_code, compile_process, guards, tracing_threads
 from shapecache._extension import _C
 from shapecache._holder import holder_on
 from shapecache._host_memory import memory_of, memory_ranges
@@ -154,13 +154,17 @@ class CompiledCall(NamedTuple):
     # The tensors the compiled modules hold that the model does not (freezing's folded and
     # packed weights): what the entry holds, measured whatever other threads do meanwhile.
     constants: list
+    # Bytes the graph holds besides `constants` (a package's constants, compile_process.py).
+    constant_bytes: int = 0
 
 
 def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, parameter_names: tuple,
-                 has_owner: bool, compile_options: dict) -> CompiledCall:
+                 has_owner: bool, compile_options: dict, in_background: bool = False) -> CompiledCall:
     """The compiled graph of later calls of `function` spelled like this one, at these shapes.
     `tensors` are the call's tensors in key order (``BuildHandle.tensors``): the graph's
-    inputs, as the runner is given them on every hit.
+    inputs, as the runner is given them on every hit. `in_background`: the build runs on a
+    background worker, where a frozen graph is compiled in a process of its own
+    (compile_process.py).
 
     Raises ExportFailed when the call cannot be captured as one graph; inductor's own errors
     propagate.
@@ -180,10 +184,7 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
     shared: list = []  # the dicts and lists the copies share with the live model (and their own)
     module.trace.python_state = guards.guard(copy_roots, functions=[function], python_only=True, collect=shared)
     module.trace.shared = [(container, _snapshot(container)) for container in shared]
-    options = dict(compile_options.get("options") or {})
-    mode = compile_options.get("mode")
-    if mode not in (None, "default"):
-        options = {**torch._inductor.list_mode_options(mode), **options}
+    options = inductor_options(compile_options)
 
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
@@ -219,7 +220,6 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
         reached = {id(copies.live(module)) for module in copies.ran.values()}
         read = _tensors_read(program)
         guard = guards.record(roots, functions=[function], reached=reached, tensors=read, called=called)
-        del program
         if options.get("freezing", inductor_config.freezing) and any(tensor.is_inference() for _, tensor in read):
             options["freezing"] = False
             warnings.warn(f"shapecache: inductor's freezing is off for {getattr(function, '__qualname__', function)}: "
@@ -227,6 +227,11 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
                           "keep no version counter, so an update in place (load_state_dict) would not be seen in a "
                           "frozen copy; its graphs read the weights where they are. Make and load the model outside "
                           "inference_mode to freeze them.", RuntimeWarning, stacklevel=2)
+        package = _compiled_elsewhere(program, options, tensors, in_background)
+        del program
+        if package is not None:
+            return CompiledCall(package, None if module.trace.output_layout.is_one_tensor()
+                                else module.trace.output_layout.rebuild, guard, before, [], package.constant_bytes)
         # AOT autograd's own cache is off for these builds: its key pickles the exported module,
         # whose closures do not pickle, so it never hits and logs a traceback on every build;
         # inductor's FX graph cache below it is what a second process reads.
@@ -256,6 +261,31 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
     weakref.finalize(compiled, _forget_modules, loaded)  # with the last entry that runs it
     return CompiledCall(compiled, None if layout.is_one_tensor() else layout.rebuild, guard, before,
                         _constants_of(loaded, [t for _, t in read], roots.values()))
+
+
+def inductor_options(compile_options: dict) -> dict:
+    """Inductor's options for torch.compile's `compile_options` (its mode's, then its own)."""
+    options = dict(compile_options.get("options") or {})
+    mode = compile_options.get("mode")
+    if mode not in (None, "default"):
+        options = {**torch._inductor.list_mode_options(mode), **options}
+    return options
+
+
+def _compiled_elsewhere(program, options: dict, tensors: tuple, in_background: bool):
+    """`program` compiled in a process of its own and loaded (a compile_process.Package), where
+    this build may be (compile_process.usable); None where it is compiled here: not usable,
+    or that process failed (with a warning)."""
+    devices = {tensor.device for tensor in tensors} or {torch.device("cpu")}
+    if len(devices) != 1 or not compile_process.usable(options, devices.pop(), in_background):
+        return None
+    try:
+        return compile_process.compile_elsewhere(program, options)
+    except compile_process.Failed as failure:
+        warnings.warn(f"shapecache: compiling a background build in a process of its own failed ({failure}); it is "
+                      "compiled in the serving process, where it slows the calls served meanwhile", RuntimeWarning,
+                      stacklevel=2)
+        return None
 
 
 class _LiveTensors:

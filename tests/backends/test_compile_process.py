@@ -1,0 +1,184 @@
+"""Background builds of frozen graphs on the CPU compile in a process of their own
+(shapecache/_backends/compile_process.py): the serving process traces, a new process compiles
+with AOTInductor, the serving process loads the package."""
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import pytest
+import torch
+
+import shapecache as sc
+
+pytestmark = pytest.mark.slow
+
+FROZEN = {"options": {"freezing": True}}
+
+
+def conv_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(4, 32, 3, padding=1), torch.nn.SiLU(),
+                               torch.nn.Conv2d(32, 4, 3, padding=1)).eval()
+
+
+def loaded_compiled_modules() -> int:
+    """How many generated modules inductor has loaded in this process (an in-process compile
+    loads its graph's wrapper there; a package loads none)."""
+    from torch._inductor.codecache import PyCodeCache
+
+    return len(PyCodeCache.modules)
+
+
+@pytest.mark.parametrize("compiler", ["process", "thread"])
+def test_a_frozen_background_build_compiles_where_it_is_told_and_answers_as_the_model(compiler, monkeypatch, tmp_path):
+    monkeypatch.setenv("SHAPECACHE_BACKGROUND_COMPILER", compiler)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the package is made and extracted
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    net = conv_net()
+    weights = sum(p.nbytes for p in net.parameters())
+    x, y = torch.randn(1, 4, 12, 12), torch.randn(1, 4, 12, 12)
+    with torch.no_grad():
+        expected, expected_y = net(x), net(y)
+        cached = sc.cached(net, backend="compile", build="background", compile_options=FROZEN)
+        try:
+            modules = loaded_compiled_modules()
+            torch.testing.assert_close(cached(x), expected)  # the miss: the plain call
+            assert sc.wait(cached, timeout=300)
+            modules = loaded_compiled_modules() - modules
+            hit = cached(x)
+            torch.testing.assert_close(hit, expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(cached(y), expected_y, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(hit, expected, rtol=1e-5, atol=1e-5)  # still valid after a later hit
+            st = sc.stats(cached)
+            # While the entry lives: its extracted library, but no second copy of its constants.
+            extracted = sorted(p.name for p in tmp_path.glob("aotinductor_*/**/*") if p.is_file())
+        finally:
+            sc.uncached(net)
+        gc.collect()
+    assert st["hits"] == 2 and st["background_builds"] == 1
+    [entry] = st["entries"]
+    assert entry["backend"] == "compile"
+    # Charged its frozen weights: the package's constants, or the compiled module's tensors.
+    assert entry["bytes"] >= 0.8 * weights, (entry["bytes"], weights)
+    if compiler == "process":
+        assert modules == 0  # compiled elsewhere: nothing of the compiler's loaded here
+        assert any(name.endswith(".so") for name in extracted), extracted
+        assert not any(name.endswith("_weights.blob") for name in extracted), extracted
+    else:
+        assert modules >= 1
+    # The entry gone, neither the build's files nor the extracted package are left behind.
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(("shapecache-build-", "aotinductor_"))] == []
+
+
+def test_an_inline_build_and_an_unfrozen_one_compile_in_the_serving_process():
+    net = conv_net()
+    x = torch.randn(1, 4, 10, 10)
+    with torch.no_grad():
+        for build, options in (("inline", FROZEN), ("background", {})):
+            cached = sc.cached(net, backend="compile", build=build, compile_options=options)
+            try:
+                modules = loaded_compiled_modules()
+                cached(x)
+                assert sc.wait(cached, timeout=300)
+                assert loaded_compiled_modules() > modules, build
+                torch.testing.assert_close(cached(x), net(x), rtol=1e-5, atol=1e-5)
+            finally:
+                sc.uncached(net)
+
+
+# An operator the serving process defines at run time: a new process cannot load a program
+# that calls it, so the compile there fails and the build falls back to this process.
+_library = torch.library.Library("shapecache_test_only", "DEF")
+_library.define("scale(Tensor x) -> Tensor")
+_library.impl("scale", lambda x: x * 2, "CompositeExplicitAutograd")
+_library.impl("scale", lambda x: torch.empty_like(x), "Meta")
+
+
+class UsesALocalOperator(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return torch.ops.shapecache_test_only.scale(self.conv(x))
+
+
+def test_a_compile_that_fails_in_its_process_is_compiled_here_with_a_warning():
+    torch.manual_seed(0)
+    net = UsesALocalOperator().eval()
+    x = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        expected = net(x)
+        cached = sc.cached(net, backend="compile", build="background", compile_options=FROZEN)
+        try:
+            with pytest.warns(RuntimeWarning, match="compiling a background build in a process of its own failed"):
+                cached(x)
+                assert sc.wait(cached, timeout=300)
+            torch.testing.assert_close(cached(x), expected, rtol=1e-5, atol=1e-5)
+            st = sc.stats(cached)
+        finally:
+            sc.uncached(net)
+    assert st["hits"] == 1 and [e["backend"] for e in st["entries"]] == ["compile"]
+
+
+STARTS_A_COMPILE = textwrap.dedent("""
+    import atexit, sys, time
+    compilers = []
+    # Registered first, so run last: after shapecache's own exit handler.
+    atexit.register(lambda: [print("compiler ended", process.wait(), flush=True) for process in compilers])
+    import torch
+    import shapecache as sc
+    from shapecache._backends import compile_process
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Conv2d(8, 8, 3, padding=1) for _ in range(6)]).eval()
+    cached = sc.cached(net, backend="compile", build="background", compile_options={"options": {"freezing": True}})
+    with torch.no_grad():
+        cached(torch.randn(1, 8, 16, 16))
+    while not compile_process._running:  # the worker traces, then starts the compiler's process
+        time.sleep(0.01)
+    compilers.extend(compile_process._running)
+    print(compilers[0].pid, flush=True)
+    time.sleep(float(sys.argv[1]))
+""")
+
+
+def gone(pid: int, within: float) -> bool:
+    """Whether process `pid` ends within `within` seconds (a zombie has ended: an orphan's is
+    reaped by whichever process adopted it, which in a container may be none)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rpartition(")")[2].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads processes' states from /proc")
+def test_the_compilers_process_ends_with_the_serving_process_at_exit_and_when_killed():
+    # At exit the compile is stopped, not waited for; a serving process killed outright closes
+    # the pipe the compiler's process watches, and it ends too. No process is left behind.
+    exits = subprocess.Popen([sys.executable, "-c", STARTS_A_COMPILE, "0"], stdout=subprocess.PIPE, text=True)
+    killed = subprocess.Popen([sys.executable, "-c", STARTS_A_COMPILE, "600"], stdout=subprocess.PIPE, text=True)
+    try:
+        compiler_of_exiting = int(exits.stdout.readline())
+        compiler_of_killed = int(killed.stdout.readline())
+        killed.send_signal(signal.SIGKILL)
+        assert exits.wait(timeout=120) == 0
+        assert exits.stdout.read().split() == ["compiler", "ended", str(-signal.SIGKILL)]  # stopped, not waited for
+        assert gone(compiler_of_exiting, within=30)
+        assert gone(compiler_of_killed, within=30)
+    finally:
+        for process in (exits, killed):
+            process.kill()
+            process.wait()
