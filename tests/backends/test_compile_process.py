@@ -2,6 +2,7 @@
 (shapecache/_backends/compile_process.py): the serving process traces, a new process compiles
 with AOTInductor, the serving process loads the package."""
 
+import copy
 import gc
 import os
 import signal
@@ -109,7 +110,10 @@ class UsesALocalOperator(torch.nn.Module):
         return torch.ops.shapecache_test_only.scale(self.conv(x))
 
 
-def test_a_compile_that_fails_in_its_process_is_compiled_here_with_a_warning():
+def test_a_compile_that_fails_in_its_process_is_compiled_here_with_a_warning(monkeypatch):
+    from shapecache._backends import compile_process
+
+    monkeypatch.setattr(compile_process, "_failed", None)  # the route is not tried after a failure: put back after
     torch.manual_seed(0)
     net = UsesALocalOperator().eval()
     x = torch.randn(1, 4, 8, 8)
@@ -182,3 +186,23 @@ def test_the_compilers_process_ends_with_the_serving_process_at_exit_and_when_ki
         for process in (exits, killed):
             process.kill()
             process.wait()
+
+
+def test_a_graph_that_updates_its_buffers_is_not_compiled_into_a_package_of_copies():
+    # BatchNorm in training under no_grad updates its running statistics: a package would update
+    # its own copies, the model's would stay. The model's statistics end as the plain calls leave them.
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.BatchNorm2d(8)).train()
+    reference = copy.deepcopy(net)
+    inputs = [torch.randn(2, 4, 8, 8) for _ in range(4)]
+    cached = sc.cached(net, backend="compile", build="background", compile_options=FROZEN)
+    try:
+        with torch.no_grad():
+            for x in inputs:
+                torch.testing.assert_close(cached(x), reference(x), rtol=1e-5, atol=1e-5)
+                assert sc.wait(cached, timeout=300)
+    finally:
+        sc.uncached(net)
+    torch.testing.assert_close(net[1].running_mean, reference[1].running_mean)
+    torch.testing.assert_close(net[1].running_var, reference[1].running_var)
+    assert net[1].num_batches_tracked == reference[1].num_batches_tracked == len(inputs)

@@ -26,8 +26,11 @@ running are stopped (``stop_all``) rather than waited for.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -44,13 +47,38 @@ ENVIRONMENT = "SHAPECACHE_BACKGROUND_COMPILER"  # "thread": background builds co
 _PACKAGE_OPTIONS = {"aot_inductor.package_constants_in_so": False,
                     "aot_inductor.package_constants_on_disk_format": "binary_blob"}
 
+_UNSUITABLE = 3  # the compiler's exit status for a graph that writes what it reads (Unsuitable)
+
 _lock = threading.Lock()
-_running: set[subprocess.Popen] = set()
+_running: set[subprocess.Popen] = set()  # the compilers' processes running now
 _stopping = False
+_failed: str | None = None  # why the route failed once in this process: it is not tried again
+
+
+def _forget_parents_compilers() -> None:
+    # A forked child has no compiler of its own running, and a copy of a lock a thread of the
+    # parent may have held. Its copies of the pipes to the parent's compilers are closed: a
+    # compiler ends when its stdin closes, which a child holding it open would delay.
+    global _lock, _running
+    for process in _running:
+        for pipe in (process.stdin, process.stderr):
+            with contextlib.suppress(OSError):
+                os.close(pipe.fileno())
+    _lock, _running = threading.Lock(), set()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parents_compilers)
 
 
 class Failed(Exception):
-    """The compiler's process did not make a package (its last error line is the message)."""
+    """Saving the program, the compiler's process or loading its package failed (the message
+    is the error's first line, or the last line the process wrote)."""
+
+
+class Unsuitable(Exception):
+    """The graph writes the tensors it reads (BatchNorm's running statistics in training, a cache
+    kept in a buffer): a package would write its own copies of them, not the model's."""
 
 
 class Stopped(Exception):
@@ -76,7 +104,9 @@ def usable(options: dict, device: torch.device, in_background: bool) -> bool:
 
     if not in_background or device.type != "cpu" or os.environ.get(ENVIRONMENT, "").strip().lower() == "thread":
         return False  # (a value other than the two was refused when the cached object was made: where())
-    if not options.get("freezing", inductor_config.freezing) or torch.is_grad_enabled():
+    if _failed is not None or not options.get("freezing", inductor_config.freezing) or torch.is_grad_enabled():
+        return False
+    if torch.is_autocast_enabled("cpu"):  # export records no casts; the compiler's process has no autocast
         return False
     try:
         json.dumps(options)  # the compiler's process reads them as JSON
@@ -97,43 +127,78 @@ def where() -> str:
 
 def compile_elsewhere(program, options: dict) -> Package:
     """`program` (an ExportedProgram) compiled by AOTInductor in a new process, loaded here.
-    Raises Failed where that process failed, Stopped where the interpreter is exiting."""
-    with tempfile.TemporaryDirectory(prefix="shapecache-build-") as directory:
+    Raises Failed where any step failed (saving the program, that process, loading the
+    package; after a failure the route is not tried again in this process), Stopped where the
+    interpreter is exiting."""
+    global _failed
+    # Removed here, not by a finalizer: a child forked meanwhile would remove it at its exit.
+    directory = tempfile.mkdtemp(prefix="shapecache-build-")
+    try:
         saved, package = os.path.join(directory, "program.pt2"), os.path.join(directory, "package.pt2")
         torch.export.save(program, saved)
-        command = [sys.executable, "-m", "shapecache._backends.compile_process", saved, package, json.dumps(options)]
-        with _lock:
-            if _stopping:
-                raise Stopped
-            # A process group of its own, not a session: the terminal's Ctrl-C is not sent to it,
-            # and it shares the scheduler's group (autogroup: one per session) with the serving
-            # process, inside which its lower priority counts; in a group of its own it would
-            # take a fair half of the CPU whatever its priority.
-            process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.PIPE, process_group=0)
-            _running.add(process)
-        try:
-            errors = process.stderr.read()  # until the process ends (stdin stays open: see _exit_with_parent)
-            process.wait()
-        finally:
-            with _lock:
-                _running.discard(process)
-            process.stdin.close()
-            process.stderr.close()
-        if _stopping:
-            raise Stopped
-        if process.returncode != 0:
-            lines = [line for line in errors.decode(errors="replace").splitlines() if line.strip()]
-            raise Failed(lines[-1] if lines else f"exit status {process.returncode}")
+        # Freezing as this process has it (its options or inductor's config, which that process
+        # does not share), and its thread count, which the kernels are generated for.
+        _run_compiler(saved, package, {**options, "freezing": True}, torch.get_num_threads())
         with zipfile.ZipFile(package) as archive:
             blobs = {os.path.basename(i.filename): i.file_size for i in archive.infolist()
                      if i.filename.endswith("_weights.blob")}
         # The loader extracts the package to a directory of its own, removed when it is freed,
         # and reads the constants into memory: their file is removed at once (in a temporary
-        # directory on tmpfs, a second copy of the weights in memory for the entry's life).
+        # directory on tmpfs, a second copy of the weights for the entry's life).
         loaded = torch._inductor.aoti_load_package(package)
-        _remove_extracted(blobs)
-        return Package(loaded, sum(blobs.values()))
+    except (Stopped, Unsuitable):
+        raise
+    except Failed as failure:
+        _failed = str(failure)
+        raise
+    except Exception as error:  # noqa: BLE001  (torch.export's and the loader's failures share no base class)
+        text = str(error).strip()
+        _failed = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+        raise Failed(_failed) from error
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    _remove_extracted(blobs)
+    return Package(loaded, sum(blobs.values()))
+
+
+def _run_compiler(saved: str, package: str, options: dict, threads: int) -> None:
+    """Runs the compiler's process on the program saved at `saved`, which writes `package`."""
+    command = [sys.executable, "-m", "shapecache._backends.compile_process", saved, package, json.dumps(options),
+               str(threads)]
+    with _lock:
+        if _stopping:
+            raise Stopped
+        # A process group of its own, not a session: the terminal's Ctrl-C is not sent to it,
+        # and it shares the scheduler's group (autogroup: one per session) with the serving
+        # process, inside which its lower priority counts; in a group of its own it would take
+        # a fair half of the CPU whatever its priority.
+        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, process_group=0)
+        _running.add(process)
+    try:
+        errors = process.stderr.read()  # until the process ends (stdin stays open: see _exit_with_parent)
+        process.wait()
+    finally:
+        with _lock:
+            _running.discard(process)
+        process.stdin.close()
+        process.stderr.close()
+    if _stopping:
+        raise Stopped
+    if process.returncode == _UNSUITABLE:
+        raise Unsuitable
+    if process.returncode != 0:
+        raise Failed(_why(errors.decode(errors="replace"), process.returncode))
+
+
+def _why(errors: str, status: int) -> str:
+    """The line of the compiler's output that says why it failed: the last that names an error
+    (torch's own advice follows it), else its exit status."""
+    lines = [line.strip() for line in errors.splitlines() if line.strip()]
+    named = [line for line in lines if "Error" in line or "error:" in line]
+    if named:
+        return named[-1]
+    return f"the compiler's process ended by signal {-status}" if status < 0 else f"exit status {status}"
 
 
 def _remove_extracted(blobs) -> None:
@@ -153,30 +218,58 @@ def _remove_extracted(blobs) -> None:
 
 
 def stop_all() -> None:
-    """Stops the compilers running, for good: the interpreter is exiting."""
+    """Stops the compilers running, with the C++ compilers they started, for good: the
+    interpreter is exiting."""
     global _stopping
     with _lock:
         _stopping = True
         for process in _running:
-            process.kill()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)  # its process group: it and what it started
 
 
 def _exit_with_parent() -> None:
-    """Ends this process when the one that started it ends: its end closes our stdin. (A read
-    of the file descriptor itself: a daemon thread inside sys.stdin's buffered reader would
-    hold its lock at interpreter exit, which is fatal.)"""
+    """Ends this process and what it started (its process group) when the one that started it
+    ends: its end closes our stdin. (A read of the file descriptor itself: a daemon thread
+    inside sys.stdin's buffered reader would hold its lock at interpreter exit, which is fatal.)"""
     while os.read(0, 1 << 12):
         pass
+    if os.getpgid(0) == os.getpid():  # the leader of its own group, as _run_compiler starts it
+        os.killpg(0, signal.SIGKILL)
     os._exit(1)
 
 
 def _compile(saved: str, package: str, options: dict) -> None:
+    """Compiles the saved program into `package`, then loads it and runs it once on zeros: a
+    package that cannot be loaded or run here (a C++ compiler that links its own copy of the C++
+    library into it, which crashes the process that loads it) fails here, not in the serving
+    process. The constants file the compiler leaves in inductor's cache directory (a copy of
+    the weights, which the package holds) is removed."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
     program = torch.export.load(saved)
     with torch.no_grad():  # freezing applies to graphs compiled without grad (compile_fx)
+        # The traced program shows in-place writes only once functionalized, as the compiler
+        # does it too.
+        signature = program.run_decompositions().graph_signature
+        if signature.buffers_to_mutate or signature.user_inputs_to_mutate:
+            sys.exit(_UNSUITABLE)
         torch._inductor.aoti_compile_and_package(program, package_path=package,
                                                  inductor_configs={**options, **_PACKAGE_OPTIONS})
+        with zipfile.ZipFile(package) as archive:
+            blobs = [os.path.basename(n) for n in archive.namelist() if n.endswith("_weights.blob")]
+        for name in blobs:
+            for path in glob.glob(os.path.join(glob.escape(cache_dir()), "*", name)):
+                os.remove(path)
+        inputs = {spec.arg.name for spec in program.graph_signature.input_specs
+                  if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT}
+        zeros = [torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype).zero_()
+                 for v in (node.meta["val"] for node in program.graph.nodes
+                           if node.op == "placeholder" and node.name in inputs)]
+        torch._inductor.aoti_load_package(package).loader.run(zeros)
 
 
 if __name__ == "__main__":
     threading.Thread(target=_exit_with_parent, daemon=True).start()
+    torch.set_num_threads(int(sys.argv[4]))
     _compile(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))

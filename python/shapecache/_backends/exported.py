@@ -281,10 +281,12 @@ def _compiled_elsewhere(program, options: dict, tensors: tuple, in_background: b
         return None
     try:
         return compile_process.compile_elsewhere(program, options)
+    except compile_process.Unsuitable:
+        return None
     except compile_process.Failed as failure:
-        warnings.warn(f"shapecache: compiling a background build in a process of its own failed ({failure}); it is "
-                      "compiled in the serving process, where it slows the calls served meanwhile", RuntimeWarning,
-                      stacklevel=2)
+        warnings.warn(f"shapecache: compiling a background build in a process of its own failed ({failure}); this "
+                      "and later builds compile in the serving process, where they slow the calls served meanwhile",
+                      RuntimeWarning, stacklevel=2)
         return None
 
 
