@@ -11,7 +11,9 @@ empty inductor cache (every build is cold).
 
 Strategies: eager; torch.compile with dynamic=False and with dynamic=True, both with inductor's
 freezing (as benchmarks/cpu_sizes.py sets it); shapecache's compile backend with freezing,
-building inline (a miss waits) or in the background (a miss runs eager while a worker builds).
+building inline (a miss waits) or in the background (a miss runs eager while a worker builds):
+compiled in a process of its own, as it is by default, or in the serving process
+(`-thread`: SHAPECACHE_BACKGROUND_COMPILER=thread).
 
 Printed per strategy: the latency of the first request at each new size, and its ratio to
 eager's median latency at that size; p50 and p99 over the stream; for each size, the seconds from its first request to the
@@ -32,7 +34,8 @@ import time
 
 from shapecache.scenarios import why_it_failed
 
-STRATEGIES = ("eager", "compile-static", "compile-dynamic", "shapecache-inline", "shapecache-background")
+STRATEGIES = ("eager", "compile-static", "compile-dynamic", "shapecache-inline", "shapecache-background",
+              "shapecache-background-thread")
 COMPILED_WITHIN = 1.1  # a request runs at compiled speed within this factor of the compiled entry's best
 
 
@@ -68,7 +71,7 @@ def run_strategy(strategy: str, model_name: str, sizes: list, interval: float, p
         torch._inductor.config.freezing = True
         forward = torch.compile(model, dynamic=strategy == "compile-dynamic")
     else:
-        build_mode = strategy.removeprefix("shapecache-")
+        build_mode = strategy.removeprefix("shapecache-").removesuffix("-thread")
         forward = sc.cached(model, backend="compile", compile_options=options, budget="4GiB", build=build_mode)
         dispatcher = forward.forward  # the module's cached forward
         pending = lambda: dispatcher.pending_builds  # noqa: E731
@@ -152,15 +155,24 @@ def report(results: dict, sizes: list, interval: float) -> None:
             builds = " ".join(f"{b:.1f}" for b in result.get("builds", [])) or "-"
             print(f"{strategy:<22} " + " ".join(f"{c:>10}" for c in cells) + f" {builds:>22}")
 
-    background = results.get("shapecache-background")
-    if background and eager_median:
-        print("\nserving while the worker builds (2 cores shared): median uncached request then, against eager's "
-              "median at that size")
+    for strategy in ("shapecache-background", "shapecache-background-thread"):
+        background = results.get(strategy)
+        if not (background and eager):
+            continue
+        eager_p99 = percentile([r["latency"] for r in eager["records"]], 99)
+        building = [r["latency"] for r in background["records"] if r["building"]]
+        builds = ", ".join(f"{b:.1f}" for b in background.get("builds", []))
+        print(f"\n{strategy}: serving while the worker builds ({os.cpu_count()} cores shared; builds {builds} s)")
+        if building:
+            p99 = percentile(building, 99)
+            print(f"  p99 latency of the {len(building)} requests that arrived while a build ran: {p99 * 1e3:.0f} ms "
+                  f"against eager's p99 {eager_p99 * 1e3:.0f} ms ({p99 / eager_p99:.2f}x); slowest "
+                  f"{max(building) * 1e3:.0f} ms")
         for k in range(len(sizes)):
             during = [r["service"] for r in background["records"] if r["size"] == k and r["building"]]
-            if during:
-                print(f"  {names[k]:>9}: {median(during) * 1e3:.1f} ms against {eager_median[k] * 1e3:.1f} ms "
-                      f"({median(during) / eager_median[k]:.2f}x, {len(during)} requests)")
+            if during and k in eager_median:
+                print(f"  {names[k]:>9}: median uncached request {median(during) * 1e3:.1f} ms against eager's "
+                      f"{eager_median[k] * 1e3:.1f} ms ({median(during) / eager_median[k]:.2f}x, {len(during)} requests)")
 
 
 def main() -> None:
@@ -181,18 +193,25 @@ def main() -> None:
     print(f"{args.model} on the CPU, torch {torch.__version__}, {os.cpu_count()} cores; a request every "
           f"{args.interval} s, a new size every {args.per_size} requests; each strategy in a process of its own "
           "with an empty inductor cache\n", flush=True)
-    results = {}
+    results, failed = {}, []
     for strategy in args.strategies.split(","):
+        if strategy not in STRATEGIES:
+            parser.error(f"--strategies: {strategy!r} is not one of {', '.join(STRATEGIES)}")
+    for strategy in args.strategies.split(","):
+        compiler = {"SHAPECACHE_BACKGROUND_COMPILER": "thread"} if strategy.endswith("-thread") else {}
         with tempfile.TemporaryDirectory() as cache_dir:
             done = subprocess.run(
                 [sys.executable, __file__, "--child", strategy, "--model", args.model, "--sizes", args.sizes,
                  "--interval", str(args.interval), "--per-size", str(args.per_size)],
-                capture_output=True, text=True, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir})
+                capture_output=True, text=True, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, **compiler})
         if done.returncode != 0:
             print(f"{strategy}: failed: {why_it_failed(done)}", flush=True)
+            failed.append(strategy)
             continue
         results[strategy] = json.loads(done.stdout.strip().splitlines()[-1])
     report(results, sizes, args.interval)
+    if failed:
+        sys.exit(f"\nstrategies that did not run: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
