@@ -25,6 +25,7 @@ from shapecache._backends import (
     BACKENDS,
     GRAPH_BACKENDS,
     BuildContext,
+    background_compiler,
     builds_in_background,
     check_available,
     make_builder,
@@ -89,9 +90,7 @@ class CacheOptions:
             raise ValueError(f"build={build!r}: expected 'inline' (a miss waits for its build) or 'background' (a "
                              "miss runs uncached while a worker thread builds)")
         if build == "background":
-            from shapecache._backends import compile_process
-
-            compile_process.where()  # its environment variable, checked here
+            background_compiler()  # SHAPECACHE_BACKGROUND_COMPILER, checked here
         check_available(backend)  # last: the options are checked even where the backend cannot run
         return cls(parsed, backend, buckets, max_entries, dict(compile_options), tune_convs, build)
 

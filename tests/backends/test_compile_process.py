@@ -206,3 +206,12 @@ def test_a_graph_that_updates_its_buffers_is_not_compiled_into_a_package_of_copi
     torch.testing.assert_close(net[1].running_mean, reference[1].running_mean)
     torch.testing.assert_close(net[1].running_var, reference[1].running_var)
     assert net[1].num_batches_tracked == reference[1].num_batches_tracked == len(inputs)
+
+
+def test_the_compilers_place_is_checked_when_a_background_cache_is_made(monkeypatch):
+    monkeypatch.setenv("SHAPECACHE_BACKGROUND_COMPILER", "fork")
+    with pytest.raises(ValueError, match=r"SHAPECACHE_BACKGROUND_COMPILER='fork': expected 'process' .* or 'thread'"):
+        sc.cached(conv_net(), backend="compile", build="background")
+    net = conv_net()
+    sc.cached(net, backend="compile")  # an inline cache compiles in the serving process: not read
+    sc.uncached(net)

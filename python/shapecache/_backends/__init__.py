@@ -25,6 +25,7 @@ import torch
 import shapecache._backends.compile
 import shapecache._backends.cuda_graph
 import shapecache._backends.eager  # noqa: F401  (each of the three registers its builders)
+from shapecache._backends.compile_process import where as background_compiler
 from shapecache._backends.disk_cache import disk_cache_counts, disk_cache_state
 from shapecache._backends.entry import BUILDERS, BuildContext, Builder, BuiltEntry, not_built
 from shapecache._backends.graph_pool import release_device_memory
@@ -36,9 +37,9 @@ BACKENDS = ("auto", "eager", "compile", "cuda_graph", "compile+cuda_graph")  # "
 GRAPH_BACKENDS = ("cuda_graph", "compile+cuda_graph")
 
 # The package's seam: what the rest of shapecache uses of the backends.
-__all__ = ["BACKENDS", "BUILDERS", "GRAPH_BACKENDS", "BuildContext", "Builder", "BuiltEntry", "builds_in_background",
-           "check_available", "disk_cache_counts", "disk_cache_state", "dynamo_entry_point", "make_builder",
-           "record_guard", "release_device_memory", "resolve_backend"]
+__all__ = ["BACKENDS", "BUILDERS", "GRAPH_BACKENDS", "BuildContext", "Builder", "BuiltEntry", "background_compiler",
+           "builds_in_background", "check_available", "disk_cache_counts", "disk_cache_state", "dynamo_entry_point",
+           "make_builder", "record_guard", "release_device_memory", "resolve_backend"]
 
 def check_available(backend: str) -> None:
     """Raises ValueError when `backend` cannot run here at all."""
