@@ -1,7 +1,7 @@
 """A stream of requests at sizes that were not pre-warmed, on the CPU, per way of compiling.
 
-    python benchmarks/new_sizes.py [--model res-convnet|unet] [--sizes 256x256,384x384,512x512]
-                                   [--interval 0.2] [--per-size 100] [--strategies ...]
+    python benchmarks/new_sizes.py [--model res-convnet|unet] [--sizes 128x128,192x192,256x256]
+                                   [--interval 0.25] [--per-size 120] [--strategies ...]
 
 Requests arrive every `--interval` seconds (an open loop, as a service's requests do); a new
 size joins the stream every `--per-size` requests and later requests mix it with the sizes
@@ -178,9 +178,11 @@ def report(results: dict, sizes: list, interval: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("res-convnet", "unet"), default="res-convnet")
-    parser.add_argument("--sizes", default="256x256,384x384,512x512")
-    parser.add_argument("--interval", type=float, default=0.2, help="seconds between requests")
-    parser.add_argument("--per-size", type=int, default=100, help="requests before the next new size")
+    # The defaults keep eager within the stream on 2 cores (at 512x512 a res-convnet call takes
+    # longer than a request interval of 0.2 s, and the queue grows without end).
+    parser.add_argument("--sizes", default="128x128,192x192,256x256")
+    parser.add_argument("--interval", type=float, default=0.25, help="seconds between requests")
+    parser.add_argument("--per-size", type=int, default=120, help="requests before the next new size")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

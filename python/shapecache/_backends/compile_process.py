@@ -52,7 +52,7 @@ _UNSUITABLE = 3  # the compiler's exit status for a graph that writes what it re
 _lock = threading.Lock()
 _running: set[subprocess.Popen] = set()  # the compilers' processes running now
 _stopping = False
-_failed: str | None = None  # why the route failed once in this process: it is not tried again
+_failed: str | None = None  # why the route cannot work in this process: it is not tried again
 
 
 def _forget_parents_compilers() -> None:
@@ -115,6 +115,12 @@ def usable(options: dict, device: torch.device, in_background: bool) -> bool:
     return True
 
 
+def given_up() -> bool:
+    """Whether the route cannot work in this process (its compiler could not start, or a package
+    crashed it): builds no longer try it."""
+    return _failed is not None
+
+
 def where() -> str:
     """Where background builds compile, as ``SHAPECACHE_BACKGROUND_COMPILER`` says: "process"
     (unset, the default) or "thread"; anything else is a ValueError naming the variable."""
@@ -128,8 +134,9 @@ def where() -> str:
 def compile_elsewhere(program, options: dict) -> Package:
     """`program` (an ExportedProgram) compiled by AOTInductor in a new process, loaded here.
     Raises Failed where any step failed (saving the program, that process, loading the
-    package; after a failure the route is not tried again in this process), Stopped where the
-    interpreter is exiting."""
+    package; where that process could not start or was killed by a signal, the route is not
+    tried again in this process), Unsuitable where the graph writes what it reads, Stopped
+    where the interpreter is exiting."""
     global _failed
     # Removed here, not by a finalizer: a child forked meanwhile would remove it at its exit.
     directory = tempfile.mkdtemp(prefix="shapecache-build-")
@@ -148,13 +155,11 @@ def compile_elsewhere(program, options: dict) -> Package:
         loaded = torch._inductor.aoti_load_package(package)
     except (Stopped, Unsuitable):
         raise
-    except Failed as failure:
-        _failed = str(failure)
+    except Failed:
         raise
     except Exception as error:  # noqa: BLE001  (torch.export's and the loader's failures share no base class)
         text = str(error).strip()
-        _failed = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
-        raise Failed(_failed) from error
+        raise Failed(f"{type(error).__name__}: {text.splitlines()[0] if text else ''}") from error
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     _remove_extracted(blobs)
@@ -163,8 +168,11 @@ def compile_elsewhere(program, options: dict) -> Package:
 
 def _run_compiler(saved: str, package: str, options: dict, threads: int) -> None:
     """Runs the compiler's process on the program saved at `saved`, which writes `package`."""
+    global _failed
     command = [sys.executable, "-m", "shapecache._backends.compile_process", saved, package, json.dumps(options),
                str(threads)]
+    # Its temporary files (the package its trial extracts) go with the build's directory.
+    environment = {**os.environ, "TMPDIR": os.path.dirname(saved)}
     with _lock:
         if _stopping:
             raise Stopped
@@ -172,8 +180,12 @@ def _run_compiler(saved: str, package: str, options: dict, threads: int) -> None
         # and it shares the scheduler's group (autogroup: one per session) with the serving
         # process, inside which its lower priority counts; in a group of its own it would take
         # a fair half of the CPU whatever its priority.
-        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE, process_group=0)
+        try:
+            process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.PIPE, process_group=0, env=environment)
+        except OSError as error:  # no Python to start here (an embedded interpreter): not tried again
+            _failed = f"the compiler's process could not start: {error}"
+            raise Failed(_failed) from error
         _running.add(process)
     try:
         errors = process.stderr.read()  # until the process ends (stdin stays open: see _exit_with_parent)
@@ -187,6 +199,11 @@ def _run_compiler(saved: str, package: str, options: dict, threads: int) -> None
         raise Stopped
     if process.returncode == _UNSUITABLE:
         raise Unsuitable
+    if process.returncode < 0:
+        # Killed by a signal: its package crashed it (a toolchain that links its own copy of
+        # the C++ library), which every package of this machine would. Not tried again.
+        _failed = f"the compiler's process ended by signal {-process.returncode}"
+        raise Failed(_failed)
     if process.returncode != 0:
         raise Failed(_why(errors.decode(errors="replace"), process.returncode))
 
@@ -196,9 +213,7 @@ def _why(errors: str, status: int) -> str:
     (torch's own advice follows it), else its exit status."""
     lines = [line.strip() for line in errors.splitlines() if line.strip()]
     named = [line for line in lines if "Error" in line or "error:" in line]
-    if named:
-        return named[-1]
-    return f"the compiler's process ended by signal {-status}" if status < 0 else f"exit status {status}"
+    return named[-1] if named else f"exit status {status}"
 
 
 def _remove_extracted(blobs) -> None:
@@ -251,7 +266,7 @@ def _compile(saved: str, package: str, options: dict) -> None:
     with torch.no_grad():  # freezing applies to graphs compiled without grad (compile_fx)
         # The traced program shows in-place writes only once functionalized, as the compiler
         # does it too.
-        signature = program.run_decompositions().graph_signature
+        signature = program.run_decompositions(decomp_table={}).graph_signature  # functional, nothing decomposed
         if signature.buffers_to_mutate or signature.user_inputs_to_mutate:
             sys.exit(_UNSUITABLE)
         torch._inductor.aoti_compile_and_package(program, package_path=package,
@@ -260,13 +275,18 @@ def _compile(saved: str, package: str, options: dict) -> None:
             blobs = [os.path.basename(n) for n in archive.namelist() if n.endswith("_weights.blob")]
         for name in blobs:
             for path in glob.glob(os.path.join(glob.escape(cache_dir()), "*", name)):
-                os.remove(path)
+                with contextlib.suppress(FileNotFoundError):  # another process's compile of the same graph
+                    os.remove(path)
         inputs = {spec.arg.name for spec in program.graph_signature.input_specs
                   if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT}
         zeros = [torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype).zero_()
                  for v in (node.meta["val"] for node in program.graph.nodes
                            if node.op == "placeholder" and node.name in inputs)]
-        torch._inductor.aoti_load_package(package).loader.run(zeros)
+        # A crash here is the process's end (a signal); an error the model raises on zeros (a
+        # value check, a division by an input) says nothing of the package.
+        loaded = torch._inductor.aoti_load_package(package)
+        with contextlib.suppress(Exception):
+            loaded.loader.run(zeros)
 
 
 if __name__ == "__main__":

@@ -284,9 +284,10 @@ def _compiled_elsewhere(program, options: dict, tensors: tuple, in_background: b
     except compile_process.Unsuitable:
         return None
     except compile_process.Failed as failure:
-        warnings.warn(f"shapecache: compiling a background build in a process of its own failed ({failure}); this "
-                      "and later builds compile in the serving process, where they slow the calls served meanwhile",
-                      RuntimeWarning, stacklevel=2)
+        where = ("this and later builds of the process compile in the serving process, where they slow"
+                 if compile_process.given_up() else "it compiles in the serving process, where it slows")
+        warnings.warn(f"shapecache: compiling a background build in a process of its own failed ({failure}); {where} "
+                      "the calls served meanwhile", RuntimeWarning, stacklevel=2)
         return None
 
 
