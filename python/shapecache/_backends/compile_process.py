@@ -12,10 +12,15 @@ and frozen weights this process then loads: in tens of milliseconds, with no Pyt
 compiler's run here.
 
 Used where the graph is one that inductor's freezing makes (``freezing`` on, grad off): its
-weights are the graph's own constants, copied into the package, as an in-process frozen entry
-holds a copy. (Without freezing the graph reads the model's weights where they are, which a
-package of copies would not.) Anything else, or any failure of this route, compiles in this
-process as before, with one warning per reason.
+weights are constants, and the package holds a copy of every one it reads (an in-process
+frozen entry copies those freezing transforms and reads the rest where they are). Without
+freezing the graph reads the model's weights where they are, which a package of copies would
+not; a graph that writes what it reads (BatchNorm's statistics in training) would write the
+package's copies (the compiler's process refuses it: Unsuitable); under autocast the exported
+graph records no casts. Those compile in this process as before; so does a build whose route
+failed, with a warning, and every later build where the compiler's process cannot start or
+was killed by a signal. The route costs a small model time: every build starts Python and
+inductor again and compiles the graph as one C++ file (docs/background-builds.md).
 
 The package's process never touches the model: it reads the saved program only. It ends with
 this process (it watches its standard input, which only this process holds open), and does not
@@ -137,7 +142,6 @@ def compile_elsewhere(program, options: dict) -> Package:
     package; where that process could not start or was killed by a signal, the route is not
     tried again in this process), Unsuitable where the graph writes what it reads, Stopped
     where the interpreter is exiting."""
-    global _failed
     # Removed here, not by a finalizer: a child forked meanwhile would remove it at its exit.
     directory = tempfile.mkdtemp(prefix="shapecache-build-")
     try:
