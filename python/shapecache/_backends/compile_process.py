@@ -107,7 +107,7 @@ def usable(options: dict, device: torch.device, in_background: bool) -> bool:
     background, on the CPU, of a frozen graph, unless ``SHAPECACHE_BACKGROUND_COMPILER=thread``."""
     from torch._inductor import config as inductor_config
 
-    if not in_background or device.type != "cpu" or os.environ.get(ENVIRONMENT, "").strip().lower() == "thread":
+    if not in_background or device.type != "cpu" or _asked() == "thread":
         return False  # (a value other than the two was refused when the cached object was made: where())
     if _failed is not None or not options.get("freezing", inductor_config.freezing) or torch.is_grad_enabled():
         return False
@@ -129,11 +129,15 @@ def given_up() -> bool:
 def where() -> str:
     """Where background builds compile, as ``SHAPECACHE_BACKGROUND_COMPILER`` says: "process"
     (unset, the default) or "thread"; anything else is a ValueError naming the variable."""
-    value = os.environ.get(ENVIRONMENT, "process").strip().lower() or "process"
+    value = _asked()
     if value not in ("process", "thread"):
         raise ValueError(f"{ENVIRONMENT}={os.environ[ENVIRONMENT]!r}: expected 'process' (a background build "
                          "compiles in a process of its own) or 'thread' (in the serving process)")
     return value
+
+
+def _asked() -> str:
+    return os.environ.get(ENVIRONMENT, "").strip().lower() or "process"
 
 
 def compile_elsewhere(program, options: dict) -> Package:
@@ -157,9 +161,7 @@ def compile_elsewhere(program, options: dict) -> Package:
         # and reads the constants into memory: their file is removed at once (in a temporary
         # directory on tmpfs, a second copy of the weights for the entry's life).
         loaded = torch._inductor.aoti_load_package(package)
-    except (Stopped, Unsuitable):
-        raise
-    except Failed:
+    except (Failed, Stopped, Unsuitable):
         raise
     except Exception as error:  # noqa: BLE001  (torch.export's and the loader's failures share no base class)
         text = str(error).strip()

@@ -227,11 +227,12 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
                           "keep no version counter, so an update in place (load_state_dict) would not be seen in a "
                           "frozen copy; its graphs read the weights where they are. Make and load the model outside "
                           "inference_mode to freeze them.", RuntimeWarning, stacklevel=2)
+        layout = module.trace.output_layout
+        rebuild = None if layout.is_one_tensor() else layout.rebuild
         package = _compiled_elsewhere(program, options, tensors, in_background)
         del program
         if package is not None:
-            return CompiledCall(package, None if module.trace.output_layout.is_one_tensor()
-                                else module.trace.output_layout.rebuild, guard, before, [], package.constant_bytes)
+            return CompiledCall(package, rebuild, guard, before, [], package.constant_bytes)
         # AOT autograd's own cache is off for these builds: its key pickles the exported module,
         # whose closures do not pickle, so it never hits and logs a traceback on every build;
         # inductor's FX graph cache below it is what a second process reads.
@@ -257,10 +258,8 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
             wrapper = getattr(wrapper, "__wrapped__", None)
         del graph
 
-    layout = module.trace.output_layout
     weakref.finalize(compiled, _forget_modules, loaded)  # with the last entry that runs it
-    return CompiledCall(compiled, None if layout.is_one_tensor() else layout.rebuild, guard, before,
-                        _constants_of(loaded, [t for _, t in read], roots.values()))
+    return CompiledCall(compiled, rebuild, guard, before, _constants_of(loaded, [t for _, t in read], roots.values()))
 
 
 def inductor_options(compile_options: dict) -> dict:
