@@ -68,7 +68,7 @@ def _serve(device: torch.device, name: str) -> None:
     # the serving threads after an idle moment (docs/background-builds.md).
     ident = threading.get_ident()
     _worker_threads.add(ident)
-    _lower_priority()
+    lower_priority()
     try:
         while True:
             with _lock:  # a build queued from here on starts another worker
@@ -136,12 +136,15 @@ def _short_build_changes():
                 sys.setswitchinterval(_build_changes["previous"])
 
 
-def _lower_priority() -> None:
+def lower_priority() -> None:
     """Gives this thread, and the compiler processes it starts, a lower CPU priority than the
     threads that serve calls: where cores are fewer than the work, a build takes what serving
     leaves. (On Linux a thread has a nice value of its own, which processes it forks inherit.)"""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BUILD_NICENESS)
+        # Added to the process's own niceness (its main thread's), which a host may have raised
+        # already: Ray starts its workers at 15, and an absolute 10 would put builds above serving.
+        process = os.getpriority(os.PRIO_PROCESS, os.getpid())
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, process + BUILD_NICENESS))
     except (AttributeError, OSError):  # not Linux, or not permitted: the default priority
         pass
 
@@ -177,6 +180,9 @@ def _at_exit() -> None:
     compile_process = sys.modules.get("shapecache._backends.compile_process")
     if compile_process is not None:
         compile_process.stop_all()  # a compile in a process of its own is stopped, not waited for
+    shared_packages = sys.modules.get("shapecache._backends.shared_packages")
+    if shared_packages is not None:
+        shared_packages.close()  # programs left to publish are not compiled any more
     # The running build is waited for; the compiler's own workers may be gone by now, which
     # fails it, and a failure at exit is nobody's to read.
     warnings.simplefilter("ignore")

@@ -527,3 +527,21 @@ def test_a_cached_function_let_go_of_cancels_its_queued_builds_though_its_entrie
     gc.collect()
     assert _C.pending_builds() == 0 and sizes == [1]
     assert gone_function() is None and gone_owner() is None
+
+
+def test_a_build_thread_runs_below_the_process_whatever_niceness_the_process_started_at():
+    # A host may start its workers niced (Ray: 15); a build's priority is relative to the
+    # process's, never an absolute value above it.
+    import subprocess
+    import sys
+
+    script = ("import os, threading\nos.nice(7)\nfrom shapecache import _build_workers\nseen = []\n"
+              "def run():\n    _build_workers.lower_priority()\n"
+              "    seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))\n"
+              "t = threading.Thread(target=run); t.start(); t.join()\n"
+              "print(os.getpriority(os.PRIO_PROCESS, os.getpid()), seen[0])\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    process, thread = (int(v) for v in done.stdout.split())
+    assert process >= 7
+    assert thread == min(19, process + _build_workers.BUILD_NICENESS)
