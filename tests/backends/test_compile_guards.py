@@ -709,6 +709,36 @@ def test_inference_tensors_updated_in_place_are_read_where_they_are_instead_of_f
         torch.testing.assert_close(cached(x), other(x), **CLOSE)
 
 
+class _Timestepped(torch.nn.Module):
+    """A denoiser's call shape: an int timestep the forward makes a tensor of."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6)
+
+    def forward(self, x, timestep: int):
+        return self.linear(x) * torch.tensor([float(timestep)])
+
+
+def test_a_model_called_under_inference_mode_is_frozen_though_its_call_makes_inference_tensors():
+    # The tensor made of the timestep is an inference tensor, lifted into the graph as a
+    # constant: it is no weight of the model's, and freezing stays on (the model's own weights
+    # are ordinary tensors). The compiler's warm-up module is made outside inference_mode too.
+    torch.manual_seed(0)
+    model = _Timestepped().eval()
+    torch.manual_seed(0)
+    plain = _Timestepped().eval()
+    cached = sc.cached(model, backend="compile", budget="1GiB", compile_options={"options": {"freezing": True}})
+    x = torch.randn(2, 6)
+    with torch.inference_mode(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(cached(x, 3), plain(x, 3), **CLOSE)
+        torch.testing.assert_close(cached(x, 3), plain(x, 3), **CLOSE)  # the hit
+        torch.testing.assert_close(cached(x, 5), plain(x, 5), **CLOSE)
+    assert not [str(w.message) for w in caught if "freezing is off" in str(w.message)]
+    assert sc.stats(cached)["bytes"] > 0  # a frozen entry holds its copy of the weights; a plain one nothing
+
+
 def test_a_hook_on_a_model_a_function_reaches_through_a_global_runs_on_every_call():
     net, plain = twins()
     collected = []

@@ -220,7 +220,8 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
         reached = {id(copies.live(module)) for module in copies.ran.values()}
         read = _tensors_read(program)
         guard = guards.record(roots, functions=[function], reached=reached, tensors=read, called=called)
-        if options.get("freezing", inductor_config.freezing) and any(tensor.is_inference() for _, tensor in read):
+        if options.get("freezing", inductor_config.freezing) and any(
+                tensor.is_inference() for name, tensor in read if not _made_by_the_call(name)):
             options["freezing"] = False
             warnings.warn(f"shapecache: inductor's freezing is off for {getattr(function, '__qualname__', function)}: "
                           "its weights are inference tensors (made or loaded under torch.inference_mode()), which "
@@ -401,6 +402,14 @@ def _tensors_read(program) -> list[tuple[str, torch.Tensor]]:
             if placeholder in used and isinstance(state.get(name), torch.Tensor)]
 
 
+def _made_by_the_call(name: str) -> bool:
+    """Whether the lifted constant `name` is a tensor the traced call made (``torch.tensor(t)`` of
+    an int timestep) rather than one a module holds: export names those ``lifted_tensor_<n>``
+    (torch/_export/passes/lift_constants_pass.py), and module attributes by their path. Made
+    under inference_mode they are inference tensors, which nobody updates in place."""
+    return name.rpartition(".")[2].startswith("lifted_tensor_")
+
+
 def _positions_of(tensors: tuple, leaves: list) -> list[int]:
     """Where each of `tensors` (the call's, in key order) is among the call's flattened leaves."""
     free = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -476,8 +485,9 @@ def warm_up(compile_options: dict) -> None:
         if key in _warmed_up:
             return
         _warmed_up.add(key)
-        module = _WarmUp().eval()
-        sample = torch.randn(1, 4, 8, 8)
+        with torch.inference_mode(False):  # a build under inference_mode would make its weights inference tensors
+            module = _WarmUp().eval()
+            sample = torch.randn(1, 4, 8, 8)
         try:
             compiled = compile_call(_WarmUp.forward, (module, sample), {}, (sample,), ("sample",), True, compile_options)
             compiled.graph(sample)
