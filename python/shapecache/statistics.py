@@ -84,7 +84,8 @@ class PrewarmRecord(TypedDict):
     bytes: int  # what the cache held more after the size was built
     # inductor's on-disk FX graph cache for what the size compiled: "warm" (read from it),
     # "cold" (compiled and written), "not cached" (graphs holding prepacked weights, as
-    # freezing makes them, are not), None (nothing compiled)
+    # freezing makes them, are not); "shared package" (loaded from the shared directory's
+    # packages, nothing compiled); None (nothing compiled or loaded)
     inductor_cache: str | None
 
 

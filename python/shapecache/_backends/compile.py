@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._pytree import tree_leaves
 
-from shapecache._backends import compile_process, exported, guards
+from shapecache._backends import exported, guards
 from shapecache._backends.entry import BuildContext, Builder, BuiltEntry, not_built, register
 from shapecache._backends.exported import first_line
 from shapecache._host_memory import memory_ranges, resident_bytes, resident_bytes_of, return_free_memory
@@ -54,9 +54,11 @@ class CompiledBuilder(Builder):
         options = context.compile_options
         hooks = exported.hooks_a_graph_drops(function, args, kwargs, context.has_owner, context.parameter_names)
         if exported.handles(options) and not hooks:
-            elsewhere = compile_process.usable(exported.inductor_options(options), device, in_background=not run_call)
-            if device.type == "cpu" and not elsewhere:
-                exported.warm_up(options)  # the compiler's start-up is not this entry's (shapecache/_host_memory.py)
+            # The compiler's start-up is not this entry's (shapecache/_host_memory.py); a package
+            # needs no compiler here, unless it is built here after all.
+            if device.type == "cpu" and not exported.may_be_packaged(exported.inductor_options(options), device,
+                                                                     in_background=not run_call):
+                exported.warm_up(options)
             try:
                 _settle(device)  # what earlier evictions freed goes back to the system first
                 compiled = exported.compile_call(function, args, kwargs, handle.tensors, context.parameter_names,

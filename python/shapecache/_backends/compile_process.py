@@ -22,6 +22,9 @@ failed, with a warning, and every later build where the compiler's process canno
 was killed by a signal. The route costs a small model time: every build starts Python and
 inductor again and compiles the graph as one C++ file (docs/background-builds.md).
 
+The same steps (save, compile_saved, load) make and read the packages that processes share
+through a shared directory (shared_packages.py).
+
 The package's process never touches the model: it reads the saved program only. It ends with
 this process (it watches its standard input, which only this process holds open), and does not
 get the terminal's Ctrl-C (a process group of its own). At interpreter exit the compilers still
@@ -52,6 +55,7 @@ ENVIRONMENT = "SHAPECACHE_BACKGROUND_COMPILER"  # "thread": background builds co
 _PACKAGE_OPTIONS = {"aot_inductor.package_constants_in_so": False,
                     "aot_inductor.package_constants_on_disk_format": "binary_blob"}
 
+PROGRAM = "program.pt2"  # the saved program's name in its directory (save)
 _UNSUITABLE = 3  # the compiler's exit status for a graph that writes what it reads (Unsuitable)
 
 _lock = threading.Lock()
@@ -104,12 +108,20 @@ class Package:
 
 def usable(options: dict, device: torch.device, in_background: bool) -> bool:
     """Whether a build with inductor `options` compiles in a process of its own: one in the
-    background, on the CPU, of a frozen graph, unless ``SHAPECACHE_BACKGROUND_COMPILER=thread``."""
+    background of a frozen graph on the CPU (packable), unless ``SHAPECACHE_BACKGROUND_COMPILER=thread``."""
+    # (A value other than the two was refused when the cached object was made: where().)
+    return in_background and _asked() != "thread" and packable(options, device)
+
+
+def packable(options: dict, device: torch.device) -> bool:
+    """Whether a build with inductor `options` on `device` may be a package: a frozen graph
+    (``freezing`` on, grad off) on the CPU, without autocast, whose options are JSON, in a
+    process whose packages work (given_up)."""
     from torch._inductor import config as inductor_config
 
-    if not in_background or device.type != "cpu" or _asked() == "thread":
-        return False  # (a value other than the two was refused when the cached object was made: where())
-    if _failed is not None or not options.get("freezing", inductor_config.freezing) or torch.is_grad_enabled():
+    if device.type != "cpu" or _failed is not None:
+        return False
+    if not options.get("freezing", inductor_config.freezing) or torch.is_grad_enabled():
         return False
     if torch.is_autocast_enabled("cpu"):  # export records no casts; the compiler's process has no autocast
         return False
@@ -140,20 +152,37 @@ def _asked() -> str:
     return os.environ.get(ENVIRONMENT, "").strip().lower() or "process"
 
 
-def compile_elsewhere(program, options: dict) -> Package:
-    """`program` (an ExportedProgram) compiled by AOTInductor in a new process, loaded here.
-    Raises Failed where any step failed (saving the program, that process, loading the
-    package; where that process could not start or was killed by a signal, the route is not
-    tried again in this process), Unsuitable where the graph writes what it reads, Stopped
-    where the interpreter is exiting."""
-    # Removed here, not by a finalizer: a child forked meanwhile would remove it at its exit.
+def save(program) -> str:
+    """`program` (an ExportedProgram) saved to ``program.pt2`` in a new temporary directory,
+    whose path this returns; the caller removes it (not a finalizer: a child forked meanwhile
+    would remove it at its exit). Raises Failed."""
     directory = tempfile.mkdtemp(prefix="shapecache-build-")
     try:
-        saved, package = os.path.join(directory, "program.pt2"), os.path.join(directory, "package.pt2")
-        torch.export.save(program, saved)
-        # Freezing as this process has it (its options or inductor's config, which that process
-        # does not share), and its thread count, which the kernels are generated for.
-        _run_compiler(saved, package, {**options, "freezing": True}, torch.get_num_threads())
+        torch.export.save(program, os.path.join(directory, PROGRAM))
+    except Exception as error:  # noqa: BLE001  (the serializer's failures share no base class)
+        shutil.rmtree(directory, ignore_errors=True)
+        raise Failed(_first_line(error)) from error
+    return directory
+
+
+def compile_saved(directory: str, options: dict, threads: int | None = None) -> str:
+    """The program saved in `directory` (save) compiled by AOTInductor in a new process into a
+    package in that directory, whose path this returns. Raises Failed where that process
+    failed (where it could not start or was killed by a signal, the route is not tried again
+    in this process), Unsuitable where the graph writes what it reads, Stopped where the
+    interpreter is exiting. `threads`: the thread count the kernels are generated for (default:
+    this process's)."""
+    package = os.path.join(directory, "package.pt2")
+    # Freezing as this process has it (its options or inductor's config, which that process
+    # does not share).
+    _run_compiler(os.path.join(directory, PROGRAM), package, {**options, "freezing": True},
+                  torch.get_num_threads() if threads is None else threads)
+    return package
+
+
+def load(package: str) -> Package:
+    """The package at `package` loaded into this process. Raises Failed."""
+    try:
         with zipfile.ZipFile(package) as archive:
             blobs = {os.path.basename(i.filename): i.file_size for i in archive.infolist()
                      if i.filename.endswith("_weights.blob")}
@@ -161,15 +190,15 @@ def compile_elsewhere(program, options: dict) -> Package:
         # and reads the constants into memory: their file is removed at once (in a temporary
         # directory on tmpfs, a second copy of the weights for the entry's life).
         loaded = torch._inductor.aoti_load_package(package)
-    except (Failed, Stopped, Unsuitable):
-        raise
-    except Exception as error:  # noqa: BLE001  (torch.export's and the loader's failures share no base class)
-        text = str(error).strip()
-        raise Failed(f"{type(error).__name__}: {text.splitlines()[0] if text else ''}") from error
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    except Exception as error:  # noqa: BLE001  (zipfile's and the loader's failures share no base class)
+        raise Failed(_first_line(error)) from error
     _remove_extracted(blobs)
     return Package(loaded, sum(blobs.values()))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _run_compiler(saved: str, package: str, options: dict, threads: int) -> None:

@@ -1,29 +1,37 @@
-"""Inductor's on-disk FX graph cache, as seen from this process: whether a build was read
-from it ("warm"), compiled and written to it ("cold"), or not cacheable ("not cached")."""
+"""The on-disk caches of compiled graphs, as seen from this process: whether a build was read
+from inductor's FX graph cache ("warm"), compiled and written to it ("cold"), not cacheable
+there ("not cached"), or loaded as a package from the shared directory ("shared package",
+shared_packages.py)."""
 
 from __future__ import annotations
 
 import sys
 
 
-def disk_cache_counts() -> tuple[int, int, int]:
-    """Inductor's FX graph cache so far in this process: (hits, misses, bypasses). A build that
-    adds a hit was read from the on-disk cache ("warm"); a miss compiled and wrote it ("cold").
-    Before anything compiled, torch._dynamo is not loaded, and the counts are zero."""
+def disk_cache_counts() -> tuple[int, int, int, int]:
+    """Inductor's FX graph cache so far in this process: (hits, misses, bypasses), then the
+    packages loaded from the shared directory. A build that adds a hit was read from the on-disk
+    cache ("warm"); a miss compiled and wrote it ("cold"). Before anything compiled,
+    torch._dynamo is not loaded, and inductor's counts are zero."""
+    shared = sys.modules.get("shapecache._backends.shared_packages")
+    loaded = shared.loaded_count() if shared is not None else 0
     if "torch._dynamo.utils" not in sys.modules:
-        return 0, 0, 0
+        return 0, 0, 0, loaded
     from torch._dynamo.utils import counters
 
     inductor = counters["inductor"]
-    return inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"], inductor["fxgraph_cache_bypass"]
+    return inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"], inductor["fxgraph_cache_bypass"], loaded
 
 
-def disk_cache_state(before: tuple[int, int, int]) -> str | None:
-    """"warm", "cold" or "not cached" for the builds since `disk_cache_counts()` was `before`;
-    None when nothing was compiled meanwhile."""
-    hits, misses, bypasses = (now - then for now, then in zip(disk_cache_counts(), before, strict=True))
+def disk_cache_state(before: tuple[int, int, int, int]) -> str | None:
+    """"warm", "cold", "not cached" or "shared package" for the builds since
+    `disk_cache_counts()` was `before` (the first that applies); None when nothing was compiled
+    or loaded meanwhile."""
+    hits, misses, bypasses, loaded = (now - then for now, then in zip(disk_cache_counts(), before, strict=True))
     if misses:
         return "cold"
     if hits:
         return "warm"
-    return "not cached" if bypasses else None
+    if bypasses:
+        return "not cached"
+    return "shared package" if loaded else None

@@ -30,6 +30,7 @@ import contextlib
 import functools
 import gc
 import os
+import shutil
 import sys
 import threading
 import types
@@ -43,7 +44,7 @@ import torch
 from torch._guards import tracing
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from shapecache._backends import called_code, compile_process, guards, tracing_threads
+from shapecache._backends import called_code, compile_process, guards, shared_packages, tracing_threads
 from shapecache._extension import _C
 from shapecache._holder import holder_on
 from shapecache._host_memory import memory_of, memory_ranges
@@ -159,12 +160,13 @@ class CompiledCall(NamedTuple):
 
 
 def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, parameter_names: tuple,
-                 has_owner: bool, compile_options: dict, in_background: bool = False) -> CompiledCall:
+                 has_owner: bool, compile_options: dict, in_background: bool = False, share: bool = True) -> CompiledCall:
     """The compiled graph of later calls of `function` spelled like this one, at these shapes.
     `tensors` are the call's tensors in key order (``BuildHandle.tensors``): the graph's
     inputs, as the runner is given them on every hit. `in_background`: the build runs on a
     background worker, where a frozen graph is compiled in a process of its own
-    (compile_process.py).
+    (compile_process.py). `share`: a frozen graph is read from, or published to, the shared
+    directory where one is set (shared_packages.py).
 
     Raises ExportFailed when the call cannot be captured as one graph; inductor's own errors
     propagate.
@@ -230,7 +232,7 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
                           "inference_mode to freeze them.", RuntimeWarning, stacklevel=2)
         layout = module.trace.output_layout
         rebuild = None if layout.is_one_tensor() else layout.rebuild
-        package = _compiled_elsewhere(program, options, tensors, in_background)
+        package = _packaged(program, options, tensors, in_background, share)
         del program
         if package is not None:
             return CompiledCall(package, rebuild, guard, before, [], package.constant_bytes)
@@ -272,23 +274,61 @@ def inductor_options(compile_options: dict) -> dict:
     return options
 
 
-def _compiled_elsewhere(program, options: dict, tensors: tuple, in_background: bool):
-    """`program` compiled in a process of its own and loaded (a compile_process.Package), where
-    this build may be (compile_process.usable); None where it is compiled here: not usable,
-    or that process failed (with a warning)."""
+def may_be_packaged(options: dict, device: torch.device, in_background: bool) -> bool:
+    """Whether a build with inductor `options` on `device` may end as a package (_packaged):
+    compiled in a process of its own, or read from the shared directory."""
+    return compile_process.usable(options, device, in_background) or shares_packages(options, device)
+
+
+def shares_packages(options: dict, device: torch.device) -> bool:
+    """Whether a build's package is read from, or published to, the shared directory."""
+    return shared_packages.directory() is not None and compile_process.packable(options, device)
+
+
+def _packaged(program, options: dict, tensors: tuple, in_background: bool, share: bool):
+    """`program` as a loaded package (a compile_process.Package), where the build may be one:
+    read from the shared directory where it holds the program's package (shared_packages.py),
+    else compiled in a process of its own where the build is in the background
+    (compile_process.usable). None where it is compiled here: neither applies, or the route
+    failed (with a warning). A frozen graph compiled here is handed to the shared directory's
+    publisher."""
     devices = {tensor.device for tensor in tensors} or {torch.device("cpu")}
-    if len(devices) != 1 or not compile_process.usable(options, devices.pop(), in_background):
+    if len(devices) != 1:
         return None
+    device = devices.pop()
+    elsewhere = compile_process.usable(options, device, in_background)
+    shared = share and shares_packages(options, device)
+    if not (elsewhere or shared):
+        return None
+    saved = None
     try:
-        return compile_process.compile_elsewhere(program, options)
+        saved = compile_process.save(program)
+        key = shared_packages.key(saved, options) if shared else None
+        if shared and (package := shared_packages.load(key)) is not None:
+            return package
+        if not elsewhere:
+            shared_packages.publish_later(saved, key, options)  # it removes `saved`
+            saved = None
+            return None
+        path = compile_process.compile_saved(saved, options)
+        package = compile_process.load(path)
+        if shared:
+            shared_packages.publish(key, path)
+        return package
     except compile_process.Unsuitable:
         return None
     except compile_process.Failed as failure:
+        if not elsewhere:  # the program could not be saved or read: compiled here, and not shared
+            shared_packages.logger.warning("shapecache: a graph is not shared (%s)", failure)
+            return None
         where = ("this and later builds of the process compile in the serving process, where they slow"
                  if compile_process.given_up() else "it compiles in the serving process, where it slows")
         warnings.warn(f"shapecache: compiling a background build in a process of its own failed ({failure}); {where} "
                       "the calls served meanwhile", RuntimeWarning, stacklevel=2)
         return None
+    finally:
+        if saved is not None:
+            shutil.rmtree(saved, ignore_errors=True)
 
 
 class _LiveTensors:
@@ -489,7 +529,8 @@ def warm_up(compile_options: dict) -> None:
             module = _WarmUp().eval()
             sample = torch.randn(1, 4, 8, 8)
         try:
-            compiled = compile_call(_WarmUp.forward, (module, sample), {}, (sample,), ("sample",), True, compile_options)
+            compiled = compile_call(_WarmUp.forward, (module, sample), {}, (sample,), ("sample",), True, compile_options,
+                                    share=False)
             compiled.graph(sample)
         except Exception:  # noqa: BLE001,S110  (the entry's own build reports what fails)
             pass

@@ -266,8 +266,8 @@ def _prewarm(pipe, sizes, batch_size, guidance, text_length, progress) -> list:
                 "batch": batch_size,
                 "seconds": time.perf_counter() - start,
                 "bytes": state.cache.stats()["bytes"] - bytes_before,
-                # inductor's on-disk cache for what this size compiled: "warm", "cold",
-                # "not cached" (graphs of prepacked frozen weights), or None (nothing compiled)
+                # the on-disk caches for what this size compiled: "warm", "cold", "not cached"
+                # (graphs of prepacked frozen weights), "shared package", or None
                 "inductor_cache": disk_cache_state(compiled_before),
             }
             records.append(record)

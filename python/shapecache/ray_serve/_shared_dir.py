@@ -1,6 +1,6 @@
-"""The directory replicas share: inductor's on-disk caches, shapecache's tuning records and
-the fleet's hot sizes, so that a replica that starts after others builds from what they
-compiled.
+"""The directory replicas share: inductor's on-disk caches, shapecache's packages of frozen
+graphs and tuning records, and the fleet's hot sizes, so that a replica that starts after
+others builds from what they compiled.
 
 Layout under the directory:
 
@@ -9,6 +9,9 @@ Layout under the directory:
   where two processes could write one entry, so replicas may share it.
 - ``tuning.json``: SHAPECACHE_TUNING_DB, the tuned-convolution records (written by atomic
   replace, merged with what another process wrote meanwhile; see ops/_tuning.py).
+- ``packages/``: frozen graphs compiled with AOTInductor, one file per program, loaded by a
+  replica that traces the same program instead of compiled (shapecache/_backends/shared_packages.py,
+  which reads SHAPECACHE_SHARED_DIR). Each is renamed into place whole.
 - ``sizes.<replica class>.jsonl``: one line per size a replica of that class built on request,
   ``{"size": [...], "at": unix seconds}``,
   appended with one ``write`` on a file opened ``O_APPEND``. On a local file system each line

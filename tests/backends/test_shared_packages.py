@@ -1,0 +1,183 @@
+"""Frozen graphs shared as packages through the shared directory
+(shapecache/_backends/shared_packages.py): a process that traces a program another process
+compiled loads that package instead of compiling it, and never one built from other weights."""
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import zipfile
+
+import pytest
+import torch
+
+import shapecache as sc
+from shapecache._backends import compile_process, shared_packages
+
+pytestmark = pytest.mark.slow
+
+FROZEN = {"options": {"freezing": True}}
+
+
+def conv_net(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Conv2d(4, 32, 3, padding=1), torch.nn.GroupNorm(8, 32), torch.nn.SiLU(),
+                               torch.nn.Conv2d(32, 4, 3, padding=1)).eval()
+
+
+@pytest.fixture
+def shared(monkeypatch, tmp_path):
+    """A shared directory for this test, and the publisher idle at its end."""
+    monkeypatch.setenv("SHAPECACHE_SHARED_DIR", str(tmp_path / "shared"))
+    yield tmp_path / "shared" / "packages"
+    assert shared_packages.wait(300)
+
+
+def packages(directory) -> list[str]:
+    return sorted(p.name for p in directory.glob("*.pt2")) if directory.is_dir() else []
+
+
+def a_key(net, x, options=FROZEN["options"]) -> str:
+    with torch.no_grad():
+        program = torch.export.export(net, (x,), strict=False)
+    saved = compile_process.save(program)
+    try:
+        return shared_packages.key(saved, options)
+    finally:
+        import shutil
+
+        shutil.rmtree(saved)
+
+
+def test_the_key_is_the_program_and_its_weights_not_the_call_that_traced_it():
+    net = conv_net()
+    x = torch.randn(1, 4, 8, 8)
+    key = a_key(net, x)
+    assert a_key(net, torch.randn(1, 4, 8, 8)) == key  # other inputs of the same shape: the same program
+    assert a_key(conv_net(), x) == key  # the same weights in another module
+    assert a_key(net, torch.randn(1, 4, 8, 12)) != key  # another shape
+    assert a_key(conv_net(seed=1), x) != key  # other weights
+    assert a_key(net, x, {**FROZEN["options"], "cpp.weight_prepack": False}) != key  # other options
+    changed = conv_net()
+    with torch.no_grad():
+        changed[3].bias[0] += 1e-3  # one number of one weight
+    assert a_key(changed, x) != key
+
+
+def test_a_second_process_loads_the_package_the_first_published_and_compiles_nothing(shared, tmp_path):
+    net = conv_net()
+    x = torch.randn(1, 4, 12, 12)
+    with torch.no_grad():
+        expected = net(x)
+        cached = sc.cached(net, backend="compile", compile_options=FROZEN)
+        torch.testing.assert_close(cached(x), expected, rtol=1e-5, atol=1e-5)
+    assert sc.stats(cached)["builds"] == 1
+    assert shared_packages.wait(300)
+    assert len(packages(shared)) == 1  # the model's graph, not the compiler's warm-up graph
+    torch.save({"x": x, "expected": expected}, tmp_path / "call.pt")
+    script = textwrap.dedent(f"""
+        import torch
+        import shapecache as sc
+        from shapecache._backends import disk_cache_counts, disk_cache_state
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Conv2d(4, 32, 3, padding=1), torch.nn.GroupNorm(8, 32), torch.nn.SiLU(),
+                                  torch.nn.Conv2d(32, 4, 3, padding=1)).eval()
+        call = torch.load({str(tmp_path / "call.pt")!r})
+        cached = sc.cached(net, backend="compile", compile_options={FROZEN!r})
+        before = disk_cache_counts()
+        with torch.no_grad():
+            out = cached(call["x"])
+            torch.testing.assert_close(out, call["expected"], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(cached(call["x"]), call["expected"], rtol=1e-5, atol=1e-5)  # the hit
+        from torch._dynamo.utils import counters
+        print(disk_cache_state(before), sc.stats(cached)["hits"], sum(counters["inductor"].values()))
+    """)
+    env = {**os.environ, "SHAPECACHE_SHARED_DIR": str(shared.parent), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    state, hits, inductor_events = done.stdout.strip().splitlines()[-1].rsplit(" ", 2)
+    assert state == "shared package"
+    assert hits == "1"
+    assert inductor_events == "0"  # nothing compiled: no FX graph cache hit, miss or bypass
+    assert len(packages(shared)) == 1  # nothing published again
+
+
+def test_weights_changed_in_place_make_another_key_and_the_answer_stays_the_models(shared):
+    net = conv_net()
+    x = torch.randn(1, 4, 12, 12)
+    with torch.no_grad():
+        cached = sc.cached(net, backend="compile", compile_options=FROZEN)
+        cached(x)
+        assert shared_packages.wait(300)
+        first = packages(shared)
+        loaded = shared_packages.loaded_count()
+        net.load_state_dict(conv_net(seed=1).state_dict())  # the entry goes stale; its package is of the old weights
+        torch.testing.assert_close(cached(x), conv_net(seed=1)(x), rtol=1e-5, atol=1e-5)
+        assert shared_packages.loaded_count() == loaded  # compiled again, not read from the old weights' package
+        assert shared_packages.wait(300)
+        assert len(packages(shared)) == 2 and set(first) < set(packages(shared))
+        net.load_state_dict(conv_net(seed=0).state_dict())  # back to the first weights: their package serves
+        torch.testing.assert_close(cached(x), conv_net(seed=0)(x), rtol=1e-5, atol=1e-5)
+        assert shared_packages.loaded_count() == loaded + 1
+
+
+def test_a_package_that_does_not_load_costs_a_warning_and_is_compiled_and_replaced(shared, caplog):
+    x = torch.randn(1, 4, 12, 12)
+    with torch.no_grad():
+        sc.cached(conv_net(), backend="compile", compile_options=FROZEN)(x)
+    assert shared_packages.wait(300)
+    [name] = packages(shared)
+    (shared / name).write_bytes(b"PK\x03\x04 cut short")  # as a full disk would leave it
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="shapecache"):
+        loaded = shared_packages.loaded_count()
+        cached = sc.cached(conv_net(), backend="compile", compile_options=FROZEN)
+        torch.testing.assert_close(cached(x), conv_net()(x), rtol=1e-5, atol=1e-5)
+        assert sc.stats(cached)["builds"] == 1
+        assert shared_packages.loaded_count() == loaded
+    assert any("does not load" in r.getMessage() and name in r.getMessage() for r in caplog.records)
+    assert shared_packages.wait(300)
+    with zipfile.ZipFile(shared / name) as archive:  # replaced by a whole package
+        assert any(n.endswith(".so") for n in archive.namelist())
+
+
+def test_a_background_build_publishes_the_package_its_compiler_made(shared, monkeypatch):
+    monkeypatch.setenv("SHAPECACHE_BACKGROUND_COMPILER", "process")
+    net = conv_net()
+    x = torch.randn(1, 4, 12, 12)
+    with torch.no_grad():
+        cached = sc.cached(net, backend="compile", build="background", compile_options=FROZEN)
+        cached(x)
+        assert sc.wait(cached, timeout=300)
+        assert len(packages(shared)) == 1  # published by the build itself, not by the publisher later
+        torch.testing.assert_close(cached(x), conv_net()(x), rtol=1e-5, atol=1e-5)
+        assert sc.stats(cached)["hits"] == 1
+
+
+def test_publishers_of_one_key_leave_one_whole_file(shared, tmp_path):
+    made = []
+    for i in range(4):
+        package = tmp_path / f"package{i}.pt2"
+        package.write_bytes(bytes([i]) * (4 << 20))
+        made.append(package)
+    threads = [threading.Thread(target=shared_packages.publish, args=("k", str(p))) for p in made]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    content = (shared / "k.pt2").read_bytes()
+    assert content in {p.read_bytes() for p in made}
+    assert sorted(os.listdir(shared)) == ["k.pt2"]  # no temporary file left
+    assert oct((shared / "k.pt2").stat().st_mode & 0o777) == "0o644"
+
+
+def test_without_a_shared_directory_nothing_is_published(monkeypatch, tmp_path):
+    monkeypatch.delenv("SHAPECACHE_SHARED_DIR", raising=False)
+    net = conv_net()
+    x = torch.randn(1, 4, 12, 12)
+    with torch.no_grad():
+        cached = sc.cached(net, backend="compile", compile_options=FROZEN)
+        cached(x)
+    assert shared_packages.directory() is None
+    assert shared_packages.wait(0)  # nothing handed to the publisher
