@@ -2,11 +2,14 @@
 new replica cold against one started from the shared directory.
 
     python benchmarks/ray_serve.py [--model res-convnet|unet] [--sizes 4] [--requests 60]
+                                   [--streams uniform,zipf] [--routers default,affinity]
 
 One run on this machine, real Ray Serve (a local cluster of 2 CPUs; each replica 0.5 CPU and
 one torch thread; HTTP off, handles only). Two replicas of the model, cached with the compile
-backend (inductor; `--compile frozen`, the default: frozen weights without prepacking, so
-that inductor's FX graph cache keeps them; `--compile plain`: no freezing), each under a byte budget that holds about half of the sizes. A seeded stream of
+backend (inductor; `--compile frozen`, the default: inductor's freezing, whose graphs the
+replicas share as packages through the shared directory; `--compile frozen-no-prepack`: freezing
+without weight prepacking, whose graphs inductor's FX graph cache keeps too; `--compile plain`:
+no freezing), each under a byte budget that holds about half of the sizes. A seeded stream of
 requests at `--sizes` sizes (uniform, then Zipf with exponent 1.1) is sent by 2 client threads
 through a deployment handle, once per router, each run with its own empty cache directory.
 A replica runs one model call at a time (as a GPU does), so a request's build is its own.
@@ -14,10 +17,11 @@ A replica runs one model call at a time (as a GPU does), so a request's build is
 Prints per stream and router: the hit rate after warm-up (the requests that built nothing,
 after the first 2 x sizes and the first request of every size, which all end first), p50/p99 latency at the client, builds and evictions, and per replica the
 cache's peak bytes against its budget and the process's peak resident memory. Then a third
-replica is started alone, once with an empty cache directory (cold) and once with the shared
-directory the affinity run filled, with a budget that holds every size (it is to serve all
-the fleet's hot sizes): seconds from `serve.run` until it has served every hot size once at
-compiled speed (a hit). Exits 1 when a run failed.
+replica is started alone, once cold (no shared directory, an empty inductor cache) and once
+with the shared directory the affinity run filled (that run waits, before its replicas stop,
+until they have published a package per size), with a budget that holds every size (it is to
+serve all the fleet's hot sizes): seconds from `serve.run` until it has served every hot size
+once at compiled speed (a hit). Exits 1 when a run failed.
 """
 
 from __future__ import annotations
@@ -47,9 +51,11 @@ MiB = 1 << 20
 STATS_PERIOD_S = 2.0  # how often each replica publishes what it holds (deployment's stats_period_s)
 ALL_SIZES = [(256, 256), (256, 192), (192, 256), (192, 192), (128, 256), (256, 128), (128, 128), (128, 192)]
 COMPILE_OPTIONS = {
-    "frozen": {"options": {"freezing": True, "cpp.weight_prepack": False}},  # the FX graph cache keeps these
+    "frozen": {"options": {"freezing": True}},  # shared as packages through the shared directory
+    "frozen-no-prepack": {"options": {"freezing": True, "cpp.weight_prepack": False}},  # and in the FX graph cache
     "plain": {},
 }
+PUBLISH_TIMEOUT_S = 900  # how long the affinity run waits for its replicas to publish their packages
 CLIENTS = 2
 
 
@@ -134,9 +140,12 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
     handle = serve.run(app.bind(args.model, args.budget, args.compile), name=f"{router}", route_prefix=None)
     time.sleep(3 * STATS_PERIOD_S)  # the replicas have published once before the traffic starts
     warmup = warmup_length(stream, args.warmup)
+    published = None
     try:  # the warm-up requests end before the measured ones start
         replies = run_stream(handle, stream[:warmup])
         replies += run_stream(handle, stream[warmup:])
+        if router == "affinity" and args.compile != "plain":
+            published = wait_for_packages(shared, len({tuple(size) for size in stream}))
     finally:
         serve.delete(f"{router}")
     warm = replies[warmup:]
@@ -155,13 +164,34 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
         "evictions": sum(r["evictions"] for r in last.values()),
         "replicas": {rid: {k: r[k] for k in ("peak_bytes", "budget", "max_rss", "builds")} for rid, r in last.items()},
         "replicas_per_size": statistics.mean(len(v) for v in homes.values()),
+        "published": published,
     }
 
 
-def new_replica_run(label: str, args, shared: SharedDir, hot: list) -> dict:
+def wait_for_packages(shared: SharedDir, count: int) -> dict:
+    """Waits until the shared directory holds `count` packages (the replicas publish each frozen
+    graph after it serves, in a process of their own): their count and the seconds waited."""
     start = time.perf_counter()
-    app = deployment(ModelReplica, shared_dir=shared.path, num_replicas=1, max_ongoing_requests=4,
-                     ray_actor_options={"num_cpus": 0.5})
+    packages = shared.path / "packages"
+    while True:
+        found = len(list(packages.glob("*.pt2"))) if packages.is_dir() else 0
+        waited = time.perf_counter() - start
+        if found >= count or waited > PUBLISH_TIMEOUT_S:
+            return {"packages": found, "of": count, "waited": waited}
+        time.sleep(1)
+
+
+def new_replica_run(label: str, args, shared: SharedDir | None, hot: list) -> dict:
+    """A replica started alone: with `shared`, it pre-warms the hot sizes from that directory;
+    without, it starts cold (an empty inductor cache, nothing shared, nothing published)."""
+    start = time.perf_counter()
+    actor_options = {"num_cpus": 0.5}
+    if shared is None:
+        empty = tempfile.mkdtemp(prefix="shapecache-cold-")
+        actor_options["runtime_env"] = {"env_vars": {"TORCHINDUCTOR_CACHE_DIR": os.path.join(empty, "inductor"),
+                                                     "SHAPECACHE_TUNING_DB": os.path.join(empty, "tuning.json")}}
+    app = deployment(ModelReplica, shared_dir=None if shared is None else shared.path, num_replicas=1,
+                     max_ongoing_requests=4, ray_actor_options=actor_options)
     handle = serve.run(app.bind(args.model, args.budget_all, args.compile), name=label, route_prefix=None)
     ready = time.perf_counter() - start
     try:
@@ -186,19 +216,25 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("res-convnet", "unet"), default="res-convnet")
     parser.add_argument("--compile", choices=tuple(COMPILE_OPTIONS), default="frozen",
-                        help="frozen: inductor's freezing without weight prepacking; plain: no freezing (default %(default)s)")
+                        help="frozen: inductor's freezing; frozen-no-prepack: without weight prepacking; plain: no "
+                             "freezing (default %(default)s)")
     parser.add_argument("--sizes", type=int, default=4, choices=range(2, len(ALL_SIZES) + 1), metavar="M")
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--streams", default="uniform,zipf")
+    parser.add_argument("--routers", default="default,affinity",
+                        help="default and/or affinity (the new replicas need an affinity run's directory)")
     parser.add_argument("--budget-mib", type=int, default=None,
                         help="each replica's budget (default: half the sizes' entries, measured at the first build)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     sizes = ALL_SIZES[:args.sizes]
     args.warmup = 2 * len(sizes)
-    streams = args.streams.split(",")
-    if not set(streams) <= {"uniform", "zipf"} or args.requests <= args.warmup:
-        parser.error(f"--streams={args.streams!r}: uniform and/or zipf; --requests must exceed {args.warmup}")
+    streams, routers = args.streams.split(","), args.routers.split(",")
+    if not set(streams) <= {"uniform", "zipf"} or not set(routers) <= {"default", "affinity"}:
+        parser.error(f"--streams={args.streams!r}, --routers={args.routers!r}: expected uniform and/or zipf, "
+                     "default and/or affinity")
+    if args.requests <= args.warmup:
+        parser.error(f"--requests={args.requests}: must exceed the warm-up's {args.warmup} requests")
 
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     failures = []
@@ -224,7 +260,7 @@ def main(argv=None) -> int:
         affinity_dir = None
         for kind in streams:
             stream = make_stream(kind, sizes, args.requests, args.seed)
-            for router in ("default", "affinity"):
+            for router in routers:
                 directory = tempfile.mkdtemp(prefix=f"shapecache-{router}-")
                 try:
                     results[kind, router] = router_run(router, args, stream, SharedDir(directory))
@@ -235,9 +271,9 @@ def main(argv=None) -> int:
                 print(f"  {kind:8} {router:9} done", flush=True)
         if affinity_dir is not None:
             hot = SharedDir(affinity_dir).hot_sizes(ModelReplica.sizes_file())
-            for label, directory in (("cold", tempfile.mkdtemp(prefix="shapecache-cold-")), ("shared", affinity_dir)):
+            for label, shared in (("cold", None), ("shared", SharedDir(affinity_dir))):
                 try:
-                    new_replica[label] = new_replica_run(label, args, SharedDir(directory), hot)
+                    new_replica[label] = new_replica_run(label, args, shared, hot)
                 except Exception as error:  # noqa: BLE001
                     failures.append(f"new replica {label}: {type(error).__name__}: {error}")
     finally:
@@ -259,6 +295,10 @@ def main(argv=None) -> int:
                   f"against {d['hit_rate']:.0%}", end="")
             over = [v for r in (d, a) for v in r["replicas"].values() if v["peak_bytes"] > v["budget"]]
             print(f"; replicas over budget: {len(over)}")
+            if a["published"] is not None:
+                p = a["published"]
+                print(f"{kind}: the affinity replicas published {p['packages']} of {p['of']} packages, "
+                      f"{p['waited']:.0f} s after the stream ended")
     if new_replica:
         print("\n| third replica | ready (serve.run returned) | served every hot size at compiled speed | "
               "builds on request |")
