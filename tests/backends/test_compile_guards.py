@@ -739,6 +739,35 @@ def test_a_model_called_under_inference_mode_is_frozen_though_its_call_makes_inf
     assert sc.stats(cached)["bytes"] > 0  # a frozen entry holds its copy of the weights; a plain one nothing
 
 
+class _Tabled(torch.nn.Module):
+    """A model that keeps a tensor in a list, which export lifts as it lifts a tensor the call makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6)
+        with torch.inference_mode():
+            self.table = [torch.ones(6)]
+
+    def forward(self, x):
+        return self.linear(x) * self.table[0]
+
+
+@pytest.mark.parametrize("freezing", [True, False])
+def test_an_inference_tensor_kept_in_a_list_leaves_its_bucket_uncached_and_its_updates_seen(freezing):
+    # Export lifts it as a constant of the graph, frozen or not, and an inference tensor keeps no
+    # version counter: no guard would see it updated in place. The bucket runs uncached.
+    torch.manual_seed(0)
+    model = _Tabled().eval()
+    cached = sc.cached(model, backend="compile", budget="1GiB", compile_options={"options": {"freezing": freezing}})
+    x = torch.randn(2, 6)
+    with torch.inference_mode():
+        with pytest.warns(RuntimeWarning, match=r"inference tensors kept outside .*table|lifted_tensor"):
+            torch.testing.assert_close(cached(x), model.linear(x), **CLOSE)
+        model.table[0].add_(1.0)  # in place, in an inference tensor: no version moves
+        torch.testing.assert_close(cached(x), model.linear(x) * 2.0, **CLOSE)
+    assert sc.stats(cached)["entries"] == []
+
+
 def test_a_hook_on_a_model_a_function_reaches_through_a_global_runs_on_every_call():
     net, plain = twins()
     collected = []

@@ -225,3 +225,25 @@ def test_the_compilers_place_is_checked_when_a_background_cache_is_made(monkeypa
     net = conv_net()
     sc.cached(net, backend="compile")  # an inline cache compiles in the serving process: not read
     sc.uncached(net)
+
+
+def test_the_build_directories_of_processes_that_ended_are_removed_and_others_kept(monkeypatch, tmp_path):
+    # A process killed mid-build (Ray stops a replica with SIGKILL) leaves its saved program
+    # behind; the next process that saves one removes what processes no longer running left.
+    from shapecache._backends import compile_process
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(compile_process, "_swept", False)
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"shapecache-build-{ended.stdout.strip()}-abc"
+    alive = tmp_path / f"shapecache-build-{os.getppid()}-abc"
+    other = tmp_path / "shapecache-build-x1y2"  # not named by a process
+    for folder in (dead, alive, other):
+        folder.mkdir()
+        (folder / "program.pt2").write_bytes(b"weights")
+    with torch.no_grad():
+        program = torch.export.export(conv_net(), (torch.randn(1, 4, 8, 8),), strict=False)
+    saved = compile_process.save(program)
+    assert os.path.basename(saved).startswith(f"shapecache-build-{os.getpid()}-")
+    assert not dead.exists()
+    assert alive.exists() and other.exists() and os.path.exists(saved)

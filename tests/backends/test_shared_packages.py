@@ -181,3 +181,57 @@ def test_without_a_shared_directory_nothing_is_published(monkeypatch, tmp_path):
         cached(x)
     assert shared_packages.directory() is None
     assert shared_packages.wait(0)  # nothing handed to the publisher
+
+
+KEY_SCRIPT = """
+import sys, shutil, torch
+sys.path.insert(0, sys.argv[1])
+from tracedmodel import Net
+from shapecache._backends import compile_process, shared_packages
+torch.manual_seed(0)
+net = Net().eval()
+with torch.no_grad():
+    program = torch.export.export(net, (torch.randn(1, 4, 8, 8),), strict=False)
+saved = compile_process.save(program)
+print(shared_packages.key(saved, {"freezing": True}))
+shutil.rmtree(saved)
+"""
+
+
+def test_the_key_does_not_depend_on_where_the_models_code_is_installed(tmp_path):
+    # The serialized graph names the source file of every node (its stack trace): replicas
+    # whose code sits in other places (a Ray runtime_env, another node) trace the same program.
+    keys = []
+    for place in ("a", "b/deeper"):
+        folder = tmp_path / place
+        folder.mkdir(parents=True)
+        (folder / "tracedmodel.py").write_text(
+            "import torch\n\nclass Net(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+            "        self.conv = torch.nn.Conv2d(4, 8, 3, padding=1)\n\n    def forward(self, x):\n"
+            "        return torch.nn.functional.silu(self.conv(x))\n")
+        done = subprocess.run([sys.executable, "-c", KEY_SCRIPT, str(folder)], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        keys.append(done.stdout.split()[-1])
+    assert keys[0] == keys[1]
+
+
+def test_a_shared_directory_that_cannot_be_written_costs_a_warning_never_the_build(monkeypatch, tmp_path, caplog):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "packages").write_text("a file where the packages' directory would be")
+    monkeypatch.setenv("SHAPECACHE_SHARED_DIR", str(shared))
+    x = torch.randn(1, 4, 12, 12)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="shapecache"):
+        cached = sc.cached(conv_net(), backend="compile", compile_options=FROZEN)
+        torch.testing.assert_close(cached(x), conv_net()(x), rtol=1e-5, atol=1e-5)
+        assert shared_packages.wait(300)
+        cached(x)
+    assert sc.stats(cached)["builds"] == 1 and sc.stats(cached)["hits"] == 1
+    assert any("could not be shared" in r.getMessage() for r in caplog.records)
+    # The publisher is still there for the next program.
+    monkeypatch.setenv("SHAPECACHE_SHARED_DIR", str(tmp_path / "writable"))
+    with torch.no_grad():
+        sc.cached(conv_net(), backend="compile", compile_options=FROZEN)(torch.randn(1, 4, 8, 8))
+    assert shared_packages.wait(300)
+    assert len(packages(tmp_path / "writable" / "packages")) == 1

@@ -119,6 +119,10 @@ class Recorded:
     def seen(self, code) -> bool:
         return code in self._seen
 
+    def values(self) -> list:
+        """What the reads held when the code first started (globals, attributes of globals)."""
+        return [value for _, _, _, value in self._before if value is not _ABSENT]
+
     def put_back(self) -> list[str]:
         """Puts back each read whose value the call replaced (a trace leaves nothing of the
         user's changed); names them. A write another thread made meanwhile cannot be told

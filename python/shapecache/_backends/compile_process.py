@@ -19,7 +19,7 @@ not; a graph that writes what it reads (BatchNorm's statistics in training) woul
 package's copies (the compiler's process refuses it: Unsuitable); under autocast the exported
 graph records no casts. Those compile in this process as before; so does a build whose route
 failed, with a warning, and every later build where the compiler's process cannot start or
-was killed by a signal. The route costs a small model time: every build starts Python and
+crashed (a segmentation fault, an illegal instruction). The route costs a small model time: every build starts Python and
 inductor again and compiles the graph as one C++ file (docs/background-builds.md).
 
 The same steps (save, compile_saved, load) make and read the packages that processes share
@@ -57,6 +57,8 @@ _PACKAGE_OPTIONS = {"aot_inductor.package_constants_in_so": False,
 
 PROGRAM = "program.pt2"  # the saved program's name in its directory (save)
 _UNSUITABLE = 3  # the compiler's exit status for a graph that writes what it reads (Unsuitable)
+# The signals a crash of the process itself ends it with, as a package that cannot run here does.
+_CRASHES = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGABRT, signal.SIGFPE}
 
 _lock = threading.Lock()
 _running: set[subprocess.Popen] = set()  # the compilers' processes running now
@@ -156,7 +158,8 @@ def save(program) -> str:
     """`program` (an ExportedProgram) saved to ``program.pt2`` in a new temporary directory,
     whose path this returns; the caller removes it (not a finalizer: a child forked meanwhile
     would remove it at its exit). Raises Failed."""
-    directory = tempfile.mkdtemp(prefix="shapecache-build-")
+    _remove_builds_of_dead_processes()
+    directory = tempfile.mkdtemp(prefix=f"{_BUILD_PREFIX}{os.getpid()}-")
     try:
         torch.export.save(program, os.path.join(directory, PROGRAM))
     except Exception as error:  # noqa: BLE001  (the serializer's failures share no base class)
@@ -165,10 +168,34 @@ def save(program) -> str:
     return directory
 
 
+_BUILD_PREFIX = "shapecache-build-"  # then the process's id: save()'s directories
+_swept = False
+
+
+def _remove_builds_of_dead_processes() -> None:
+    """Removes, once per process, the build directories that processes which no longer run left
+    in the temporary directory: one killed (SIGKILL, as Ray stops a replica) runs no clean-up, and
+    each directory holds a copy of the weights."""
+    global _swept
+    if _swept:
+        return
+    _swept = True
+    for path in glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), f"{_BUILD_PREFIX}*-*")):
+        owner = os.path.basename(path)[len(_BUILD_PREFIX):].split("-", 1)[0]
+        if not owner.isdigit() or int(owner) == os.getpid():
+            continue
+        try:
+            os.kill(int(owner), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except (PermissionError, OverflowError):  # another user's process, or no process id at all
+            pass
+
+
 def compile_saved(directory: str, options: dict, threads: int | None = None) -> str:
     """The program saved in `directory` (save) compiled by AOTInductor in a new process into a
     package in that directory, whose path this returns. Raises Failed where that process
-    failed (where it could not start or was killed by a signal, the route is not tried again
+    failed (where it could not start or crashed, the route is not tried again
     in this process), Unsuitable where the graph writes what it reads, Stopped where the
     interpreter is exiting. `threads`: the thread count the kernels are generated for (default:
     this process's)."""
@@ -234,11 +261,13 @@ def _run_compiler(saved: str, package: str, options: dict, threads: int) -> None
         raise Stopped
     if process.returncode == _UNSUITABLE:
         raise Unsuitable
-    if process.returncode < 0:
-        # Killed by a signal: its package crashed it (a toolchain that links its own copy of
-        # the C++ library), which every package of this machine would. Not tried again.
+    if -process.returncode in _CRASHES:
+        # Its package crashed it (a toolchain that links its own copy of the C++ library),
+        # which every package of this machine would. Not tried again.
         _failed = f"the compiler's process ended by signal {-process.returncode}"
         raise Failed(_failed)
+    if process.returncode < 0:  # killed (the out-of-memory killer, an operator): this build's failure only
+        raise Failed(f"the compiler's process was killed by signal {-process.returncode}")
     if process.returncode != 0:
         raise Failed(_why(errors.decode(errors="replace"), process.returncode))
 
@@ -284,6 +313,7 @@ def _exit_with_parent() -> None:
     inside sys.stdin's buffered reader would hold its lock at interpreter exit, which is fatal.)"""
     while os.read(0, 1 << 12):
         pass
+    shutil.rmtree(os.path.dirname(sys.argv[1]), ignore_errors=True)  # its build's directory, which the parent left
     if os.getpgid(0) == os.getpid():  # the leader of its own group, as _run_compiler starts it
         os.killpg(0, signal.SIGKILL)
     os._exit(1)

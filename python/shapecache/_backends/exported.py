@@ -133,6 +133,12 @@ class ExportFailed(Exception):
     """torch.export could not capture the call as one graph (the cause is chained)."""
 
 
+class ReadsUnguardedState(Exception):
+    """The traced call reads an inference tensor that the model or its code keeps outside its
+    parameters and buffers (in a list, a dict, a global): export bakes it into the graph as a
+    constant, and without a version counter no guard sees it updated in place."""
+
+
 class WritesState(Exception):
     """The traced call wrote Python state of the model (a step counter), which a graph would
     not write again on later calls (export puts it back after tracing, so it is checked at the
@@ -222,8 +228,13 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
         reached = {id(copies.live(module)) for module in copies.ran.values()}
         read = _tensors_read(program)
         guard = guards.record(roots, functions=[function], reached=reached, tensors=read, called=called)
+        held = _tensors_in([container for container, _ in module.trace.shared] + (called.values() if called else []))
+        baked = [name for name, tensor in read
+                 if name in program.constants and tensor.is_inference() and id(tensor) in held]
+        if baked:
+            raise ReadsUnguardedState(", ".join(baked[:3]))
         if options.get("freezing", inductor_config.freezing) and any(
-                tensor.is_inference() for name, tensor in read if not _made_by_the_call(name)):
+                tensor.is_inference() for name, tensor in read if not _made_by_the_call(name, tensor, held)):
             options["freezing"] = False
             warnings.warn(f"shapecache: inductor's freezing is off for {getattr(function, '__qualname__', function)}: "
                           "its weights are inference tensors (made or loaded under torch.inference_mode()), which "
@@ -232,16 +243,23 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
                           "inference_mode to freeze them.", RuntimeWarning, stacklevel=2)
         layout = module.trace.output_layout
         rebuild = None if layout.is_one_tensor() else layout.rebuild
-        package = _packaged(program, options, tensors, in_background, share)
+        package, publication = _packaged(program, options, tensors, in_background, share)
         del program
         if package is not None:
             return CompiledCall(package, rebuild, guard, before, [], package.constant_bytes)
         # AOT autograd's own cache is off for these builds: its key pickles the exported module,
         # whose closures do not pickle, so it never hits and logs a traceback on every build;
         # inductor's FX graph cache below it is what a second process reads.
-        with (_loaded_modules() as loaded, inductor_config.patch(options), tracing(_static_context()),
-              functorch_config.patch(enable_autograd_cache=False)):
-            compiled = compile_fx(graph, list(tensors), ignore_shape_env=True)
+        try:
+            with (_loaded_modules() as loaded, inductor_config.patch(options), tracing(_static_context()),
+                  functorch_config.patch(enable_autograd_cache=False)):
+                compiled = compile_fx(graph, list(tensors), ignore_shape_env=True)
+        except BaseException:
+            if publication is not None:
+                publication.drop()
+            raise
+        if publication is not None:  # compiled again for the directory once this compile is done
+            publication.hand_over()
         # aot_autograd hangs the traced module's zero_grad, named_parameters and named_buffers
         # on the functions it returns: through them the entry keeps the module's graph, and its
         # nodes' fake values keep their fake mode, which holds a weakref to every weight (see
@@ -286,49 +304,61 @@ def shares_packages(options: dict, device: torch.device) -> bool:
 
 
 def _packaged(program, options: dict, tensors: tuple, in_background: bool, share: bool):
-    """`program` as a loaded package (a compile_process.Package), where the build may be one:
-    read from the shared directory where it holds the program's package (shared_packages.py),
-    else compiled in a process of its own where the build is in the background
-    (compile_process.usable). None where it is compiled here: neither applies, or the route
-    failed (with a warning). A frozen graph compiled here is handed to the shared directory's
-    publisher."""
+    """(package, publication): `program` as a loaded package (a compile_process.Package), where
+    the build may be one: read from the shared directory where it holds the program's package
+    (shared_packages.py), else compiled in a process of its own where the build is in the
+    background (compile_process.usable). The package is None where the graph is to be compiled
+    here: neither applies, or the route failed (with a warning); the publication, where the
+    shared directory lacks the package, is the saved program to hand to its publisher once
+    this process compiled it (shared_packages.Publication)."""
     devices = {tensor.device for tensor in tensors} or {torch.device("cpu")}
     if len(devices) != 1:
-        return None
+        return None, None
     device = devices.pop()
     elsewhere = compile_process.usable(options, device, in_background)
     shared = share and shares_packages(options, device)
     if not (elsewhere or shared):
-        return None
+        return None, None
     saved = None
     try:
         saved = compile_process.save(program)
-        key = shared_packages.key(saved, options) if shared else None
-        if shared and (package := shared_packages.load(key)) is not None:
-            return package
+        key = _shared_key(saved, options) if shared else None
+        if key is not None and (package := shared_packages.load(key)) is not None:
+            return package, None
         if not elsewhere:
-            shared_packages.publish_later(saved, key, options)  # it removes `saved`
-            saved = None
-            return None
+            publication = None if key is None else shared_packages.Publication(saved, key, options)
+            if publication is not None:
+                saved = None  # the publication removes it
+            return None, publication
         path = compile_process.compile_saved(saved, options)
         package = compile_process.load(path)
-        if shared:
+        if key is not None:
             shared_packages.publish(key, path)
-        return package
+        return package, None
     except compile_process.Unsuitable:
-        return None
+        return None, None
     except compile_process.Failed as failure:
-        if not elsewhere:  # the program could not be saved or read: compiled here, and not shared
+        if not elsewhere:  # the program could not be saved: compiled here, and not shared
             shared_packages.logger.warning("shapecache: a graph is not shared (%s)", failure)
-            return None
+            return None, None
         where = ("this and later builds of the process compile in the serving process, where they slow"
                  if compile_process.given_up() else "it compiles in the serving process, where it slows")
         warnings.warn(f"shapecache: compiling a background build in a process of its own failed ({failure}); {where} "
                       "the calls served meanwhile", RuntimeWarning, stacklevel=2)
-        return None
+        return None, None
     finally:
         if saved is not None:
             shutil.rmtree(saved, ignore_errors=True)
+
+
+def _shared_key(saved: str, options: dict) -> str | None:
+    """The key of the saved program's package in the shared directory; None, with a warning in
+    the log, where it cannot be made: the build goes on as without the directory."""
+    try:
+        return shared_packages.key(saved, options)
+    except Exception as error:  # noqa: BLE001  (a shared directory is never worth a build)
+        shared_packages.logger.warning("shapecache: a graph is not shared (%s)", first_line(error))
+        return None
 
 
 class _LiveTensors:
@@ -442,12 +472,32 @@ def _tensors_read(program) -> list[tuple[str, torch.Tensor]]:
             if placeholder in used and isinstance(state.get(name), torch.Tensor)]
 
 
-def _made_by_the_call(name: str) -> bool:
+def _made_by_the_call(name: str, tensor: torch.Tensor, held: set[int]) -> bool:
     """Whether the lifted constant `name` is a tensor the traced call made (``torch.tensor(t)`` of
-    an int timestep) rather than one a module holds: export names those ``lifted_tensor_<n>``
-    (torch/_export/passes/lift_constants_pass.py), and module attributes by their path. Made
-    under inference_mode they are inference tensors, which nobody updates in place."""
-    return name.rpartition(".")[2].startswith("lifted_tensor_")
+    an int timestep) rather than one the model or the code holds: export names the constants
+    that are no module's attribute ``lifted_tensor_<n>`` (torch/_export/passes/lift_constants_pass.py),
+    which covers those made by the call and those kept in a list, a dict or a global; `held`
+    (ids, _tensors_in) tells the latter. Made under inference_mode they are inference tensors,
+    which nobody updates in place."""
+    return name.rpartition(".")[2].startswith("lifted_tensor_") and id(tensor) not in held
+
+
+def _tensors_in(values: list) -> set[int]:
+    """The ids of the tensors among `values` and inside the lists, tuples, sets and dicts among
+    them, at any depth."""
+    found, seen, stack = set(), set(), list(values)
+    while stack:
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            found.add(id(value))
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            stack.extend(value)
+    return found
 
 
 def _positions_of(tensors: tuple, leaves: list) -> list[int]:

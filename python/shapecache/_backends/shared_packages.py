@@ -1,25 +1,27 @@
 """Packages shared through a directory: a frozen graph on the CPU that one process compiled is
 loaded by every process that traces the same program, instead of compiled again.
 
-On where ``SHAPECACHE_SHARED_DIR`` is set (ray_serve's shared directory): the packages are in
+Used where ``SHAPECACHE_SHARED_DIR`` is set (ray_serve's shared directory): the packages are in
 its ``packages/``. A frozen build (compile_process.packable) saves its exported program and
 looks for the package of its key there: one found is loaded, in tens of milliseconds, with no
 compile (and the trace stays: the guards come from it). Otherwise the build compiles as it
 would without the directory, and the package is then published: a background build through
-the compiler's process already made it (it is copied in); an inline build, which compiled in
-this process, leaves its saved program to the publisher, a thread that runs the compiler's
-process on it at the build workers' lower priority, after the entry serves.
+the compiler's process already made it (it is copied in); a build that compiled in this
+process hands its saved program, once that compile is done, to the publisher, a thread that
+runs the compiler's process on it at the build workers' lower priority.
 
 The key is what makes the package's code and constants: the saved program (its graph and its
 weights, read from the file, less what differs between two saves of one program: the call's
-example inputs and the save's random id), inductor's options, torch's version, the thread
-count and the vector instructions the kernels are generated for. A model whose weights
-changed makes another key; a package is never read for weights it was not built from.
+example inputs, the save's random id, and the source paths in the nodes' stack traces),
+inductor's options and configuration, torch's version, the thread count, and the host (_host).
+A model whose weights changed makes another key; a package is never read for weights it was
+not built from.
 
 A package is copied in under a temporary name and renamed into place, so readers see a whole
-file or none, and two processes publishing one key each write a whole file. One that does not
-load (cut short by a full disk, made by another build of torch) costs a warning, and the build
-compiles it, then publishes over it. Each package holds a copy of the weights it reads: the
+file or none; one of its key that is there already is kept. One that does not load here (a
+library built against another host's C++ runtime, a noexec temporary directory) costs a
+warning, and the build compiles it, then publishes over it. A directory that cannot be read or
+written costs a warning, never a build. Each package holds a copy of the weights it reads: the
 directory grows by about the model's size per size built (docs/ray-serve.md).
 """
 
@@ -31,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import shutil
 import tempfile
 import threading
@@ -49,7 +52,7 @@ FORMAT = 1  # in every key: packages of another layout are another key
 MAX_WAITING = 4  # saved programs waiting for the publisher (each a copy of the weights on disk)
 
 _lock = threading.Condition()
-_waiting: list[tuple[str, str, dict, int]] = []  # (saved program's directory, key, options, threads)
+_waiting: list[tuple] = []  # (saved program's directory, key, options, threads, the packages' directory)
 _publishing: set[str] = set()  # keys waiting or being compiled
 _publisher: threading.Thread | None = None
 _closing = False  # the interpreter is exiting: nothing more is published
@@ -68,8 +71,8 @@ def key(saved: str, options: dict) -> str:
     Raises compile_process.Failed where the saved program cannot be read."""
     digest = hashlib.sha256()
     setting = {"format": FORMAT, "torch": torch.__version__, "threads": torch.get_num_threads(),
-               "cpu": _cpu(), "options": {**options, "freezing": True}}
-    digest.update(json.dumps(setting, sort_keys=True).encode())
+               "host": _host(), "options": {**options, "freezing": True}, "inductor": _inductor_config()}
+    digest.update(json.dumps(setting, sort_keys=True, default=repr).encode())
     try:
         with zipfile.ZipFile(os.path.join(saved, compile_process.PROGRAM)) as archive:
             # Each member under the archive's own folder, whose name is the file's.
@@ -77,23 +80,56 @@ def key(saved: str, options: dict) -> str:
             for name, info in members:
                 if name.startswith("data/sample_inputs/") or name == ".data/serialization_id":
                     continue
-                digest.update(f"{name}\0{info.file_size}\0".encode())
+                digest.update(f"{name}\0".encode())
+                if name.startswith("models/") and name.endswith(".json"):
+                    digest.update(_without_sources(archive.read(info)))
+                    continue
                 with archive.open(info) as member:
                     while chunk := member.read(1 << 20):
                         digest.update(chunk)
-    except (OSError, zipfile.BadZipFile) as error:
+    except (OSError, zipfile.BadZipFile, ValueError) as error:
         raise compile_process.Failed(f"the saved program cannot be read: {error}") from error
     return digest.hexdigest()
 
 
+def _without_sources(graph: bytes) -> bytes:
+    """The serialized graph without its nodes' stack traces, which name the files of the model's,
+    shapecache's and torch's code by absolute path: replicas installed in other places (a Ray
+    runtime_env, another node) trace the same program."""
+    def strip(value):
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k != "stack_trace"}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        return value
+
+    return json.dumps(strip(json.loads(graph)), sort_keys=True).encode()
+
+
+def _inductor_config() -> dict:
+    """Inductor's configuration as this process set it, less what does not change the code
+    (torch's own selection for its FX graph cache key). The compiler's process is given the
+    build's options and freezing only: a package is read where the configuration is the one it
+    was published under."""
+    from torch._inductor import config as inductor_config
+
+    return inductor_config.save_config_portable()
+
+
 @functools.cache
-def _cpu() -> str:
-    """The instructions the kernels may use: ATen's vector capability and the CPU's feature flags
-    (inductor's own choice, cpu_vec_isa.pick_vec_isa, compiles probes: a second a process)."""
+def _host() -> str:
+    """What a package's library depends on besides the program: the machine, the instructions the
+    kernels may use (ATen's vector capability and the CPU's feature flags, "flags" on x86 and
+    "Features" on ARM; inductor compiles for the host's CPU), the C library, and the C++
+    compiler asked for (CXX). (Inductor's own choice, cpu_vec_isa.pick_vec_isa, compiles probes:
+    a second a process.)"""
     flags = ""
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
-        flags = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("flags")), "")
-    return f"{torch.backends.cpu.get_cpu_capability()} {hashlib.sha256(flags.encode()).hexdigest()[:16]}"
+        flags = next((line.split(":", 1)[1].strip() for line in cpuinfo
+                      if line.startswith(("flags", "Features"))), "")
+    return " ".join((platform.machine(), str(torch.backends.cpu.get_cpu_capability()),
+                     hashlib.sha256(flags.encode()).hexdigest()[:16], "-".join(platform.libc_ver()),
+                     os.environ.get("CXX", "")))
 
 
 def load(key: str) -> compile_process.Package | None:
@@ -101,12 +137,17 @@ def load(key: str) -> compile_process.Package | None:
     not load (with a warning)."""
     global _loaded_here
     found = directory() / f"{key}.pt2"
-    if not found.is_file():
+    try:
+        if not found.is_file():
+            return None
+    except OSError as error:  # a directory this process may not read: a miss
+        logger.warning("shapecache: the shared packages in %s cannot be read (%s)", found.parent, error)
         return None
     try:
         package = compile_process.load(str(found))
     except compile_process.Failed as failure:
-        logger.warning("shapecache: the shared package %s does not load (%s); the graph is compiled again", found, failure)
+        logger.warning("shapecache: the shared package %s does not load (%s); the graph is compiled and the package "
+                       "published again", found, failure)
         with _lock:
             _unloadable.add(key)
         return None
@@ -120,11 +161,14 @@ def loaded_count() -> int:
     return _loaded_here
 
 
-def publish(key: str, package: str) -> None:
-    """Copies the package at `package` into the directory as `key`'s. A failure (a full disk, a
+def publish(key: str, package: str, target: Path | None = None) -> None:
+    """Copies the package at `package` into the directory (`target`, default directory()) as
+    `key`'s, unless a package of `key` that loaded is there already. A failure (a full disk, a
     directory that cannot be written) is logged, never raised: the entry is built either way."""
-    target = directory()
+    target = directory() if target is None else target
     try:
+        if key not in _unloadable and (target / f"{key}.pt2").is_file():
+            return  # another process's: replacing it could fail a reader on a network file system
         target.mkdir(parents=True, exist_ok=True)
         descriptor, temporary = tempfile.mkstemp(dir=target, prefix=f".{key}.", suffix=".tmp")
         os.close(descriptor)
@@ -132,6 +176,7 @@ def publish(key: str, package: str) -> None:
             shutil.copyfile(package, temporary)
             os.chmod(temporary, 0o644)  # (mkstemp's file is its owner's alone) readable by every replica's user
             os.replace(temporary, target / f"{key}.pt2")
+            _unloadable.discard(key)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(temporary)
@@ -139,18 +184,35 @@ def publish(key: str, package: str) -> None:
         logger.warning("shapecache: a package could not be shared through %s (%s)", target, error)
 
 
-def publish_later(saved: str, key: str, options: dict) -> None:
+class Publication:
+    """A saved program (compile_process.save) whose package the directory lacks, held until this
+    process has compiled it: then handed to the publisher (hand_over), or, where that compile
+    failed, removed (drop). The publisher's compile starts after this process's, not beside it."""
+
+    def __init__(self, saved: str, key: str, options: dict):
+        self.saved, self.key, self.options = saved, key, options
+        self.threads = torch.get_num_threads()  # as the key has it
+
+    def hand_over(self) -> None:
+        publish_later(self.saved, self.key, self.options, self.threads)
+
+    def drop(self) -> None:
+        shutil.rmtree(self.saved, ignore_errors=True)
+
+
+def publish_later(saved: str, key: str, options: dict, threads: int) -> None:
     """Hands the program saved in `saved` to the publisher, which compiles it in the compiler's
     process and publishes it, then removes `saved`. Removed at once where its key is waiting or
     being compiled already, or MAX_WAITING programs wait (a later build of the size publishes it)."""
     global _publisher
     with _lock:
-        if key in _publishing or len(_waiting) >= MAX_WAITING or _closing:
+        target = directory()
+        if key in _publishing or len(_waiting) >= MAX_WAITING or _closing or target is None:
             shutil.rmtree(saved, ignore_errors=True)
             return
         _publishing.add(key)
-        _waiting.append((saved, key, options, torch.get_num_threads()))  # as the key has it
-        if _publisher is None:
+        _waiting.append((saved, key, options, threads, target))
+        if _publisher is None or not _publisher.is_alive():
             _publisher = threading.Thread(target=_publish_waiting, name="shapecache-publisher", daemon=True)
             _publisher.start()
         _lock.notify_all()
@@ -170,7 +232,7 @@ def close(timeout: float = 10.0) -> None:
     global _closing
     with _lock:
         _closing = True
-        for saved, key, _, _ in _waiting:
+        for saved, key, *_ in _waiting:
             shutil.rmtree(saved, ignore_errors=True)
             _publishing.discard(key)
         _waiting.clear()
@@ -187,18 +249,17 @@ def _publish_waiting() -> None:
             _lock.wait_for(lambda: _waiting or _closing)
             if _closing:
                 return
-            saved, key, options, threads = _waiting.pop(0)
+            saved, key, options, threads, target = _waiting.pop(0)
         try:
             # (Unless another process published it meanwhile.)
-            if key in _unloadable or not (directory() / f"{key}.pt2").is_file():
-                publish(key, compile_process.compile_saved(saved, options, threads))
-                _unloadable.discard(key)
+            if key in _unloadable or not (target / f"{key}.pt2").is_file():
+                publish(key, compile_process.compile_saved(saved, options, threads), target)
         except compile_process.Unsuitable:
             pass  # the graph writes what it reads: it is compiled in each process
-        except compile_process.Failed as failure:
-            logger.warning("shapecache: compiling a package to share failed (%s)", failure)
         except compile_process.Stopped:
             pass
+        except Exception as error:  # noqa: BLE001  (Failed, a directory gone: the next program is still published)
+            logger.warning("shapecache: compiling a package to share failed (%s)", error)
         finally:
             shutil.rmtree(saved, ignore_errors=True)
             with _lock:
