@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -35,3 +37,15 @@ def pytest_collection_modifyitems(config, items):
 def conv_net():
     torch.manual_seed(0)
     return SmallConvNet().eval()
+
+
+@pytest.fixture(autouse=True)
+def _environment_as_it_was():
+    """Puts back the process's environment after each test: a replica with a shared directory
+    sets SHAPECACHE_SHARED_DIR and inductor's cache variables (SharedDir.apply), which would make
+    every later frozen build of the worker publish packages."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -761,11 +761,55 @@ def test_an_inference_tensor_kept_in_a_list_leaves_its_bucket_uncached_and_its_u
     cached = sc.cached(model, backend="compile", budget="1GiB", compile_options={"options": {"freezing": freezing}})
     x = torch.randn(2, 6)
     with torch.inference_mode():
-        with pytest.warns(RuntimeWarning, match=r"inference tensors kept outside .*table|lifted_tensor"):
+        with pytest.warns(RuntimeWarning, match=r"inference tensors kept in a list, a dict, a global or a closure"):
             torch.testing.assert_close(cached(x), model.linear(x), **CLOSE)
         model.table[0].add_(1.0)  # in place, in an inference tensor: no version moves
         torch.testing.assert_close(cached(x), model.linear(x) * 2.0, **CLOSE)
     assert sc.stats(cached)["entries"] == []
+
+
+def test_an_inference_tensor_in_a_closure_leaves_its_bucket_uncached_and_its_updates_seen():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(6, 6).eval()
+    with torch.inference_mode():
+        gain = torch.full((6,), 2.0)
+
+    def scaled(x):
+        return linear(x) * gain
+
+    cached = sc.cached(scaled, backend="compile", budget="1GiB", compile_options={"options": {"freezing": True}})
+    x = torch.randn(2, 6)
+    with torch.inference_mode():
+        with pytest.warns(RuntimeWarning, match=r"inference tensors kept in a list, a dict, a global or a closure"):
+            torch.testing.assert_close(cached(x), linear(x) * 2.0, **CLOSE)
+        gain.fill_(3.0)
+        torch.testing.assert_close(cached(x), linear(x) * 3.0, **CLOSE)
+
+
+class _Offset(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6)
+        with torch.inference_mode():
+            self.register_buffer("offset", torch.ones(6), persistent=False)
+
+    def forward(self, x):
+        return self.linear(x) + self.offset
+
+
+def test_a_non_persistent_inference_buffer_turns_freezing_off_and_its_bucket_stays_cached():
+    # A module's own tensors (a non-persistent buffer, as CLIP's position ids) are no list's:
+    # made under inference_mode, they turn freezing off as inference weights do.
+    torch.manual_seed(0)
+    model = _Offset().eval()
+    cached = sc.cached(model, backend="compile", budget="1GiB", compile_options={"options": {"freezing": True}})
+    x = torch.randn(2, 6)
+    with torch.inference_mode():
+        with pytest.warns(RuntimeWarning, match="freezing is off .* inference tensors"):
+            out = cached(x)
+        torch.testing.assert_close(out, model.linear(x) + 1.0, **CLOSE)
+        cached(x)
+    assert len(sc.stats(cached)["entries"]) == 1 and sc.stats(cached)["hits"] == 1
 
 
 def test_a_hook_on_a_model_a_function_reaches_through_a_global_runs_on_every_call():

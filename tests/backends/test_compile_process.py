@@ -229,21 +229,26 @@ def test_the_compilers_place_is_checked_when_a_background_cache_is_made(monkeypa
 
 def test_the_build_directories_of_processes_that_ended_are_removed_and_others_kept(monkeypatch, tmp_path):
     # A process killed mid-build (Ray stops a replica with SIGKILL) leaves its saved program
-    # behind; the next process that saves one removes what processes no longer running left.
+    # behind; the next process that saves one removes what processes no longer running left
+    # over an hour ago.
     from shapecache._backends import compile_process
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(compile_process, "_swept", False)
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = tmp_path / f"shapecache-build-{ended.stdout.strip()}-abc"
+    gone = ended.stdout.strip()
+    dead = tmp_path / f"shapecache-build-{gone}-abc"
+    recent = tmp_path / f"shapecache-build-{gone}-def"  # dead here, or alive in another PID namespace
     alive = tmp_path / f"shapecache-build-{os.getppid()}-abc"
-    other = tmp_path / "shapecache-build-x1y2"  # not named by a process
-    for folder in (dead, alive, other):
+    other = tmp_path / "shapecache-build-abc-def"  # not named by a process
+    for folder in (dead, recent, alive, other):
         folder.mkdir()
         (folder / "program.pt2").write_bytes(b"weights")
+        if folder != recent:
+            os.utime(folder, (time.time() - 7200, time.time() - 7200))
     with torch.no_grad():
         program = torch.export.export(conv_net(), (torch.randn(1, 4, 8, 8),), strict=False)
     saved = compile_process.save(program)
     assert os.path.basename(saved).startswith(f"shapecache-build-{os.getpid()}-")
     assert not dead.exists()
-    assert alive.exists() and other.exists() and os.path.exists(saved)
+    assert recent.exists() and alive.exists() and other.exists() and os.path.exists(saved)

@@ -76,9 +76,9 @@ class CompiledBuilder(Builder):
                 _warn_once(function, context, args, f"torch.export could not capture it as one graph ({failure}); its "
                            "buckets are compiled by Dynamo, whose compiled code stays in memory after eviction")
             except exported.ReadsUnguardedState as read:
-                return not_built(function, args, kwargs, f"it reads inference tensors kept outside the model's parameters "
-                                 f"and buffers ({read}: in a list, a dict or a global), which a graph would hold as "
-                                 "constants, and whose updates in place no guard sees", run_call=run_call)
+                return not_built(function, args, kwargs, f"it reads inference tensors kept in a list, a dict, a global "
+                                 f"or a closure ({read}), which a graph would hold as constants, and whose updates in "
+                                 "place no guard sees", run_call=run_call)
             except exported.WritesState as written:
                 return not_built(function, args, kwargs, f"the call writes {written}, which a compiled graph would not "
                                  "write again on later calls", run_call=run_call)

@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import zipfile
 
 import torch
@@ -159,11 +160,13 @@ def save(program) -> str:
     whose path this returns; the caller removes it (not a finalizer: a child forked meanwhile
     would remove it at its exit). Raises Failed."""
     _remove_builds_of_dead_processes()
-    directory = tempfile.mkdtemp(prefix=f"{_BUILD_PREFIX}{os.getpid()}-")
+    directory = None
     try:
+        directory = tempfile.mkdtemp(prefix=f"{_BUILD_PREFIX}{os.getpid()}-")
         torch.export.save(program, os.path.join(directory, PROGRAM))
-    except Exception as error:  # noqa: BLE001  (the serializer's failures share no base class)
-        shutil.rmtree(directory, ignore_errors=True)
+    except Exception as error:  # noqa: BLE001  (the serializer's failures share no base class; a full /tmp)
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
         raise Failed(_first_line(error)) from error
     return directory
 
@@ -172,10 +175,15 @@ _BUILD_PREFIX = "shapecache-build-"  # then the process's id: save()'s directori
 _swept = False
 
 
+_LEFT_FOR_S = 3600  # how old a dead process's build directory is before another removes it
+
+
 def _remove_builds_of_dead_processes() -> None:
     """Removes, once per process, the build directories that processes which no longer run left
-    in the temporary directory: one killed (SIGKILL, as Ray stops a replica) runs no clean-up, and
-    each directory holds a copy of the weights."""
+    in the temporary directory over an hour ago: one killed (SIGKILL, as Ray stops a replica) runs
+    no clean-up, and each directory holds a copy of the weights. (The hour spares a process of
+    another PID namespace that shares the directory, which looks dead from here, unless one of
+    its builds waits an hour.)"""
     global _swept
     if _swept:
         return
@@ -187,7 +195,9 @@ def _remove_builds_of_dead_processes() -> None:
         try:
             os.kill(int(owner), 0)
         except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                if time.time() - os.path.getmtime(path) > _LEFT_FOR_S:
+                    shutil.rmtree(path, ignore_errors=True)
         except (PermissionError, OverflowError):  # another user's process, or no process id at all
             pass
 

@@ -228,9 +228,10 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
         reached = {id(copies.live(module)) for module in copies.ran.values()}
         read = _tensors_read(program)
         guard = guards.record(roots, functions=[function], reached=reached, tensors=read, called=called)
-        held = _tensors_in([container for container, _ in module.trace.shared] + (called.values() if called else []))
+        held = _tensors_in([function, *leaves, *(container for container, _ in module.trace.shared),
+                            *(called.values() if called else [])])
         baked = [name for name, tensor in read
-                 if name in program.constants and tensor.is_inference() and id(tensor) in held]
+                 if _lifted(name) and tensor.is_inference() and id(tensor) in held]
         if baked:
             raise ReadsUnguardedState(", ".join(baked[:3]))
         if options.get("freezing", inductor_config.freezing) and any(
@@ -479,12 +480,19 @@ def _made_by_the_call(name: str, tensor: torch.Tensor, held: set[int]) -> bool:
     which covers those made by the call and those kept in a list, a dict or a global; `held`
     (ids, _tensors_in) tells the latter. Made under inference_mode they are inference tensors,
     which nobody updates in place."""
-    return name.rpartition(".")[2].startswith("lifted_tensor_") and id(tensor) not in held
+    return _lifted(name) and id(tensor) not in held
+
+
+def _lifted(name: str) -> bool:
+    """Whether export named the constant `name` as one no module holds as an attribute."""
+    return name.rpartition(".")[2].startswith("lifted_tensor_")
 
 
 def _tensors_in(values: list) -> set[int]:
     """The ids of the tensors among `values` and inside the lists, tuples, sets and dicts among
-    them, at any depth."""
+    them, and the closures, defaults and bound objects of the functions, partials and methods
+    among them, at any depth (not inside other objects' attributes: the modules' own are
+    export's module attributes, and the guard's shared containers hold the rest)."""
     found, seen, stack = set(), set(), list(values)
     while stack:
         value = stack.pop()
@@ -497,7 +505,22 @@ def _tensors_in(values: list) -> set[int]:
             stack.extend(value.values())
         elif isinstance(value, (list, tuple, set, frozenset)):
             stack.extend(value)
+        elif isinstance(value, types.FunctionType):
+            stack.extend(cell.cell_contents for cell in value.__closure__ or () if _filled(cell))
+            stack.extend((value.__defaults__ or (), value.__kwdefaults__ or {}))
+        elif isinstance(value, functools.partial):
+            stack.extend((value.func, value.args, value.keywords))
+        elif isinstance(value, types.MethodType):
+            stack.extend((value.__func__, value.__self__))
     return found
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018  (an empty cell raises)
+    except ValueError:
+        return False
+    return True
 
 
 def _positions_of(tensors: tuple, leaves: list) -> list[int]:

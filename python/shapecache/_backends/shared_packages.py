@@ -58,6 +58,7 @@ _publisher: threading.Thread | None = None
 _closing = False  # the interpreter is exiting: nothing more is published
 _loaded_here = 0  # packages this process loaded from the directory
 _unloadable: set[str] = set()  # keys whose file in the directory did not load here: published over
+_unwritable: set[Path] = set()  # directories found not writable (warned of once)
 
 
 def directory() -> Path | None:
@@ -125,11 +126,18 @@ def _host() -> str:
     a second a process.)"""
     flags = ""
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
-        flags = next((line.split(":", 1)[1].strip() for line in cpuinfo
-                      if line.startswith(("flags", "Features"))), "")
+        flags = next((line.split(":", 1)[1] for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    # The instruction sets only: the rest of the line (hypervisor, microcode mitigations) varies
+    # between otherwise identical nodes.
+    isa = sorted(flag for flag in flags.split() if flag.startswith(_INSTRUCTION_SETS))
     return " ".join((platform.machine(), str(torch.backends.cpu.get_cpu_capability()),
-                     hashlib.sha256(flags.encode()).hexdigest()[:16], "-".join(platform.libc_ver()),
+                     hashlib.sha256(" ".join(isa).encode()).hexdigest()[:16], "-".join(platform.libc_ver()),
                      os.environ.get("CXX", "")))
+
+
+_INSTRUCTION_SETS = ("sse", "ssse", "avx", "amx", "fma", "f16c", "bmi", "popcnt", "lzcnt", "abm", "movbe", "aes",
+                     "pclmul", "vpclmul", "vaes", "gfni", "sha", "adx", "asimd", "fp", "sve", "i8mm", "bf16",
+                     "dotprod", "atomics", "neon")
 
 
 def load(key: str) -> compile_process.Package | None:
@@ -207,7 +215,8 @@ def publish_later(saved: str, key: str, options: dict, threads: int) -> None:
     global _publisher
     with _lock:
         target = directory()
-        if key in _publishing or len(_waiting) >= MAX_WAITING or _closing or target is None:
+        if (key in _publishing or len(_waiting) >= MAX_WAITING or _closing or target is None
+                or not _writable(target)):
             shutil.rmtree(saved, ignore_errors=True)
             return
         _publishing.add(key)
@@ -216,6 +225,22 @@ def publish_later(saved: str, key: str, options: dict, threads: int) -> None:
             _publisher = threading.Thread(target=_publish_waiting, name="shapecache-publisher", daemon=True)
             _publisher.start()
         _lock.notify_all()
+
+
+def _writable(target: Path) -> bool:
+    """Whether packages can be published to `target` (made where missing): checked before the
+    compile a publication costs; a directory that cannot be written is logged once."""
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        if os.access(target, os.W_OK | os.X_OK):
+            return True
+        error = "not writable"
+    except OSError as failure:
+        error = str(failure)
+    if target not in _unwritable:
+        _unwritable.add(target)
+        logger.warning("shapecache: packages could not be shared through %s (%s)", target, error)
+    return False
 
 
 def wait(timeout: float | None = None) -> bool:
