@@ -12,7 +12,7 @@ runs the compiler's process on it at the build workers' lower priority.
 
 The key is what makes the package's code and constants: the saved program (its graph and its
 weights, read from the file, less what differs between two saves of one program: the call's
-example inputs, the save's random id, and the source paths in the nodes' stack traces),
+example inputs, the save's serialization id, and the source paths in the nodes' stack traces),
 inductor's options and configuration, torch's version, the thread count, and the host (_host).
 A model whose weights changed makes another key; a package is never read for weights it was
 not built from.
