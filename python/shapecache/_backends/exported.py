@@ -228,14 +228,18 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
         reached = {id(copies.live(module)) for module in copies.ran.values()}
         read = _tensors_read(program)
         guard = guards.record(roots, functions=[function], reached=reached, tensors=read, called=called)
-        held = _tensors_in([function, *leaves, *(container for container, _ in module.trace.shared),
-                            *(called.values() if called else [])])
-        baked = [name for name, tensor in read
-                 if _lifted(name) and tensor.is_inference() and id(tensor) in held]
-        if baked:
-            raise ReadsUnguardedState(", ".join(baked[:3]))
-        if options.get("freezing", inductor_config.freezing) and any(
-                tensor.is_inference() for name, tensor in read if not _made_by_the_call(name, tensor, held)):
+        # Inference tensors keep no version counter, so no guard sees them updated in place. A
+        # module's own (its weights, attributes) are read where they are once freezing is off;
+        # a lifted one (_lifted) the code holds is a constant of the graph whatever freezing
+        # says, and its bucket is refused; one the call made (an int timestep's tensor) is fine.
+        inference = [(name, tensor) for name, tensor in read if tensor.is_inference()]
+        if any(_lifted(name) for name, _ in inference):
+            held = _tensors_in([function, *leaves, *(container for container, _ in module.trace.shared),
+                                *(called.values() if called else [])])
+            baked = [name for name, tensor in inference if _lifted(name) and id(tensor) in held]
+            if baked:
+                raise ReadsUnguardedState(", ".join(baked[:3]))
+        if options.get("freezing", inductor_config.freezing) and any(not _lifted(name) for name, _ in inference):
             options["freezing"] = False
             warnings.warn(f"shapecache: inductor's freezing is off for {getattr(function, '__qualname__', function)}: "
                           "its weights are inference tensors (made or loaded under torch.inference_mode()), which "
@@ -473,18 +477,10 @@ def _tensors_read(program) -> list[tuple[str, torch.Tensor]]:
             if placeholder in used and isinstance(state.get(name), torch.Tensor)]
 
 
-def _made_by_the_call(name: str, tensor: torch.Tensor, held: set[int]) -> bool:
-    """Whether the lifted constant `name` is a tensor the traced call made (``torch.tensor(t)`` of
-    an int timestep) rather than one the model or the code holds: export names the constants
-    that are no module's attribute ``lifted_tensor_<n>`` (torch/_export/passes/lift_constants_pass.py),
-    which covers those made by the call and those kept in a list, a dict or a global; `held`
-    (ids, _tensors_in) tells the latter. Made under inference_mode they are inference tensors,
-    which nobody updates in place."""
-    return _lifted(name) and id(tensor) not in held
-
-
 def _lifted(name: str) -> bool:
-    """Whether export named the constant `name` as one no module holds as an attribute."""
+    """Whether export named the constant `name` as one no module holds as an attribute:
+    ``lifted_tensor_<n>`` (torch/_export/passes/lift_constants_pass.py), a tensor the traced call
+    made or one kept in a list, a dict, a global or a closure (_tensors_in tells which)."""
     return name.rpartition(".")[2].startswith("lifted_tensor_")
 
 
