@@ -264,6 +264,10 @@ def main(argv=None) -> int:
                 directory = tempfile.mkdtemp(prefix=f"shapecache-{router}-")
                 try:
                     results[kind, router] = router_run(router, args, stream, SharedDir(directory))
+                    published = results[kind, router]["published"]
+                    if published is not None and published["packages"] < published["of"]:
+                        failures.append(f"{kind}/{router}: {published['packages']} of {published['of']} packages were "
+                                        f"published within {PUBLISH_TIMEOUT_S} s; the shared replica would not read them")
                     if router == "affinity":
                         affinity_dir = directory
                 except Exception as error:  # noqa: BLE001 - reported, and the exit status says so
