@@ -172,7 +172,7 @@ def wait_for_packages(shared: SharedDir, count: int) -> dict:
     """Waits until the shared directory holds `count` packages (the replicas publish each frozen
     graph after it serves, in a process of their own): their count and the seconds waited."""
     start = time.perf_counter()
-    packages = shared.path / "packages"
+    packages = shared.packages
     while True:
         found = len(list(packages.glob("*.pt2"))) if packages.is_dir() else 0
         waited = time.perf_counter() - start

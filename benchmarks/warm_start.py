@@ -40,7 +40,7 @@ def build_sizes(variant: str, sizes: list) -> dict:
     import torch
 
     import shapecache as sc
-    from shapecache._backends import disk_cache_counts, disk_cache_state, wait_for_shared_packages
+    from shapecache._backends import disk_cache_counts, disk_cache_state
     from shapecache.scenarios import build_model
 
     model = build_model("res-convnet", torch.device("cpu"))
@@ -61,7 +61,7 @@ def build_sizes(variant: str, sizes: list) -> dict:
             model(largest)
             hit = min(hit, time.perf_counter() - start)
     start = time.perf_counter()
-    if not wait_for_shared_packages(timeout=1800):  # the next process is to find every size's package
+    if not sc.wait(model, timeout=1800):  # its publications: the next process is to find every size's package
         raise SystemExit("the packages were not published within 30 minutes")
     return {"rows": rows, "hit": hit, "published": time.perf_counter() - start}
 

@@ -17,7 +17,7 @@ The process's figure is made an entry's as far as it can be:
   block freed, so after the first large frees, tensors come from the heap and their pages stay
   on free.
 - The compiler's one-time start-up (its modules, caches and runtime) happens before the first
-  measured build, in a build of a small graph (exported.warm_up).
+  measured build, in a build of a small graph (inductor_compiler.warm_up).
 Allocations and frees by other threads during a build still move it: the reason a compiled
 graph's entry is measured by its own tensors instead. Where /proc/self/status cannot be read
 (not Linux), such entries are charged 0 bytes.

@@ -20,7 +20,7 @@ from typing import TypedDict, TypeVar, Unpack, overload
 
 import torch
 
-from shapecache import _build_workers, _checks
+from shapecache import _background, _checks
 from shapecache._backends import (
     BACKENDS,
     GRAPH_BACKENDS,
@@ -119,7 +119,7 @@ class CachedFunction(_C.ShapeDispatcher, CacheHolder):
         if options.build == "background":
             background = functools.partial(builds_in_background, options.backend)
         super().__init__(function, builder, cache, buckets, names, owner, key_training, background,
-                         release_device_memory=release_device_memory, wake_build_worker=_build_workers.wake,
+                         release_device_memory=release_device_memory, wake_build_worker=_background.wake,
                          run_on_fake_tensors=call_on_fake_tensors)
         functools.update_wrapper(self, function)
         if has_owner:  # called bound: the signature callers see has no `self`, as a bound method's has not
@@ -355,7 +355,7 @@ def wait(obj, timeout: float | None = None) -> bool:
     have ended (built, failed or dropped). Returns False if `timeout` seconds passed first."""
     if timeout is not None:
         _checks.non_negative_number("timeout", timeout, "seconds, or None to wait as long as it takes")
-    return _build_workers.wait(holder_of(obj, "wait").dispatchers(), timeout)
+    return _background.wait(holder_of(obj, "wait").dispatchers(), timeout)
 
 
 def clear(obj) -> None:

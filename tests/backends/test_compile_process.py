@@ -40,7 +40,7 @@ def loaded_compiled_modules() -> int:
 def test_a_frozen_background_build_compiles_where_it_is_told_and_answers_as_the_model(compiler, monkeypatch, tmp_path):
     from shapecache._backends import compile_process
 
-    assert not compile_process.given_up(), compile_process._failed  # no earlier test ended the route here
+    assert not compile_process.PROCESS.failed, compile_process.PROCESS.failed  # no earlier test ended the route here
     monkeypatch.setenv("SHAPECACHE_BACKGROUND_COMPILER", compiler)
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the package is made and extracted
     monkeypatch.setattr(tempfile, "tempdir", None)
@@ -133,7 +133,7 @@ def test_a_compile_that_fails_in_its_process_is_compiled_here_with_a_warning():
         finally:
             sc.uncached(net)
     assert st["hits"] == 1 and [e["backend"] for e in st["entries"]] == ["compile"]
-    assert not compile_process.given_up()
+    assert not compile_process.PROCESS.failed
 
 
 STARTS_A_COMPILE = textwrap.dedent("""
@@ -143,7 +143,7 @@ STARTS_A_COMPILE = textwrap.dedent("""
     atexit.register(lambda: [print("compiler ended", process.wait(), flush=True) for process in compilers])
     import torch
     import shapecache as sc
-    from shapecache._backends import compile_process
+    from shapecache import _background
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Conv2d(8, 8, 3, padding=1) for _ in range(6)]).eval()
@@ -151,9 +151,9 @@ STARTS_A_COMPILE = textwrap.dedent("""
     with torch.no_grad():
         cached(torch.randn(1, 8, 16, 16))
     deadline = time.monotonic() + 120
-    while not compile_process._running and time.monotonic() < deadline:  # the worker traces, then starts it
+    while not _background._processes and time.monotonic() < deadline:  # the worker traces, then starts it
         time.sleep(0.01)
-    compilers.extend(compile_process._running)
+    compilers.extend(_background._processes)
     print(compilers[0].pid if compilers else -1, flush=True)
     time.sleep(float(sys.argv[1]))
 """)

@@ -1,6 +1,7 @@
 """Frozen graphs shared as packages through the shared directory
-(shapecache/_backends/shared_packages.py): a process that traces a program another process
-compiled loads that package instead of compiling it, and never one built from other weights."""
+(the package store, shapecache/_backends/package_store.py): a process that traces a program
+another process compiled loads that package instead of compiling it, and never one built from
+other weights."""
 
 import logging
 import os
@@ -8,13 +9,16 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import zipfile
 
 import pytest
 import torch
 
 import shapecache as sc
-from shapecache._backends import compile_process, shared_packages
+from shapecache import _background
+from shapecache._backends import compile_process, package_store
+from shapecache._backends.disk_cache import disk_cache_counts
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +31,26 @@ def conv_net(seed=0):
                                torch.nn.Conv2d(32, 4, 3, padding=1)).eval()
 
 
+def published(timeout: float) -> bool:
+    """Waits until no publication is waiting or running in this process (of any cached function:
+    ``sc.wait`` waits for one's)."""
+    deadline = time.monotonic() + timeout
+    while _background._publishing and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not _background._publishing
+
+
+def loaded_count() -> int:
+    """The packages this process loaded from the shared directory."""
+    return disk_cache_counts()[3]
+
+
 @pytest.fixture
 def shared(monkeypatch, tmp_path):
-    """A shared directory for this test, and the publisher idle at its end."""
+    """A shared directory for this test, and no publication left at its end."""
     monkeypatch.setenv("SHAPECACHE_SHARED_DIR", str(tmp_path / "shared"))
     yield tmp_path / "shared" / "packages"
-    assert shared_packages.wait(300)
+    assert published(300)
 
 
 def packages(directory) -> list[str]:
@@ -44,7 +62,7 @@ def a_key(net, x, options=FROZEN["options"]) -> str:
         program = torch.export.export(net, (x,), strict=False)
     saved = compile_process.save(program)
     try:
-        return shared_packages.key(saved, options)
+        return package_store.key(saved, options)
     finally:
         import shutil
 
@@ -74,7 +92,7 @@ def test_a_second_process_loads_the_package_the_first_published_and_compiles_not
         cached = sc.cached(net, backend="compile", compile_options=FROZEN)
         torch.testing.assert_close(cached(x), expected, rtol=1e-5, atol=1e-5)
     assert sc.stats(cached)["builds"] == 1
-    assert shared_packages.wait(300)
+    assert sc.wait(cached, 300)  # its publication too
     assert len(packages(shared)) == 1  # the model's graph, not the compiler's warm-up graph
     torch.save({"x": x, "expected": expected}, tmp_path / "call.pt")
     script = textwrap.dedent(f"""
@@ -110,34 +128,34 @@ def test_weights_changed_in_place_make_another_key_and_the_answer_stays_the_mode
     with torch.no_grad():
         cached = sc.cached(net, backend="compile", compile_options=FROZEN)
         cached(x)
-        assert shared_packages.wait(300)
+        assert sc.wait(cached, 300)
         first = packages(shared)
-        loaded = shared_packages.loaded_count()
+        loaded = loaded_count()
         net.load_state_dict(conv_net(seed=1).state_dict())  # the entry goes stale; its package is of the old weights
         torch.testing.assert_close(cached(x), conv_net(seed=1)(x), rtol=1e-5, atol=1e-5)
-        assert shared_packages.loaded_count() == loaded  # compiled again, not read from the old weights' package
-        assert shared_packages.wait(300)
+        assert loaded_count() == loaded  # compiled again, not read from the old weights' package
+        assert sc.wait(cached, 300)
         assert len(packages(shared)) == 2 and set(first) < set(packages(shared))
         net.load_state_dict(conv_net(seed=0).state_dict())  # back to the first weights: their package serves
         torch.testing.assert_close(cached(x), conv_net(seed=0)(x), rtol=1e-5, atol=1e-5)
-        assert shared_packages.loaded_count() == loaded + 1
+        assert loaded_count() == loaded + 1
 
 
 def test_a_package_that_does_not_load_costs_a_warning_and_is_compiled_and_replaced(shared, caplog):
     x = torch.randn(1, 4, 12, 12)
     with torch.no_grad():
         sc.cached(conv_net(), backend="compile", compile_options=FROZEN)(x)
-    assert shared_packages.wait(300)
+    assert published(300)
     [name] = packages(shared)
     (shared / name).write_bytes(b"PK\x03\x04 cut short")  # as a full disk would leave it
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="shapecache"):
-        loaded = shared_packages.loaded_count()
+        loaded = loaded_count()
         cached = sc.cached(conv_net(), backend="compile", compile_options=FROZEN)
         torch.testing.assert_close(cached(x), conv_net()(x), rtol=1e-5, atol=1e-5)
         assert sc.stats(cached)["builds"] == 1
-        assert shared_packages.loaded_count() == loaded
+        assert loaded_count() == loaded
     assert any("does not load" in r.getMessage() and name in r.getMessage() for r in caplog.records)
-    assert shared_packages.wait(300)
+    assert published(300)
     with zipfile.ZipFile(shared / name) as archive:  # replaced by a whole package
         assert any(n.endswith(".so") for n in archive.namelist())
 
@@ -161,7 +179,7 @@ def test_publishers_of_one_key_leave_one_whole_file(shared, tmp_path):
         package = tmp_path / f"package{i}.pt2"
         package.write_bytes(bytes([i]) * (4 << 20))
         made.append(package)
-    threads = [threading.Thread(target=shared_packages.publish, args=("k", str(p))) for p in made]
+    threads = [threading.Thread(target=package_store.copy_in, args=("k", str(p), shared)) for p in made]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -179,21 +197,23 @@ def test_without_a_shared_directory_nothing_is_published(monkeypatch, tmp_path):
     with torch.no_grad():
         cached = sc.cached(net, backend="compile", compile_options=FROZEN)
         cached(x)
-    assert shared_packages.directory() is None
-    assert shared_packages.wait(0)  # nothing handed to the publisher
+    assert package_store.PackageStore.from_environment() is None
+    assert not _background._publishing  # nothing handed to the workers to publish
 
 
 KEY_SCRIPT = """
 import sys, shutil, torch
 sys.path.insert(0, sys.argv[1])
 from tracedmodel import Net
-from shapecache._backends import compile_process, shared_packages
+from shapecache import _background
+from shapecache._backends import compile_process, package_store
+from shapecache._backends.disk_cache import disk_cache_counts
 torch.manual_seed(0)
 net = Net().eval()
 with torch.no_grad():
     program = torch.export.export(net, (torch.randn(1, 4, 8, 8),), strict=False)
 saved = compile_process.save(program)
-print(shared_packages.key(saved, {"freezing": True}))
+print(package_store.key(saved, {"freezing": True}))
 shutil.rmtree(saved)
 """
 
@@ -225,13 +245,13 @@ def test_a_shared_directory_that_cannot_be_written_costs_a_warning_never_the_bui
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="shapecache"):
         cached = sc.cached(conv_net(), backend="compile", compile_options=FROZEN)
         torch.testing.assert_close(cached(x), conv_net()(x), rtol=1e-5, atol=1e-5)
-        assert shared_packages.wait(300)
+        assert sc.wait(cached, 300)
         cached(x)
     assert sc.stats(cached)["builds"] == 1 and sc.stats(cached)["hits"] == 1
     assert any("could not be shared" in r.getMessage() for r in caplog.records)
-    # The publisher is still there for the next program.
+    # The next program is still published.
     monkeypatch.setenv("SHAPECACHE_SHARED_DIR", str(tmp_path / "writable"))
     with torch.no_grad():
         sc.cached(conv_net(), backend="compile", compile_options=FROZEN)(torch.randn(1, 4, 8, 8))
-    assert shared_packages.wait(300)
+    assert published(300)
     assert len(packages(tmp_path / "writable" / "packages")) == 1

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import shapecache as sc
-from shapecache import _build_workers
+from shapecache import _background
 from shapecache._backends import BuiltEntry
 from shapecache._extension import _C
 
@@ -63,11 +63,11 @@ class Counted:
 def background(function, builder, budget=1000):
     cache = _C.ShapeCache(lambda device: budget, None)
     return _C.ShapeDispatcher(function, builder, cache, [], ["x"], None, False, background=lambda device: True,
-                              wake_build_worker=_build_workers.wake)
+                              wake_build_worker=_background.wake)
 
 
 def wait(f, timeout=WAIT):
-    return _build_workers.wait([f], timeout)
+    return _background.wait([f], timeout)
 
 
 def test_a_miss_answers_at_once_and_later_calls_hit_once_the_build_is_in():
@@ -232,7 +232,7 @@ def test_waiting_from_inside_a_background_build_is_refused_not_a_deadlock():
 
     def builder(args, kwargs, handle):
         try:
-            _build_workers.wait([f], timeout=None)
+            _background.wait([f], timeout=None)
         except RuntimeError as error:
             seen.append(str(error))
         return BuiltEntry(Counted(), 0, None, "eager", ran_call=False)
@@ -252,7 +252,7 @@ def test_a_list_the_caller_changes_after_the_miss_is_built_as_it_was_at_the_call
 
     cache = _C.ShapeCache(lambda device: 1000, None)
     f = _C.ShapeDispatcher(lambda x, scales: x * scales[0], builder, cache, [], ["x", "scales"], None, False,
-                           background=lambda device: True, wake_build_worker=_build_workers.wake)
+                           background=lambda device: True, wake_build_worker=_background.wake)
     scales = [2.0]
     f(torch.ones(2), scales)
     scales[0] = 3.0  # after the call, before the worker builds
@@ -427,7 +427,7 @@ def test_a_build_runs_with_short_build_changes_and_the_interval_is_restored_afte
     f = background(lambda x: x * 2, builder)
     f(torch.ones(3))
     assert wait(f)
-    assert seen == [min(before, _build_workers.BUILD_SWITCH_INTERVAL)]
+    assert seen == [min(before, _background.BUILD_SWITCH_INTERVAL)]
     assert sys.getswitchinterval() == before
 
 
@@ -453,7 +453,7 @@ def owned_background(guarded: bool):
 
     owner = Owner()
     f = _C.ShapeDispatcher(Owner.forward, builder, _C.ShapeCache(lambda device: 1000, None), [], ["x"], owner, False,
-                           background=lambda device: True, wake_build_worker=_build_workers.wake)
+                           background=lambda device: True, wake_build_worker=_background.wake)
     return f, owner, gate, started, sizes
 
 
@@ -486,7 +486,7 @@ def test_ctrl_c_with_a_build_running_exits_as_interrupted():
     script = textwrap.dedent("""
         import os, signal, threading, time, torch
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a test runner's worker may ignore it
-        from shapecache import _build_workers
+        from shapecache import _background
         from shapecache._backends import BuiltEntry
         from shapecache._extension import _C
 
@@ -497,7 +497,7 @@ def test_ctrl_c_with_a_build_running_exits_as_interrupted():
 
         cache = _C.ShapeCache(lambda device: 1000, None)
         f = _C.ShapeDispatcher(lambda x: x, builder, cache, [], ["x"], None, False, background=lambda d: True,
-                               wake_build_worker=_build_workers.wake)
+                               wake_build_worker=_background.wake)
         f(torch.ones(1))
         threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
         time.sleep(30)
@@ -535,8 +535,8 @@ def test_a_build_thread_runs_below_the_process_whatever_niceness_the_process_sta
     import subprocess
     import sys
 
-    script = ("import os, threading\nos.nice(7)\nfrom shapecache import _build_workers\nseen = []\n"
-              "def run():\n    _build_workers.lower_priority()\n"
+    script = ("import os, threading\nos.nice(7)\nfrom shapecache import _background\nseen = []\n"
+              "def run():\n    _background.lower_priority()\n"
               "    seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))\n"
               "t = threading.Thread(target=run); t.start(); t.join()\n"
               "print(os.getpriority(os.PRIO_PROCESS, os.getpid()), seen[0])\n")
@@ -544,4 +544,4 @@ def test_a_build_thread_runs_below_the_process_whatever_niceness_the_process_sta
     assert done.returncode == 0, done.stderr
     process, thread = (int(v) for v in done.stdout.split())
     assert process >= 7
-    assert thread == min(19, process + _build_workers.BUILD_NICENESS)
+    assert thread == min(19, process + _background.BUILD_NICENESS)

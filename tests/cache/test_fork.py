@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent("""
     import json, os, sys, time, warnings
     import torch
     import shapecache as sc
-    from shapecache import _build_workers
+    from shapecache import _background
 
     torch.manual_seed(0)
     frozen_before = __import__("gc").get_freeze_count()  # 375 of the interpreter's own on 3.12.1
@@ -30,9 +30,9 @@ SCRIPT = textwrap.dedent("""
         f(x)
         if sys.argv[1] == "mid-build":  # the first build imports the compiler: seconds
             deadline = time.monotonic() + 60
-            while not _build_workers._build_changes["builds"] and time.monotonic() < deadline:
+            while not _background._build_changes["builds"] and time.monotonic() < deadline:
                 time.sleep(0.001)
-            assert _build_workers._build_changes["builds"], "the build never started"
+            assert _background._build_changes["builds"], "the build never started"
         else:
             assert sc.wait(f, timeout=120)
         read, write = os.pipe()

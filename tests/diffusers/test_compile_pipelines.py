@@ -21,7 +21,7 @@ pytest.importorskip("diffusers")
 
 import shapecache as sc  # noqa: E402
 from shapecache._backends import guards  # noqa: E402
-from shapecache._backends.exported import DetachedTrees  # noqa: E402
+from shapecache._backends.trace_copies import DetachedTrees  # noqa: E402
 from shapecache.testing import tiny_pipelines as tp  # noqa: E402
 
 pytestmark = [pytest.mark.slow,

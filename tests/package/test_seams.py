@@ -66,3 +66,30 @@ def test_the_library_never_uses_the_test_only_bindings(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from shapecache._extension import _C\nhandle = _C._testing.build_handle\n")
     assert uses_of_test_bindings([bad]) == ["bad.py:2"]
+
+
+def reach_ins_through_sys_modules(sources):
+    """Where a module reads one of shapecache's own modules out of ``sys.modules`` (a seam no
+    import shows): ``sys.modules.get("shapecache...")`` or ``sys.modules["shapecache..."]``."""
+    found = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+                target, keys = node.func.value, node.args[:1]
+            elif isinstance(node, ast.Subscript):
+                target, keys = node.value, [node.slice]
+            else:
+                continue
+            if (isinstance(target, ast.Attribute) and target.attr == "modules" and isinstance(target.value, ast.Name)
+                    and target.value.id == "sys" and keys and isinstance(keys[0], ast.Constant)
+                    and str(keys[0].value).startswith("shapecache")):
+                found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_no_module_reads_shapecache_out_of_sys_modules(tmp_path):
+    assert reach_ins_through_sys_modules(SOURCES) == []
+    bad = tmp_path / "bad.py"
+    bad.write_text("import sys\nm = sys.modules.get('shapecache._backends.compile_process')\n"
+                   "n = sys.modules['shapecache._background']\nt = sys.modules.get('torch._dynamo')\n")
+    assert reach_ins_through_sys_modules([bad]) == ["bad.py:2", "bad.py:3"]

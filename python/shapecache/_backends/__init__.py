@@ -25,22 +25,24 @@ import torch
 import shapecache._backends.compile
 import shapecache._backends.cuda_graph
 import shapecache._backends.eager  # noqa: F401  (each of the three registers its builders)
-from shapecache._backends.compile_process import where as background_compiler
+from shapecache._backends.compilers import background_compiler
 from shapecache._backends.disk_cache import disk_cache_counts, disk_cache_state
 from shapecache._backends.entry import BUILDERS, BuildContext, Builder, BuiltEntry, not_built
 from shapecache._backends.graph_pool import release_device_memory
 from shapecache._backends.guards import guard as record_guard
-from shapecache._backends.shared_packages import wait as wait_for_shared_packages
-from shapecache._build_workers import forked_mid_build
+from shapecache._backends.package_store import ENVIRONMENT as SHARED_DIR_VARIABLE
+from shapecache._backends.package_store import directory_in as shared_packages_directory
+from shapecache._background import forked_mid_build
 from shapecache._extension import _C
 
 BACKENDS = ("auto", "eager", "compile", "cuda_graph", "compile+cuda_graph")  # "auto" picks a builder per device
 GRAPH_BACKENDS = ("cuda_graph", "compile+cuda_graph")
 
 # The package's seam: what the rest of shapecache uses of the backends.
-__all__ = ["BACKENDS", "BUILDERS", "GRAPH_BACKENDS", "BuildContext", "Builder", "BuiltEntry", "background_compiler",
-           "builds_in_background", "check_available", "disk_cache_counts", "disk_cache_state", "dynamo_entry_point",
-           "make_builder", "record_guard", "release_device_memory", "resolve_backend", "wait_for_shared_packages"]
+__all__ = ["BACKENDS", "BUILDERS", "GRAPH_BACKENDS", "SHARED_DIR_VARIABLE", "BuildContext", "Builder", "BuiltEntry",
+           "background_compiler", "builds_in_background", "check_available", "disk_cache_counts", "disk_cache_state",
+           "dynamo_entry_point", "make_builder", "record_guard", "release_device_memory", "resolve_backend",
+           "shared_packages_directory"]
 
 def check_available(backend: str) -> None:
     """Raises ValueError when `backend` cannot run here at all."""

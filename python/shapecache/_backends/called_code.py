@@ -37,7 +37,7 @@ import warnings
 
 # Top-level packages whose code is not recorded.
 LIBRARIES = frozenset(sys.stdlib_module_names) | frozenset(
-    {"torch", "functorch", "shapecache", "sympy", "numpy", "triton", "optree", "typing_extensions"})
+    {"torch", "functorch", "shapecache", "sympy", "mpmath", "numpy", "triton", "optree", "typing_extensions"})
 
 _MONITORING = getattr(sys, "monitoring", None)
 _TOOL_IDS = (3, 4)  # sys.monitoring's ids that no tool named by Python claims
@@ -100,6 +100,10 @@ class Recorded:
         self.globals: dict = {}
         self._seen: set = set()
         self._before: list = []  # (path, dict, key, the value it held)
+        # A module first imported while recording writes its own globals as it runs: its import's
+        # writes, not the call's (torch imports what its first trace needs lazily, and a
+        # generated module of its own among them). Its reads are guarded, not put back.
+        self._modules_before = set(sys.modules)
 
     def saw(self, code, module_globals: dict) -> None:
         self._seen.add(code)
@@ -107,6 +111,8 @@ class Recorded:
             return
         self.globals[code] = module_globals
         module_name = module_globals.get("__name__")
+        if module_name not in self._modules_before:
+            return
         for name, attributes in global_reads(code).items():
             value = module_globals.get(name, _ABSENT)
             self._before.append((f"{module_name}.{name}", module_globals, name, value))

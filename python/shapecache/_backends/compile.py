@@ -1,8 +1,8 @@
 """The ``"compile"`` backend: one inductor graph per bucket.
 
-Each bucket is captured whole by ``torch.export`` and compiled by inductor (exported.py), so
-that evicting it gives its memory back. Where the call cannot be exported whole, or the
-compile options ask for what only ``torch.compile`` does (another backend, CUDA graph trees),
+Each bucket is captured whole by ``torch.export`` (trace.py) and compiled on the route chosen
+for it (compilers.py, exported.py), so that evicting it gives its memory back. Where the call
+cannot be exported whole, or the compile options ask for what only ``torch.compile`` does (another backend, CUDA graph trees),
 the bucket is built by ``torch.compile(dynamic=False)`` (Dynamo) instead, as follows.
 
 Each Dynamo bucket compiles an entry point of its own: a function of this file that calls the cached
@@ -13,7 +13,7 @@ instead of all of them.
 The entry point is shapecache's, not the function's own code: torch.compile wraps a function
 defined in torch's own files (``nn.Sequential.forward``) in one ``inner`` frame of torch's
 that every bucket would share, limit included; Dynamo compiles this frame and inlines the
-function instead. Dynamo keeps what it compiled reachable after eviction (see exported.py).
+function instead. Dynamo keeps what it compiled reachable after eviction (see trace.py).
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from collections.abc import Callable
 import torch
 from torch.utils._pytree import tree_leaves
 
-from shapecache._backends import exported, guards
-from shapecache._backends.entry import BuildContext, Builder, BuiltEntry, not_built, register
-from shapecache._backends.exported import first_line
+from shapecache._backends import compilers, exported, guards, trace
+from shapecache._backends.entry import BuildContext, Builder, BuiltEntry, described, not_built, register
 from shapecache._host_memory import memory_ranges, resident_bytes, resident_bytes_of, return_free_memory
 
 
@@ -39,7 +38,7 @@ class CompiledBuilder(Builder):
     name = "compile"
 
     def build(self, function, args, kwargs, handle, context: BuildContext, asked: str) -> BuiltEntry:
-        """The bucket's entry: one exported graph compiled by inductor (exported.py), or where the
+        """The bucket's entry: one exported graph, compiled on its route (exported.py), or where the
         call cannot be exported whole or the options ask for another backend, Dynamo's build.
 
         Every failure falls back: where export fails, Dynamo builds; where the compiler fails, or
@@ -51,39 +50,34 @@ class CompiledBuilder(Builder):
         and compiled, never run. Dynamo compiles only by running the call, which would repeat its
         effects, so a bucket that needs Dynamo is not built there (it runs uncached)."""
         device, run_call = handle.device, handle.run_call
-        options = context.compile_options
-        hooks = exported.hooks_a_graph_drops(function, args, kwargs, context.has_owner, context.parameter_names)
-        if exported.handles(options) and not hooks:
-            # The compiler's start-up is not this entry's (shapecache/_host_memory.py); a package
-            # needs no compiler here, unless it is built here after all.
-            if device.type == "cpu" and not exported.may_be_packaged(exported.inductor_options(options), device,
-                                                                     in_background=not run_call):
-                exported.warm_up(options)
+        roots = guards.call_roots(args, kwargs, context.has_owner, context.parameter_names)  # once per build
+        hooks = trace.hooks_a_graph_drops(function, args, roots, context.has_owner)
+        if compilers.handles(context.compile_options) and not hooks:
             try:
                 _settle(device)  # what earlier evictions freed goes back to the system first
-                compiled = exported.compile_call(function, args, kwargs, handle.tensors, context.parameter_names,
-                                                 context.has_owner, options, in_background=not run_call)
+                compiled = exported.compile_call(function, args, kwargs, handle.tensors, roots, context,
+                                                 in_background=not run_call)
                 # What the trace left (its copies of the model, the exported program: cycles) was
-                # collected as the build ended (exported._dropping_tracing_leftovers); what that
+                # collected as the build ended (trace.dropping_tracing_leftovers); what that
                 # freed goes back to the system.
                 if device.type == "cpu":
                     return_free_memory()
-            except exported.ExportFailed as failure:
+            except trace.ExportFailed as failure:
                 if not run_call:
                     return not_built(function, args, kwargs, f"torch.export could not capture it as one graph ({failure}), "
                                      "and Dynamo compiles only by running the call again", run_call=False)
                 function(*args, **kwargs)  # a call that fails by itself raises its own error here, and builds nothing
                 _warn_once(function, context, args, f"torch.export could not capture it as one graph ({failure}); its "
                            "buckets are compiled by Dynamo, whose compiled code stays in memory after eviction")
-            except exported.ReadsUnguardedState as read:
+            except trace.ReadsUnguardedState as read:
                 return not_built(function, args, kwargs, f"it reads inference tensors kept in a list, a dict, a global "
                                  f"or a closure ({read}), which a graph would hold as constants, and whose updates in "
                                  "place no guard sees", run_call=run_call)
-            except exported.WritesState as written:
+            except trace.WritesState as written:
                 return not_built(function, args, kwargs, f"the call writes {written}, which a compiled graph would not "
                                  "write again on later calls", run_call=run_call)
             except Exception as error:  # noqa: BLE001  (inductor's failures share no base class)
-                return not_built(function, args, kwargs, f"building it failed: {type(error).__name__}: {first_line(error)}",
+                return not_built(function, args, kwargs, f"building it failed: {described(error)}",
                                  run_call=run_call)
             else:
                 # The cache runs the graph for the call's result once it has made the entry's
@@ -102,10 +96,10 @@ class CompiledBuilder(Builder):
         if hooks:
             _warn_once(function, context, args, f"{why}; its buckets are compiled by Dynamo, whose compiled code stays in memory "
                        "after eviction")
-        return _build_with_dynamo(function, context, args, kwargs, device)
+        return _build_with_dynamo(function, context, args, kwargs, device, roots)
 
 
-def _build_with_dynamo(function, context, args, kwargs, device) -> BuiltEntry:
+def _build_with_dynamo(function, context, args, kwargs, device, roots) -> BuiltEntry:
     copy = entry_point(function)
     runner = torch.compile(copy, dynamic=False, **context.compile_options)
     compiled = _dynamo_compiled(copy)
@@ -113,7 +107,7 @@ def _build_with_dynamo(function, context, args, kwargs, device) -> BuiltEntry:
         with _held_bytes(device) as held:
             output = runner(*args, **kwargs)
     except Exception as error:  # noqa: BLE001
-        return not_built(function, args, kwargs, f"torch.compile failed: {type(error).__name__}: {first_line(error)}")
+        return not_built(function, args, kwargs, f"torch.compile failed: {described(error)}")
     if not compiled():
         warnings.warn(
             f"shapecache: torch.compile made no graph for a new bucket of {getattr(function, '__qualname__', function)}; "
@@ -124,8 +118,7 @@ def _build_with_dynamo(function, context, args, kwargs, device) -> BuiltEntry:
         return BuiltEntry(runner, held.bytes(output), output, "eager")
     # Dynamo guards what its graph read itself; shapecache's guard over the whole module trees
     # makes its entries stale on the same changes as every other backend's.
-    guard = guards.record(guards.call_roots(args, kwargs, context.has_owner, context.parameter_names),
-                          functions=[function], hooks_state=False)
+    guard = guards.record(roots, functions=[function], hooks_state=False)
     return BuiltEntry(runner, held.bytes(output), output, "compile", guard)
 
 

@@ -5,30 +5,33 @@ Inductor's lowering and code generation are Python that holds the GIL for most o
 minute for a UNet on the CPU); every operator a serving thread calls releases the GIL and then
 waits to get it back, so calls served meanwhile stall for seconds (docs/background-builds.md).
 So the worker does here only what needs the live model: ``torch.export`` traces the call (a
-few seconds; the guards come from that trace, exported.py). It saves the exported program, and
+few seconds; the guards come from that trace, trace.py). It saves the exported program, and
 a new Python process (``python -m shapecache._backends.compile_process``, started by the
 worker, so at its lower priority) compiles it with AOTInductor into a package, whose kernels
 and frozen weights this process then loads: in tens of milliseconds, with no Python of the
 compiler's run here.
 
-Used where the graph is one that inductor's freezing makes (``freezing`` on, grad off): its
+``ProcessCompiler`` is one of the compilers (compilers.py), chosen there for a background
+build of a graph that inductor's freezing makes (``freezing`` on, grad off): its
 weights are constants, and the package holds a copy of every one it reads (an in-process
 frozen entry copies those freezing transforms and reads the rest where they are). Without
 freezing the graph reads the model's weights where they are, which a package of copies would
 not; a graph that writes what it reads (BatchNorm's statistics in training) would write the
-package's copies (the compiler's process refuses it: Unsuitable); under autocast the exported
-graph records no casts. Those compile in this process as before; so does a build whose route
+package's copies (the compiler's process refuses it: NotForThisGraph); under autocast the
+exported graph records no casts. Those compile in this process; so does a build this compiler
 failed, with a warning, and every later build where the compiler's process cannot start or
-crashed (a segmentation fault, an illegal instruction). The route costs a small model time: every build starts Python and
-inductor again and compiles the graph as one C++ file (docs/background-builds.md).
+crashed (a segmentation fault, an illegal instruction: ``failed``). The route costs a small
+model time: every build starts Python and inductor again and compiles the graph as one C++
+file (docs/background-builds.md).
 
-The same steps (save, compile_saved, load) make and read the packages that processes share
-through a shared directory (shared_packages.py).
+The same steps (SavedProgram, compile_saved, load) make and read the packages that processes
+share through a shared directory (package_store.py).
 
 The package's process never touches the model: it reads the saved program only. It ends with
 this process (it watches its standard input, which only this process holds open), and does not
-get the terminal's Ctrl-C (a process group of its own). At interpreter exit the compilers still
-running are stopped (``stop_all``) rather than waited for.
+get the terminal's Ctrl-C (a process group of its own). It is started through shapecache's
+owner of background work (shapecache/_background.py), which stops it at interpreter exit
+rather than waiting for it.
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ import zipfile
 
 import torch
 
-ENVIRONMENT = "SHAPECACHE_BACKGROUND_COMPILER"  # "thread": background builds compile in the serving process
+from shapecache import _background
+from shapecache._backends.compilers import CompiledGraph, CompilerFailed, NotForThisGraph
+from shapecache._backends.entry import described
 
 # The package keeps the constants in a file beside the library, which the loader reads into
 # memory: the library itself is never unloaded (glibc keeps it mapped after the loader goes),
@@ -57,44 +62,13 @@ _PACKAGE_OPTIONS = {"aot_inductor.package_constants_in_so": False,
                     "aot_inductor.package_constants_on_disk_format": "binary_blob"}
 
 PROGRAM = "program.pt2"  # the saved program's name in its directory (save)
-_UNSUITABLE = 3  # the compiler's exit status for a graph that writes what it reads (Unsuitable)
+_UNSUITABLE = 3  # the compiler's exit status for a graph that writes what it reads (NotForThisGraph)
 # The signals a crash of the process itself ends it with, as a package that cannot run here does.
 _CRASHES = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGABRT, signal.SIGFPE}
-
-_lock = threading.Lock()
-_running: set[subprocess.Popen] = set()  # the compilers' processes running now
-_stopping = False
-_failed: str | None = None  # why the route cannot work in this process: it is not tried again
-
-
-def _forget_parents_compilers() -> None:
-    # A forked child has no compiler of its own running, and a copy of a lock a thread of the
-    # parent may have held. Its copies of the pipes to the parent's compilers are closed: a
-    # compiler ends when its stdin closes, which a child holding it open would delay.
-    global _lock, _running
-    for process in _running:
-        for pipe in (process.stdin, process.stderr):
-            with contextlib.suppress(OSError):
-                os.close(pipe.fileno())
-    _lock, _running = threading.Lock(), set()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_parents_compilers)
-
 
 class Failed(Exception):
     """Saving the program, the compiler's process or loading its package failed (the message
     is the error's first line, or the last line the process wrote)."""
-
-
-class Unsuitable(Exception):
-    """The graph writes the tensors it reads (BatchNorm's running statistics in training, a cache
-    kept in a buffer): a package would write its own copies of them, not the model's."""
-
-
-class Stopped(Exception):
-    """The process is exiting; the compile was stopped and nothing is to be built."""
 
 
 class Package:
@@ -109,50 +83,57 @@ class Package:
         return self._run(tensors)
 
 
-def usable(options: dict, device: torch.device, in_background: bool) -> bool:
-    """Whether a build with inductor `options` compiles in a process of its own: one in the
-    background of a frozen graph on the CPU (packable), unless ``SHAPECACHE_BACKGROUND_COMPILER=thread``."""
-    # (A value other than the two was refused when the cached object was made: where().)
-    return in_background and _asked() != "thread" and packable(options, device)
+class ProcessCompiler:
+    """AOTInductor in a process of its own (compilers.py). `failed`: why the route cannot work in
+    this process (its compiler could not start, or a package crashed it), where it cannot; the
+    route is then not chosen again."""
+
+    name = "process"
+
+    def __init__(self):
+        self.failed = ""
+
+    def compile(self, traced, options: dict, saved: SavedProgram) -> CompiledGraph:
+        try:
+            path = compile_saved(saved.path(), options)
+            package = load(path)
+        except Failed as failure:
+            where = ("this and later builds of the process compile in the serving process, where they slow"
+                     if self.failed else "it compiles in the serving process, where it slows")
+            raise CompilerFailed(f"compiling a background build in a process of its own failed ({failure}); {where} "
+                                 "the calls served meanwhile") from failure
+        return CompiledGraph(package, [], package.constant_bytes, package=path)
 
 
-def packable(options: dict, device: torch.device) -> bool:
-    """Whether a build with inductor `options` on `device` may be a package: a frozen graph
-    (``freezing`` on, grad off) on the CPU, without autocast, whose options are JSON, in a
-    process whose packages work (given_up)."""
-    from torch._inductor import config as inductor_config
-
-    if device.type != "cpu" or _failed is not None:
-        return False
-    if not options.get("freezing", inductor_config.freezing) or torch.is_grad_enabled():
-        return False
-    if torch.is_autocast_enabled("cpu"):  # export records no casts; the compiler's process has no autocast
-        return False
-    try:
-        json.dumps(options)  # the compiler's process reads them as JSON
-    except (TypeError, ValueError):
-        return False
-    return True
+PROCESS = ProcessCompiler()
 
 
-def given_up() -> bool:
-    """Whether the route cannot work in this process (its compiler could not start, or a package
-    crashed it): builds no longer try it."""
-    return _failed is not None
+class SavedProgram:
+    """An exported program saved to ``program.pt2`` in a new temporary directory, on first use
+    (``path``): what a package is compiled from, and what its key is read from. Its owner removes
+    it (``remove``), unless it was handed on (``hand_over``). Not a finalizer: a child forked
+    meanwhile would remove it at its exit."""
 
+    def __init__(self, program):
+        self._program = program
+        self._directory: str | None = None
 
-def where() -> str:
-    """Where background builds compile, as ``SHAPECACHE_BACKGROUND_COMPILER`` says: "process"
-    (unset, the default) or "thread"; anything else is a ValueError naming the variable."""
-    value = _asked()
-    if value not in ("process", "thread"):
-        raise ValueError(f"{ENVIRONMENT}={os.environ[ENVIRONMENT]!r}: expected 'process' (a background build "
-                         "compiles in a process of its own) or 'thread' (in the serving process)")
-    return value
+    def path(self) -> str:
+        """The directory it is saved in (saved now where it is not yet). Raises Failed."""
+        if self._directory is None:
+            self._directory = save(self._program)
+            self._program = None
+        return self._directory
 
+    def hand_over(self) -> str:
+        """Its directory, now the caller's to remove."""
+        directory, self._directory = self.path(), None
+        return directory
 
-def _asked() -> str:
-    return os.environ.get(ENVIRONMENT, "").strip().lower() or "process"
+    def remove(self) -> None:
+        if self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)
+            self._directory = None
 
 
 def save(program) -> str:
@@ -167,7 +148,7 @@ def save(program) -> str:
     except Exception as error:  # noqa: BLE001  (the serializer's failures share no base class; a full /tmp)
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
-        raise Failed(_first_line(error)) from error
+        raise Failed(described(error)) from error
     return directory
 
 
@@ -205,10 +186,10 @@ def _remove_builds_of_dead_processes() -> None:
 def compile_saved(directory: str, options: dict, threads: int | None = None) -> str:
     """The program saved in `directory` (save) compiled by AOTInductor in a new process into a
     package in that directory, whose path this returns. Raises Failed where that process
-    failed (where it could not start or crashed, the route is not tried again
-    in this process), Unsuitable where the graph writes what it reads, Stopped where the
-    interpreter is exiting. `threads`: the thread count the kernels are generated for (default:
-    this process's)."""
+    failed (where it could not start or crashed, the route is not tried again in this process:
+    PROCESS.failed), NotForThisGraph where the graph writes what it reads,
+    _background.Exiting where the interpreter is exiting. `threads`: the thread count the kernels
+    are generated for (default: this process's)."""
     package = os.path.join(directory, "package.pt2")
     # Freezing as this process has it (its options or inductor's config, which that process
     # does not share).
@@ -228,54 +209,42 @@ def load(package: str) -> Package:
         # directory on tmpfs, a second copy of the weights for the entry's life).
         loaded = torch._inductor.aoti_load_package(package)
     except Exception as error:  # noqa: BLE001  (zipfile's and the loader's failures share no base class)
-        raise Failed(_first_line(error)) from error
+        raise Failed(described(error)) from error
     _remove_extracted(blobs)
     return Package(loaded, sum(blobs.values()))
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
-
-
 def _run_compiler(saved: str, package: str, options: dict, threads: int) -> None:
-    """Runs the compiler's process on the program saved at `saved`, which writes `package`."""
-    global _failed
+    """Runs the compiler's process on the program saved at `saved`, which writes `package`.
+    Raises _background.Exiting where the interpreter is exiting."""
     command = [sys.executable, "-m", "shapecache._backends.compile_process", saved, package, json.dumps(options),
                str(threads)]
     # Its temporary files (the package its trial extracts) go with the build's directory.
     environment = {**os.environ, "TMPDIR": os.path.dirname(saved)}
-    with _lock:
-        if _stopping:
-            raise Stopped
-        # A process group of its own, not a session: the terminal's Ctrl-C is not sent to it,
-        # and it shares the scheduler's group (autogroup: one per session) with the serving
-        # process, inside which its lower priority counts; in a group of its own it would take
-        # a fair half of the CPU whatever its priority.
-        try:
-            process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.PIPE, process_group=0, env=environment)
-        except OSError as error:  # no Python to start here (an embedded interpreter): not tried again
-            _failed = f"the compiler's process could not start: {error}"
-            raise Failed(_failed) from error
-        _running.add(process)
+    # A process group of its own, not a session: the terminal's Ctrl-C is not sent to it,
+    # and it shares the scheduler's group (autogroup: one per session) with the serving
+    # process, inside which its lower priority counts; in a group of its own it would take
+    # a fair half of the CPU whatever its priority.
+    try:
+        process = _background.start_process(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.PIPE, process_group=0, env=environment)
+    except OSError as error:  # no Python to start here (an embedded interpreter): not tried again
+        PROCESS.failed = f"the compiler's process could not start: {error}"
+        raise Failed(PROCESS.failed) from error
     try:
         errors = process.stderr.read()  # until the process ends (stdin stays open: see _exit_with_parent)
         process.wait()
     finally:
-        with _lock:
-            _running.discard(process)
         process.stdin.close()
         process.stderr.close()
-    if _stopping:
-        raise Stopped
+        _background.process_ended(process)  # raises Exiting where exit stopped it
     if process.returncode == _UNSUITABLE:
-        raise Unsuitable
+        raise NotForThisGraph
     if -process.returncode in _CRASHES:
         # Its package crashed it (a toolchain that links its own copy of the C++ library),
         # which every package of this machine would. Not tried again.
-        _failed = f"the compiler's process ended by signal {-process.returncode}"
-        raise Failed(_failed)
+        PROCESS.failed = f"the compiler's process ended by signal {-process.returncode}"
+        raise Failed(PROCESS.failed)
     if process.returncode < 0:  # killed (the out-of-memory killer, an operator): this build's failure only
         raise Failed(f"the compiler's process was killed by signal {-process.returncode}")
     if process.returncode != 0:
@@ -304,17 +273,6 @@ def _remove_extracted(blobs) -> None:
             blob = path.removesuffix(".so") + "_weights.blob"
             with contextlib.suppress(OSError):
                 os.remove(blob)
-
-
-def stop_all() -> None:
-    """Stops the compilers running, with the C++ compilers they started, for good: the
-    interpreter is exiting."""
-    global _stopping
-    with _lock:
-        _stopping = True
-        for process in _running:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)  # its process group: it and what it started
 
 
 def _exit_with_parent() -> None:

@@ -14,8 +14,7 @@ from torch.utils._pytree import tree_leaves
 from shapecache import _timing
 from shapecache._backends import called_code, graph_pool, guards
 from shapecache._backends.compile import entry_point
-from shapecache._backends.entry import BuildContext, Builder, BuiltEntry, register
-from shapecache._backends.exported import first_line
+from shapecache._backends.entry import BuildContext, Builder, BuiltEntry, described, register
 from shapecache._extension import _C
 
 _warm_up_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -108,7 +107,7 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
         # A function that cannot be captured (a synchronising call, a CPU round trip): the
         # allocators were cleaned up (csrc/core/pool_generations.h); this bucket runs eager.
         warnings.warn(f"shapecache: {getattr(function, '__qualname__', function)} could not be captured as a CUDA "
-                      f"graph ({type(error).__name__}: {first_line(error)}); "
+                      f"graph ({described(error)}); "
                       "its bucket runs eager", RuntimeWarning, stacklevel=2)
         return BuiltEntry(function, 0, output, "eager")
     if not graph_pool.pool_over_budget(handle, entry_bytes, graph_pool.pool_and_workspace_bytes(device)):
@@ -134,7 +133,7 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
         except Exception as error:  # noqa: BLE001  (the call computed its result already: never fail it here)
             runner.release()
             warnings.warn(f"shapecache: capturing {what} again while its device's graph pool was rebuilt failed "
-                          f"({type(error).__name__}: {first_line(error)}); its bucket runs eager",
+                          f"({described(error)}); its bucket runs eager",
                           RuntimeWarning, stacklevel=2)
             return BuiltEntry(function, 0, output, "eager")
         entry_bytes = rebuilt

@@ -1,11 +1,17 @@
 """The on-disk caches of compiled graphs, as seen from this process: whether a build was read
 from inductor's FX graph cache ("warm"), compiled and written to it ("cold"), not cacheable
 there ("not cached"), or loaded as a package from the shared directory ("shared package",
-shared_packages.py)."""
+package_store.py)."""
 
 from __future__ import annotations
 
 import sys
+
+_shared_packages_loaded = [0]  # packages this process loaded from the shared directory (under the build lock)
+
+
+def note_shared_package_loaded() -> None:
+    _shared_packages_loaded[0] += 1
 
 
 def disk_cache_counts() -> tuple[int, int, int, int]:
@@ -13,9 +19,8 @@ def disk_cache_counts() -> tuple[int, int, int, int]:
     packages loaded from the shared directory. A build that adds a hit was read from the on-disk
     cache ("warm"); a miss compiled and wrote it ("cold"). Before anything compiled,
     torch._dynamo is not loaded, and inductor's counts are zero."""
-    shared = sys.modules.get("shapecache._backends.shared_packages")
-    loaded = shared.loaded_count() if shared is not None else 0
-    if "torch._dynamo.utils" not in sys.modules:
+    loaded = _shared_packages_loaded[0]
+    if "torch._dynamo.utils" not in sys.modules:  # (imported by the first compile; not imported here for a count)
         return 0, 0, 0, loaded
     from torch._dynamo.utils import counters
 

@@ -70,6 +70,12 @@ def not_built(function, args, kwargs, reason: str, *, run_call: bool = True) -> 
     return BuiltEntry(runner=None, bytes=0, output=output, backend="uncached", failure=reason, ran_call=run_call)
 
 
+def described(error: BaseException) -> str:
+    """An error in a line: its type's name and its message's first line, as warnings name it."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
 BUILDERS: dict[str, Builder] = {}  # backend name -> its builder
 
 

@@ -21,7 +21,6 @@ The file (default ``~/.cache/shapecache/tuning.json``; ``SHAPECACHE_TUNING_DB`` 
 
 from __future__ import annotations
 
-import atexit
 import fcntl
 import json
 import os
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from shapecache import _background
 from shapecache._extension import _C
 from shapecache._holder import CacheHolder
 from shapecache.budget import parse_budget
@@ -177,7 +177,6 @@ def open_db(db) -> TuningDb | None:
     return _databases[path]
 
 
-@atexit.register
 def _flush_at_exit() -> None:
     for database in _databases.values():
         if database is None:
@@ -187,6 +186,9 @@ def _flush_at_exit() -> None:
         except OSError as error:
             warnings.warn(f"shapecache: could not write tuning records to {database.path}: {error}", RuntimeWarning,
                           stacklevel=1)
+
+
+_background.at_exit(_flush_at_exit)  # after the running build, which may tune convolutions
 
 
 class TunedConvs(CacheHolder):

@@ -10,8 +10,9 @@ Layout under the directory:
 - ``tuning.json``: SHAPECACHE_TUNING_DB, the tuned-convolution records (written by atomic
   replace, merged with what another process wrote meanwhile; see ops/_tuning.py).
 - ``packages/``: frozen graphs compiled with AOTInductor, one file per program, loaded by a
-  replica that traces the same program instead of compiled (shapecache/_backends/shared_packages.py,
-  which reads SHAPECACHE_SHARED_DIR). Each is renamed into place whole.
+  replica that traces the same program instead of compiled (the package store,
+  shapecache/_backends/package_store.py, which reads SHAPECACHE_SHARED_DIR and owns the
+  layout: ``SharedDir.packages``). Each is renamed into place whole.
 - ``sizes.<replica class>.jsonl``: one line per size a replica of that class built on request,
   ``{"size": [...], "at": unix seconds}``,
   appended with one ``write`` on a file opened ``O_APPEND``. On a local file system each line
@@ -33,9 +34,11 @@ import os
 import time
 from pathlib import Path
 
+from shapecache._backends import SHARED_DIR_VARIABLE, shared_packages_directory
+
 logger = logging.getLogger("shapecache")
 
-ENVIRONMENT_VARIABLE = "SHAPECACHE_SHARED_DIR"
+ENVIRONMENT_VARIABLE = SHARED_DIR_VARIABLE  # read by the package store, set by a deployment
 REMOTE_CACHE_VARIABLES = ("TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "TORCHINDUCTOR_REDIS_HOST", "TORCHINDUCTOR_REDIS_PORT")
 
 
@@ -47,6 +50,11 @@ class SharedDir:
             raise TypeError(f"shared_dir={path!r}: expected a directory path (str or os.PathLike)")
         self.path = Path(path).expanduser().absolute()
         self.path.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def packages(self) -> Path:
+        """Where the package store keeps the packages shared here."""
+        return shared_packages_directory(self.path)
 
     @classmethod
     def from_option(cls, path=None) -> SharedDir | None:

@@ -1,17 +1,28 @@
-"""The background builds' worker threads: one per device, process-wide, each running the
-builds queued for its device one at a time, in the order they were asked for
-(``csrc/cache/build_queue.h`` holds the queue; a ``_C.ShapeCache`` calls ``wake`` once the call
-that queued a build has returned).
+"""Background work and the process's lifecycle, owned in one place: the build workers, the
+publications they run when no build waits, the compiler processes builds start, the lock that
+makes builds one at a time, and the one fork handler and one exit handler of shapecache.
 
-A worker waits in Python with the GIL released and holds the GIL while it builds, as any
-Python thread does: the serving threads keep running between the build's own releases of the
-GIL (inductor's compiles, its C++ compiler subprocesses, torch's kernels).
+Builds: one worker thread per device, process-wide, runs the builds queued for its device one
+at a time, in the order they were asked for (``csrc/cache/build_queue.h`` holds the queue; a
+``_C.ShapeCache`` calls ``wake`` once the call that queued a build has returned). A worker waits
+in Python with the GIL released and holds the GIL while it builds, as any Python thread does:
+the serving threads keep running between the build's own releases of the GIL (inductor's
+compiles, its C++ compiler subprocesses, torch's kernels).
 
-Workers are daemon threads. At interpreter exit, builds still waiting are dropped and the one
-running is waited for, as ``concurrent.futures`` waits for its running tasks: a thread stopped
-inside torch's C++ code at exit aborts the process. After ``fork()`` the child drops what its
-parent had queued or was building (the next miss of such a bucket queues it again) and starts
-its own worker when it queues a build.
+Publications: work a build leaves for later that serves other processes, not this one (a
+package compiled for the shared directory, _backends/package_store.py). The device's worker
+runs them only when no build of its device is ready, one at a time, each named by a key that is
+queued once. ``wait`` waits for those of the functions it is given, as for their builds.
+
+Compiler processes (_backends/compile_process.py) are started through ``start_process``, so
+that exit can stop them and a forked child can let go of them.
+
+At interpreter exit (one handler): builds still waiting and publications are dropped, compiler
+processes are stopped, the running build is waited for, as ``concurrent.futures`` waits for its
+running tasks (a thread stopped inside torch's C++ code at exit aborts the process), then what
+other parts of shapecache asked for with ``at_exit`` runs. After ``fork()`` (one handler) the
+child drops what its parent had queued, was building or compiling (the next miss of such a
+bucket queues it again), and starts its own worker when it queues a build.
 """
 
 from __future__ import annotations
@@ -20,10 +31,13 @@ import atexit
 import contextlib
 import gc
 import os
+import signal
+import subprocess
 import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -37,14 +51,48 @@ BUILD_NICENESS = 10  # added to the process's niceness for the worker thread (os
 # default) per operator, seconds per UNet call. Measured in docs/background-builds.md.
 BUILD_SWITCH_INTERVAL = 0.0005
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards everything below that a thread changes
 _workers: dict[str, threading.Thread] = {}
-_leaving: dict[str, bool] = {}  # the device's worker found its queue empty and is ending
+_leaving: dict[str, bool] = {}  # the device's worker found nothing to run and is ending
 _worker_threads: set[int] = set()  # threading.get_ident() of each worker
+_publications: dict[str, list[Publication]] = {}  # device -> publications waiting, oldest first
+_publishing: dict[str, Publication] = {}  # key -> each publication waiting or running
+_processes: set[subprocess.Popen] = set()  # the compiler processes running now
+_exiting = False  # the interpreter is exiting: nothing more starts
+_at_exit_calls: list[Callable[[], None]] = []
+_build_lock = threading.RLock()
+
+MAX_PUBLICATIONS = 4  # publications waiting, process-wide (each holds a saved program on disk)
+
+
+def build_lock() -> threading.RLock:
+    """The lock that makes compiled builds one at a time: they change inductor's configuration for
+    their duration (``config.patch`` is process-wide) and give the modules inductor loads
+    meanwhile to one entry. (A function: a forked child gets a new lock.)"""
+    return _build_lock
+
+
+class Exiting(Exception):
+    """The interpreter is exiting: the work was stopped, and nothing is to be made of it."""
+
+
+class Publication:
+    """Work a build leaves for a worker to run when no build waits: `run` once, or `drop` where
+    it will not run (exit, a full queue, its key queued already). `owner` is the cached function
+    whose ``wait`` waits for it."""
+
+    key: str
+    owner: object
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def drop(self) -> None:
+        raise NotImplementedError
 
 
 def wake(device: torch.device) -> None:
-    """A build was queued for `device`: start its worker unless one is running."""
+    """A build or publication was queued for `device`: start its worker unless one is running."""
     name = str(device)
     with _lock:
         worker = _workers.get(name)
@@ -56,13 +104,30 @@ def wake(device: torch.device) -> None:
         worker.start()
 
 
+def publish_later(device: torch.device, publication: Publication) -> bool:
+    """Queues `publication` for `device`'s worker. False, and it is dropped, where its key is
+    queued or running already, MAX_PUBLICATIONS wait, or the interpreter is exiting."""
+    name = str(device)
+    with _lock:
+        waiting = sum(len(queue) for queue in _publications.values())
+        refused = _exiting or publication.key in _publishing or waiting >= MAX_PUBLICATIONS
+        if not refused:
+            _publishing[publication.key] = publication
+            _publications.setdefault(name, []).append(publication)
+    if refused:
+        publication.drop()
+        return False
+    wake(device)
+    return True
+
+
 def on_a_worker() -> bool:
     """Whether the calling thread is a background builds' worker."""
     return threading.get_ident() in _worker_threads
 
 
 def _serve(device: torch.device, name: str) -> None:
-    # A worker ends when its queue is empty: a thread that ran torch's CPU kernels keeps an
+    # A worker ends when it has nothing to run: a thread that ran torch's CPU kernels keeps an
     # OpenMP thread pool of its own for as long as it lives, and with more pool threads than
     # cores, OpenMP stops spinning between parallel regions, which slows every compiled call of
     # the serving threads after an idle moment (docs/background-builds.md).
@@ -71,11 +136,18 @@ def _serve(device: torch.device, name: str) -> None:
     lower_priority()
     try:
         while True:
+            publication = None
             with _lock:  # a build queued from here on starts another worker
                 if _C.devices_with_ready_builds().count(device) == 0:
-                    _leaving[name] = True
-                    return
+                    queue = _publications.get(name)
+                    if not queue or _exiting:
+                        _leaving[name] = True
+                        return
+                    publication = queue.pop(0)
             try:
+                if publication is not None:
+                    _run(publication)
+                    continue
                 # Outermost, the count of running builds, which wait() and a fork read: it
                 # falls to 0 only once what the build changed is restored.
                 with _short_build_changes(), _objects_before_frozen():
@@ -84,6 +156,16 @@ def _serve(device: torch.device, name: str) -> None:
                 sys.excepthook(*sys.exc_info())
     finally:
         _worker_threads.discard(ident)
+
+
+def _run(publication: Publication) -> None:
+    try:
+        publication.run()
+    except Exiting:
+        pass
+    finally:
+        with _lock:
+            _publishing.pop(publication.key, None)
 
 
 @contextlib.contextmanager
@@ -150,16 +232,18 @@ def lower_priority() -> None:
 
 
 def wait(dispatchers, timeout: float | None) -> bool:
-    """Waits until no build of `dispatchers` (``_C.ShapeDispatcher``) is waiting or running;
-    False when `timeout` seconds passed first."""
+    """Waits until no build of `dispatchers` (``_C.ShapeDispatcher``) is waiting or running,
+    nor a publication of their functions; False when `timeout` seconds passed first."""
     if on_a_worker():
         raise RuntimeError("shapecache.wait was called from a background build, which would wait for itself")
     # A build queued by a call that has not returned yet (this wait may be inside it) is ready
     # when that call returns: it is asked for now.
     for device in _C.make_all_builds_ready():
         wake(device)
+    owners = {id(d.function) for d in dispatchers}
     deadline = None if timeout is None else time.monotonic() + timeout
-    while any(d.pending_builds for d in dispatchers) or _settling():
+    while (any(d.pending_builds for d in dispatchers) or _settling()
+           or any(id(p.owner) in owners for p in list(_publishing.values()))):
         if deadline is not None and time.monotonic() >= deadline:
             return False
         # A short sleep, not a condition: a build ends on the worker, a cancellation on any
@@ -175,22 +259,63 @@ def _settling() -> bool:
     return _build_changes["builds"] > 0 and _C.pending_builds() == 0
 
 
+def start_process(command: list[str], **popen) -> subprocess.Popen:
+    """Starts a compiler process (``subprocess.Popen(command, **popen)``), which exit stops and a
+    forked child lets go of; ``process_ended`` once it has ended. Raises Exiting where the
+    interpreter is exiting, and OSError where it cannot start."""
+    with _lock:
+        if _exiting:
+            raise Exiting
+        process = subprocess.Popen(command, **popen)
+        _processes.add(process)
+    return process
+
+
+def process_ended(process: subprocess.Popen) -> None:
+    """`process` (start_process) has ended; raises Exiting where exit stopped it."""
+    with _lock:
+        _processes.discard(process)
+        if _exiting:
+            raise Exiting
+
+
+def at_exit(call: Callable[[], None]) -> None:
+    """Runs `call` at interpreter exit, after the running build has ended."""
+    _at_exit_calls.append(call)
+
+
 def _at_exit() -> None:
+    global _exiting
     _C.cancel_all_builds()
-    compile_process = sys.modules.get("shapecache._backends.compile_process")
-    if compile_process is not None:
-        compile_process.stop_all()  # a compile in a process of its own is stopped, not waited for
-    shared_packages = sys.modules.get("shapecache._backends.shared_packages")
-    if shared_packages is not None:
-        shared_packages.close()  # programs left to publish are not compiled any more
-    # The running build is waited for; the compiler's own workers may be gone by now, which
-    # fails it, and a failure at exit is nobody's to read.
+    with _lock:
+        _exiting = True
+        dropped = [p for queue in _publications.values() for p in queue]
+        _publications.clear()
+        for publication in dropped:
+            _publishing.pop(publication.key, None)
+        # A compile in a process of its own is stopped, not waited for: its process group,
+        # which holds the C++ compilers it started.
+        for process in _processes:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+    for publication in dropped:
+        publication.drop()
+    # The running build is waited for, and a running publication (its compiler stopped, it only
+    # removes its files); the compiler's own workers may be gone by now, which fails the
+    # build, and a failure at exit is nobody's to read.
     warnings.simplefilter("ignore")
-    while _C.pending_builds() and any(thread.is_alive() for thread in list(_workers.values())):
+    deadline = time.monotonic() + _PUBLICATION_EXIT_S
+    while any(thread.is_alive() for thread in list(_workers.values())) and (
+            _C.pending_builds() or (_publishing and time.monotonic() < deadline)):
         time.sleep(0.01)
+    for call in _at_exit_calls:
+        call()
     # (Not in an interactive session, where sys.last_value is the prompt's last error.)
     if _workers and isinstance(getattr(sys, "last_value", None), KeyboardInterrupt) and not hasattr(sys, "ps1"):
         _exit_as_interrupted()
+
+
+_PUBLICATION_EXIT_S = 10.0  # how long exit waits for a stopped publication to clean up
 
 
 def _exit_as_interrupted() -> None:
@@ -224,16 +349,27 @@ def forked_mid_build() -> int | None:
     return _forked_mid_build["parent"]
 
 
-def _forget_parents_builds() -> None:
-    """In a forked child: no worker of the parent's is here, and none of their builds. What a
-    build running at the fork had changed of the process is undone."""
-    global _lock
-    _lock = threading.Lock()
+def _forget_parents_work() -> None:
+    """In a forked child: no worker of the parent's is here, none of their builds or
+    publications (their files are the parent's to remove), and none of its compiler processes
+    (the child's copies of their pipes are closed: a compiler ends when its stdin closes, which a
+    child holding it open would delay). What a build running at the fork had changed of the
+    process is undone. Each lock is new: a thread of the parent may have held it."""
+    global _lock, _build_lock
+    _lock, _build_lock = threading.Lock(), threading.RLock()
     if _build_changes["builds"]:
         _forked_mid_build["parent"] = os.getppid()
     _workers.clear()
     _leaving.clear()
     _worker_threads.clear()
+    _publications.clear()
+    _publishing.clear()
+    for process in _processes:
+        for pipe in (process.stdin, process.stdout, process.stderr):
+            if pipe is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    os.close(pipe.fileno())
+    _processes.clear()
     if _build_changes["builds"] and sys.getswitchinterval() == _build_changes["set"]:
         sys.setswitchinterval(_build_changes["previous"])
     if _build_changes["froze"]:
@@ -244,4 +380,4 @@ def _forget_parents_builds() -> None:
 
 atexit.register(_at_exit)
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_parents_builds)
+    os.register_at_fork(after_in_child=_forget_parents_work)

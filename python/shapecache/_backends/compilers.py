@@ -1,0 +1,204 @@
+"""Compilers of a traced call, and the one place where a build's route is chosen.
+
+A compiler turns a trace (trace.py) into a graph that runs: ``Compiler.compile`` returns a
+``CompiledGraph``. There are two:
+
+- ``InductorCompiler`` (inductor_compiler.py): inductor's ``compile_fx``, in this process.
+- ``ProcessCompiler`` (compile_process.py): AOTInductor in a process of its own, whose package
+  this process loads; for background builds of frozen graphs, so that inductor's Python never
+  holds the serving threads' GIL.
+
+The package store (package_store.py) is a cache layer around them: looked up before any
+compiler runs, published to after.
+
+``choose_route`` decides everything about where a build's graph comes from, once per build,
+from the trace, the options, the device and whether the build is in the background: the
+options inductor gets, the compilers to try in order, and the store. Nothing else decides it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from shapecache._backends.compile_process import SavedProgram
+    from shapecache._backends.package_store import PackageStore
+    from shapecache._backends.trace import Trace
+
+
+class CompiledGraph(NamedTuple):
+    """What a compiler or the package store gives for a trace."""
+
+    run: Callable  # the call's tensors in key order -> the output's tensors
+    # The tensors the graph holds that the model does not (freezing's folded and packed
+    # weights): what the entry holds, measured whatever other threads do meanwhile.
+    constants: list
+    constant_bytes: int = 0  # bytes it holds besides `constants` (a package's constants file)
+    package: str | None = None  # the package file it was loaded from, where it is one
+
+
+class CompilerFailed(Exception):
+    """The compiler could not build this graph; the next compiler of the route builds it, with
+    a warning that says so (the message: what failed, and what it costs)."""
+
+
+class NotForThisGraph(Exception):
+    """The compiler cannot build this graph as it is meant (a package of a graph that writes the
+    tensors it reads would write its own copies); the next compiler builds it, silently."""
+
+
+class Compiler(Protocol):
+    name: str
+
+    def compile(self, traced: Trace, options: dict, saved: SavedProgram) -> CompiledGraph:
+        """`traced`'s graph compiled with inductor `options`. `saved` is the trace's program,
+        saved to disk on first use (compile_process.SavedProgram). Raises CompilerFailed or
+        NotForThisGraph; the last compiler of a route raises what fails."""
+        ...
+
+
+# torch.compile arguments a traced build understands; any other (a backend other than inductor,
+# a mode that captures CUDA graphs) goes to Dynamo (compile.py).
+_MODES = (None, "default", "max-autotune-no-cudagraphs")
+BACKGROUND_COMPILER = "SHAPECACHE_BACKGROUND_COMPILER"  # "thread": background builds compile in this process
+
+
+def handles(compile_options: dict) -> bool:
+    """Whether a build with `compile_options` (keyword arguments of torch.compile) is traced and
+    compiled here (else Dynamo builds it)."""
+    if set(compile_options) - {"options", "mode", "fullgraph"}:
+        return False
+    return compile_options.get("mode") in _MODES
+
+
+def background_compiler() -> str:
+    """Where background builds of frozen graphs compile, as ``SHAPECACHE_BACKGROUND_COMPILER``
+    says: "process" (unset, the default) or "thread"; anything else is a ValueError naming the
+    variable (checked when a cached object is made)."""
+    value = os.environ.get(BACKGROUND_COMPILER, "").strip().lower() or "process"
+    if value not in ("process", "thread"):
+        raise ValueError(f"{BACKGROUND_COMPILER}={os.environ[BACKGROUND_COMPILER]!r}: expected 'process' (a background "
+                         "build compiles in a process of its own) or 'thread' (in the serving process)")
+    return value
+
+
+def inductor_options(compile_options: dict) -> dict:
+    """Inductor's options for torch.compile's `compile_options` (its mode's, then its own)."""
+    options = dict(compile_options.get("options") or {})
+    mode = compile_options.get("mode")
+    if mode not in (None, "default"):
+        options = {**torch._inductor.list_mode_options(mode), **options}
+    return options
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a build's graph comes from (choose_route)."""
+
+    options: dict  # inductor's options for this build
+    compilers: tuple  # tried in order: a CompilerFailed or NotForThisGraph moves on to the next
+    store: PackageStore | None  # looked up first and published to after; None: not stored
+    why: str  # why the first compiler is not the process one, or why nothing is stored ("" where both apply)
+
+
+def choose_route(traced: Trace, compile_options: dict, in_background: bool, name: str) -> Route:
+    """The route of one build of `traced` (`name`: the cached function's, for a warning).
+
+    - Inductor's options are `compile_options`'; freezing is turned off, with a warning, where the
+      graph reads weights that are inference tensors (made or loaded under inference_mode):
+      they keep no version counter, so a frozen copy would miss an update in place.
+    - A graph may be a package where it is a frozen graph (freezing on, grad off) of one
+      CPU device, without autocast (export records no casts), whose options are JSON (the
+      compiler's process reads them so), in a process whose packages work.
+    - Such a graph compiles in a process of its own where the build is in the background and
+      ``SHAPECACHE_BACKGROUND_COMPILER`` is not "thread"; in this process otherwise, and
+      whenever the process compiler fails.
+    - The package store is used for such a graph where ``SHAPECACHE_SHARED_DIR`` is set.
+    """
+    from torch._inductor import config as inductor_config
+
+    from shapecache._backends import compile_process, package_store
+    from shapecache._backends.inductor_compiler import INDUCTOR
+
+    options = inductor_options(compile_options)
+    if traced.reads_inference_weights and options.get("freezing", inductor_config.freezing):
+        options["freezing"] = False
+        warnings.warn(f"shapecache: inductor's freezing is off for {name}: its weights are inference tensors (made "
+                      "or loaded under torch.inference_mode()), which keep no version counter, so an update in place "
+                      "(load_state_dict) would not be seen in a frozen copy; its graphs read the weights where they "
+                      "are. Make and load the model outside inference_mode to freeze them.", RuntimeWarning,
+                      stacklevel=4)
+    why = _not_a_package(traced, options)
+    if not why and compile_process.PROCESS.failed:
+        why = compile_process.PROCESS.failed
+    if why:
+        return Route(options, (INDUCTOR,), None, why)
+    compilers = (INDUCTOR,)
+    if not in_background:
+        why = "the build is inline"
+    elif background_compiler() == "thread":
+        why = f"{BACKGROUND_COMPILER}=thread"
+    else:
+        compilers = (compile_process.PROCESS, INDUCTOR)
+    store = package_store.PackageStore.from_environment()
+    if store is None:
+        why = why or f"{package_store.ENVIRONMENT} is not set"
+    return Route(options, compilers, store, why)
+
+
+def _not_a_package(traced: Trace, options: dict) -> str:
+    """Why `traced` with `options` cannot be a package; "" where it can."""
+    from torch._inductor import config as inductor_config
+
+    if traced.device is None or traced.device.type != "cpu":
+        return "a package is made of a graph on one CPU device"
+    if not options.get("freezing", inductor_config.freezing) or torch.is_grad_enabled():
+        return "a package is made of a frozen graph (freezing on, grad off)"
+    if torch.is_autocast_enabled("cpu"):
+        return "the exported graph records no autocast"
+    try:
+        json.dumps(options)
+    except (TypeError, ValueError):
+        return "inductor's options are not JSON, which the compiler's process reads"
+    return ""
+
+
+def compile_on(route: Route, traced: Trace, saved: SavedProgram, owner: Callable) -> CompiledGraph:
+    """`traced`'s graph by `route`: the store's package where it has one, else the first of its
+    compilers that builds it (a failure of one is warned of, and the next builds), then
+    published to the store. `owner`: the cached function whose ``wait`` waits for the
+    publication."""
+    from shapecache._backends.package_store import Bypass
+
+    key = None
+    if route.store is not None:
+        try:
+            key = route.store.key(saved, route.options)
+        except Bypass as bypass:
+            route.store.log_bypass(bypass)
+        else:
+            if (found := route.store.lookup(key)) is not None:
+                return found
+    compiled = None
+    for position, compiler in enumerate(route.compilers):
+        last = position == len(route.compilers) - 1
+        try:
+            compiled = compiler.compile(traced, route.options, saved)
+            break
+        except NotForThisGraph:
+            if last:
+                raise
+        except CompilerFailed as failure:
+            if last:
+                raise
+            warnings.warn(f"shapecache: {failure}", RuntimeWarning, stacklevel=4)
+    if key is not None:
+        route.store.publish(key, compiled, saved, route.options, owner)
+    return compiled

@@ -1,0 +1,254 @@
+"""The package store: frozen graphs on the CPU that one process compiled, loaded by every
+process that traces the same program instead of compiled again; a cache layer around the
+compilers (compilers.compile_on), as inductor's FX graph cache is around inductor.
+
+Used where ``SHAPECACHE_SHARED_DIR`` is set (ray_serve's shared directory) and the route allows
+a package (compilers.choose_route): the packages are in its ``packages/`` (``directory_in``).
+``PackageStore.key`` is made from the build's saved program; ``lookup`` loads the package of
+that key, in tens of milliseconds, with no compile (and the trace stays: the guards come from
+it). Otherwise the build compiles as it would without the directory, and ``publish`` then
+stores the package: one the process compiler made is copied in; for a graph compiled in this
+process, the saved program is handed to the build workers as a publication
+(shapecache/_background.py), which they compile in the compiler's process when no build waits.
+
+The key is what makes the package's code and constants: the saved program (its graph and its
+weights, read from the file, less what differs between two saves of one program: the call's
+example inputs, the save's serialization id, and the source paths in the nodes' stack traces),
+inductor's options and configuration, torch's version, the thread count, and the host (_host).
+A model whose weights changed makes another key; a package is never read for weights it was
+not built from. A key that cannot be made is a ``Bypass``: the build goes on unstored.
+
+A package is copied in under a temporary name and renamed into place, so readers see a whole
+file or none; one of its key that is there already is kept. One that does not load here (a
+library built against another host's C++ runtime, a noexec temporary directory) costs a
+warning, and the build compiles it, then publishes over it. A directory that cannot be read or
+written costs a warning, never a build. Each package holds a copy of the weights it reads: the
+directory grows by about the model's size per size built (docs/ray-serve.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+from shapecache import _background
+from shapecache._backends import compile_process, disk_cache
+from shapecache._backends.compilers import CompiledGraph, NotForThisGraph
+from shapecache._backends.entry import described
+
+logger = logging.getLogger("shapecache")
+
+ENVIRONMENT = "SHAPECACHE_SHARED_DIR"
+FORMAT = 1  # in every key: packages of another layout are another key
+
+_unloadable: set[str] = set()  # keys whose file in the directory did not load here: published over
+_unwritable: set[Path] = set()  # directories found not writable (warned of once)
+
+
+def directory_in(shared: Path) -> Path:
+    """Where the packages are in the shared directory `shared`."""
+    return shared / "packages"
+
+
+class Bypass(Exception):
+    """Why a build's package is neither looked up nor published (its key cannot be made)."""
+
+
+class PackageStore:
+    """The packages in one directory."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+
+    @classmethod
+    def from_environment(cls) -> PackageStore | None:
+        """The store of ``$SHAPECACHE_SHARED_DIR/packages``; None where the variable is not set."""
+        shared = os.environ.get(ENVIRONMENT)
+        return cls(directory_in(Path(shared).expanduser())) if shared else None
+
+    def key(self, saved: compile_process.SavedProgram, options: dict) -> str:
+        """The key of `saved` compiled with inductor `options`. Raises Bypass."""
+        try:
+            return key(saved.path(), options)
+        except Exception as error:  # noqa: BLE001  (a shared directory is never worth a build)
+            raise Bypass(described(error)) from error
+
+    @staticmethod
+    def log_bypass(bypass: Bypass) -> None:
+        logger.warning("shapecache: a graph is not shared (%s)", bypass)
+
+    def lookup(self, key: str) -> CompiledGraph | None:
+        """The package of `key`, loaded; None where the directory has none, or one that does not
+        load (with a warning: it is published over)."""
+        found = self.directory / f"{key}.pt2"
+        try:
+            if not found.is_file():
+                return None
+        except OSError as error:  # a directory this process may not read: a miss
+            logger.warning("shapecache: the shared packages in %s cannot be read (%s)", found.parent, error)
+            return None
+        try:
+            package = compile_process.load(str(found))
+        except compile_process.Failed as failure:
+            logger.warning("shapecache: the shared package %s does not load (%s); the graph is compiled and the package "
+                           "published again", found, failure)
+            _unloadable.add(key)
+            return None
+        disk_cache.note_shared_package_loaded()
+        return CompiledGraph(package, [], package.constant_bytes, package=str(found))
+
+    def publish(self, key: str, compiled: CompiledGraph, saved: compile_process.SavedProgram, options: dict,
+                owner) -> None:
+        """Stores `compiled`, the graph of `saved` under `key`: its package where it is one, else
+        `saved` is handed to the build workers, which compile it in the compiler's process when no
+        build waits (``sc.wait`` on `owner`, the cached function, waits for it). Dropped where
+        the directory cannot be written or the workers have enough waiting."""
+        if compiled.package is not None:
+            copy_in(key, compiled.package, self.directory)
+        elif _writable(self.directory):
+            _background.publish_later(torch.device("cpu"), _Publication(saved.hand_over(), key, options, self, owner))
+
+
+def key(saved: str, options: dict) -> str:
+    """The key of the program saved in `saved` (compile_process.save) compiled with `options`.
+    Raises OSError, zipfile.BadZipFile or ValueError where the saved program cannot be read."""
+    digest = hashlib.sha256()
+    setting = {"format": FORMAT, "torch": torch.__version__, "threads": torch.get_num_threads(),
+               "host": _host(), "options": {**options, "freezing": True}, "inductor": _inductor_config()}
+    digest.update(json.dumps(setting, sort_keys=True, default=repr).encode())
+    with zipfile.ZipFile(os.path.join(saved, compile_process.PROGRAM)) as archive:
+        # Each member under the archive's own folder, whose name is the file's.
+        members = sorted((info.filename.split("/", 1)[-1], info) for info in archive.infolist())
+        for name, info in members:
+            if name.startswith("data/sample_inputs/") or name == ".data/serialization_id":
+                continue
+            digest.update(f"{name}\0".encode())
+            if name.startswith("models/") and name.endswith(".json"):
+                digest.update(_without_sources(archive.read(info)))
+                continue
+            with archive.open(info) as member:
+                while chunk := member.read(1 << 20):
+                    digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _without_sources(graph: bytes) -> bytes:
+    """The serialized graph without its nodes' stack traces, which name the files of the model's,
+    shapecache's and torch's code by absolute path: replicas installed in other places (a Ray
+    runtime_env, another node) trace the same program."""
+    def strip(value):
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k != "stack_trace"}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        return value
+
+    return json.dumps(strip(json.loads(graph)), sort_keys=True).encode()
+
+
+def _inductor_config() -> dict:
+    """Inductor's configuration as this process set it, less what does not change the code
+    (torch's own selection for its FX graph cache key). The compiler's process is given the
+    build's options and freezing only: a package is read where the configuration is the one it
+    was published under."""
+    from torch._inductor import config as inductor_config
+
+    return inductor_config.save_config_portable()
+
+
+@functools.cache
+def _host() -> str:
+    """What a package's library depends on besides the program: the machine, the instructions the
+    kernels may use (ATen's vector capability and the CPU's feature flags, "flags" on x86 and
+    "Features" on ARM; inductor compiles for the host's CPU), the C library, and the C++
+    compiler asked for (CXX). (Inductor's own choice, cpu_vec_isa.pick_vec_isa, compiles probes:
+    a second a process.)"""
+    flags = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        flags = next((line.split(":", 1)[1] for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    # The instruction sets only: the rest of the line (hypervisor, microcode mitigations) varies
+    # between otherwise identical nodes.
+    isa = sorted(flag for flag in flags.split() if flag.startswith(_INSTRUCTION_SETS))
+    return " ".join((platform.machine(), str(torch.backends.cpu.get_cpu_capability()),
+                     hashlib.sha256(" ".join(isa).encode()).hexdigest()[:16], "-".join(platform.libc_ver()),
+                     os.environ.get("CXX", "")))
+
+
+_INSTRUCTION_SETS = ("sse", "ssse", "avx", "amx", "fma", "f16c", "bmi", "popcnt", "lzcnt", "abm", "movbe", "aes",
+                     "pclmul", "vpclmul", "vaes", "gfni", "sha", "adx", "asimd", "fp", "sve", "i8mm", "bf16",
+                     "dotprod", "atomics", "neon")
+
+
+def copy_in(key: str, package: str, target: Path) -> None:
+    """Copies the package at `package` into `target` as `key`'s, unless a package of `key` that
+    loaded is there already. A failure (a full disk, a directory that cannot be written) is
+    logged, never raised: the entry is built either way."""
+    try:
+        if key not in _unloadable and (target / f"{key}.pt2").is_file():
+            return  # another process's: replacing it could fail a reader on a network file system
+        target.mkdir(parents=True, exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(dir=target, prefix=f".{key}.", suffix=".tmp")
+        os.close(descriptor)
+        try:
+            shutil.copyfile(package, temporary)
+            os.chmod(temporary, 0o644)  # (mkstemp's file is its owner's alone) readable by every replica's user
+            os.replace(temporary, target / f"{key}.pt2")
+            _unloadable.discard(key)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(temporary)
+    except OSError as error:
+        logger.warning("shapecache: a package could not be shared through %s (%s)", target, error)
+
+
+class _Publication(_background.Publication):
+    """A saved program whose package the directory lacks, compiled in the compiler's process by a
+    build worker and copied in (unless another process published it meanwhile)."""
+
+    def __init__(self, saved: str, key: str, options: dict, store: PackageStore, owner):
+        self.saved, self.key, self.options, self.store, self.owner = saved, key, options, store, owner
+        self.threads = torch.get_num_threads()  # as the key has it
+
+    def run(self) -> None:
+        target = self.store.directory
+        try:
+            if self.key in _unloadable or not (target / f"{self.key}.pt2").is_file():
+                copy_in(self.key, compile_process.compile_saved(self.saved, self.options, self.threads), target)
+        except NotForThisGraph:
+            pass  # the graph writes what it reads: it is compiled in each process
+        except _background.Exiting:
+            raise
+        except Exception as error:  # noqa: BLE001  (Failed, a directory gone: the next program is still published)
+            logger.warning("shapecache: compiling a package to share failed (%s)", error)
+        finally:
+            self.drop()
+
+    def drop(self) -> None:
+        shutil.rmtree(self.saved, ignore_errors=True)
+
+
+def _writable(target: Path) -> bool:
+    """Whether packages can be published to `target` (made where missing): checked before the
+    compile a publication costs; a directory that cannot be written is logged once."""
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        if os.access(target, os.W_OK | os.X_OK):
+            return True
+        error = "not writable"
+    except OSError as failure:
+        error = str(failure)
+    if target not in _unwritable:
+        _unwritable.add(target)
+        logger.warning("shapecache: packages could not be shared through %s (%s)", target, error)
+    return False

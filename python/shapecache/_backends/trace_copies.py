@@ -1,0 +1,134 @@
+"""What a trace does to the user's objects, and how they are left as the plain call leaves them.
+
+Non-strict export swaps fake tensors into the modules it traces, so a trace runs on detached
+copies of the call's module trees (``DetachedTrees``): new module objects whose dicts are
+copies, sharing the live tensors and plain objects. Any thread may call the live model meanwhile.
+What the copies share with the live model (a helper's lazy cache, a list the model appends to)
+the trace may still write, and code that refers back to a live module (diffusers' hook registry)
+may leave fake tensors in it: both are put back after the trace (``put_back_shared``,
+``LiveTensors``), leaving alone what another thread wrote since.
+"""
+
+from __future__ import annotations
+
+import types
+from collections import OrderedDict
+
+import torch
+
+from shapecache._extension import _C
+from shapecache._holder import holder_on
+
+_ABSENT = object()
+
+
+class DetachedTrees:
+    """Copies of module trees for tracing: new module objects whose dicts (attributes,
+    parameters, buffers, submodules, hooks) are copies, holding the same tensors and plain
+    objects. A module shared in a tree is copied once; a cached module's copy has its own
+    forward back. Each copy notes in `ran` when its forward runs (a hook in the copy's own
+    hook dict: nothing process-wide, nothing the live model holds)."""
+
+    def __init__(self):
+        self._copies: dict[int, torch.nn.Module] = {}  # id(live module) -> its copy
+        self._live: dict[int, torch.nn.Module] = {}  # id(copy) -> the live module
+        self.ran: dict[int, torch.nn.Module] = {}  # the copies whose forward ran: id -> copy
+
+    def live(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The live module of a copy; a module that is no copy (reached through a global) itself."""
+        return self._live.get(id(module), module)
+
+    def of(self, module: torch.nn.Module) -> torch.nn.Module:
+        copy = self._copies.get(id(module))
+        if copy is not None:
+            return copy
+        copy = object.__new__(type(module))
+        self._copies[id(module)] = copy
+        self._live[id(copy)] = module
+        state = {name: (type(value)(value) if type(value) in (dict, OrderedDict) else value)
+                 for name, value in module.__dict__.items()}
+        holder = holder_on(module)
+        if holder is not None:
+            state.pop("_shapecache", None)
+            if getattr(holder, "wrapper", None) is state.get("forward"):
+                previous = getattr(holder, "previous_forward", None)
+                if previous is None:
+                    del state["forward"]
+                else:
+                    state["forward"] = previous
+        if isinstance(state.get("forward"), _C.ShapeDispatcher):  # decorated in its class body, bound here
+            del state["forward"]
+        declared = getattr(type(module), "forward", None)
+        if isinstance(declared, _C.ShapeDispatcher):  # the copy runs the decorated function itself
+            state["forward"] = types.MethodType(declared.function, copy)
+        state["_modules"] = type(state["_modules"])(
+            (name, None if child is None else self.of(child)) for name, child in state["_modules"].items())
+        object.__setattr__(copy, "__dict__", state)
+        copy.register_forward_pre_hook(self._note)
+        return copy
+
+    def _note(self, module, _args):
+        self.ran[id(module)] = module
+
+
+
+class LiveTensors:
+    """The parameters and buffers of the live module trees, to put back the fake tensors a
+    trace left in them. The copies have dicts of their own: only code that refers back to a
+    live module writes these, as diffusers' hook registry does (its forward is bound to the
+    live module, and layerwise casting's hook calls `module.to()` on it). A real tensor
+    written meanwhile is another thread's, and is kept."""
+
+    def __init__(self, roots):
+        self._dicts = [(f"{path}.{name}".rstrip("."), d, dict(d)) for path, root in roots.items()
+                       for name, module in root.named_modules(remove_duplicate=True)
+                       for d in (module._parameters, module._buffers)]
+
+    def put_back(self) -> list[str]:
+        """Puts back each item the trace replaced with a fake tensor; names them."""
+        from torch._subclasses.fake_tensor import is_fake
+
+        changed = []
+        for path, d, before in self._dicts:
+            for key in [k for k, v in d.items() if v is not before.get(k) and isinstance(v, torch.Tensor) and is_fake(v)]:
+                changed.append(f"{path}.{key}")
+                old = before.get(key, _ABSENT)
+                if old is _ABSENT:
+                    d.pop(key, None)
+                elif not (isinstance(old, torch.Tensor) and is_fake(old)):  # never a fake one back
+                    d[key] = old
+        return changed
+
+
+
+def snapshot(container):
+    """The items of a dict or list, as a plain dict or list (a defaultdict's factory is not needed)."""
+    return dict(container) if isinstance(container, dict) else list(container)
+
+
+def put_back_shared(shared: list, written: list | None) -> None:
+    """Puts back what the trace wrote into the dicts and lists the copies share with the live
+    model (a helper's lazy cache and its "last length", a list the model appends to): every
+    key the trace changed, together, so that none is left out of step with its neighbours.
+    `shared`: (container, its items before the trace); `written`: their items as the traced
+    call ended (None where it did not end: then what changed by now counts as the trace's).
+    A value changed again since the traced call ended is another thread's, and is kept; a
+    write another thread made during the trace itself cannot be told from the trace's, and is
+    undone with it. The trace's writes are reported by the guard over the Python state, and
+    the bucket then runs uncached. No container is emptied on the way: another thread may read
+    it meanwhile."""
+    for i, (container, before) in enumerate(shared):
+        after = written[i] if written is not None else snapshot(container)
+        if isinstance(container, dict):
+            for key in [*before, *(k for k in after if k not in before)]:
+                old, traced = before.get(key, _ABSENT), after.get(key, _ABSENT)
+                if old is traced or container.get(key, _ABSENT) is not traced:
+                    continue  # not the trace's change, or changed again since
+                if old is _ABSENT:
+                    container.pop(key, None)
+                else:
+                    container[key] = old
+        elif (len(after) != len(before) or any(a is not b for a, b in zip(after, before, strict=True))) and (
+                len(container) == len(after) and all(a is b for a, b in zip(container, after, strict=True))):
+            container[:] = before
+
