@@ -7,35 +7,14 @@
 #include <new>
 #include <sstream>
 
-#include "cache/build_handle.h"
 #include "cache/call_key.h"
 #include "cache/call_modes.h"
 #include "cache/call_scope.h"
-#include "cache/python_call.h"
 #include "cache/crop_plans.h"
-#include "cache/python_runner.h"
+#include "cache/python_call.h"
 
 namespace shapecache {
 namespace {
-
-// torch.OutOfMemoryError, looked up once.
-const py::object& out_of_memory_type() {
-  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> storage;
-  return storage.call_once_and_store_result([] { return py::module_::import("torch").attr("OutOfMemoryError"); }).get_stored();
-}
-
-// A failed allocation: CUDA's torch.OutOfMemoryError, Python's MemoryError, or torch's CPU
-// allocator failing, which raises a plain RuntimeError ("[enforce fail at alloc_cpu.cpp]
-// DefaultCPUAllocator: can't allocate memory", also inside the errors torch.compile wraps it
-// in). Read only when a build raised.
-bool runtime_error_says(py::error_already_set& error, const char* text) {
-  return error.matches(PyExc_RuntimeError) && std::string(py::str(error.value())).find(text) != std::string::npos;
-}
-
-bool is_out_of_memory(py::error_already_set& error) {
-  return error.matches(out_of_memory_type()) || error.matches(PyExc_MemoryError) ||
-         runtime_error_says(error, "DefaultCPUAllocator: can't allocate memory");
-}
 
 // `value` with every list, dict and tuple in it copied, and everything else shared: what a
 // queued build keeps of its call, whose key holds those containers' contents while the
@@ -78,28 +57,20 @@ class BuildMark {
 
 }  // namespace
 
-// A failed allocation, or an error that may be one: oneDNN reports a failed allocation while
-// creating a primitive (its JIT code, its scratchpad) as "could not create a primitive", the
-// text of every failed creation (dnnl.hpp wraps dnnl_primitive_create's status in it, and
-// torch keeps only the text). Under a data-segment limit a convolution of a new size raises
-// it where the next size raises the allocator's own error. A build that raises it is retried
-// once after making room, like an out-of-memory build; only a definite one is reported to the
-// user as out of memory. Also read by the hit (an entry's own out-of-memory error is the call's).
-bool may_be_out_of_memory(py::error_already_set& error) {
-  return is_out_of_memory(error) || runtime_error_says(error, "could not create a primitive");
-}
-
 MissPolicy::MissPolicy(py::object function, py::object builder, std::shared_ptr<ShapeCache> cache,
                        uint64_t function_id, FunctionCounters& counters, py::object background,
                        MissServices services, std::function<py::object()> self_object)
-    : function_(std::move(function)),
-      builder_(std::move(builder)),
-      cache_(std::move(cache)),
+    : function_(function),
+      cache_(cache),
       function_id_(function_id),
       counters_(counters),
       background_(std::move(background)),
-      services_(std::move(services)),
-      self_object_(std::move(self_object)) {}
+      services_(services),
+      run_build_(std::move(function), std::move(builder), std::move(cache), counters,
+                 std::move(services.release_device_memory)),
+      self_object_(std::move(self_object)) {
+  services_.release_device_memory = py::none();  // the build run's to call (build_run.h)
+}
 
 py::object MissPolicy::serve(Call& call, bool stale) {
   if (stale) {
@@ -186,11 +157,8 @@ py::object MissPolicy::entry_failed(Call& call, const std::string& failure) {
   ++counters_.fallbacks;
   EntryLru& lru = cache_->lru(call.device);
   if (lru.pin_count(call.key) == 0) auto failed = lru.erase(call.key);
-  give_up(call.key);
-  warn_once(Warning::kEntryFailed, "shapecache: the compiled entry for " + describe_key(call.key) + " raised (" +
-                                       failure +
-                                       ") where the uncached call did not; that bucket runs uncached from now on "
-                                       "(sc.clear lets it be built again)");
+  give_up(call.key, Warning::kEntryFailed,
+          "the compiled entry for " + describe_key(call.key) + " raised (" + failure + ") where the uncached call did not");
   return out;
 }
 
@@ -207,11 +175,8 @@ void MissPolicy::after_first_run(const Call& call) {
   entry = lru.find(call.key);
   const std::string changed = entry != nullptr ? entry->changed() : "the entry";
   if (entry != nullptr && lru.pin_count(call.key) == 0) auto stale = lru.erase(call.key);
-  ++counters_.fallbacks;
-  give_up(call.key);
-  warn_once(Warning::kBuildFailed, "shapecache: no entry could be kept for " + describe_key(call.key) +
-                                       " (the call updates what it reads: " + changed +
-                                       "); that bucket runs uncached from now on (sc.clear lets it be built again)");
+  give_up(call.key, Warning::kBuildFailed,
+          "no entry could be kept for " + describe_key(call.key) + " (the call updates what it reads: " + changed + ")");
 }
 
 py::object MissPolicy::run_unkeyable(const py::tuple& args_with_owner, const py::dict& kwargs, const std::string& what) {
@@ -307,11 +272,8 @@ void MissPolicy::run_queued(BuildJob& job) {
   // No call waits for this build: whatever it raised, its bucket runs uncached, as an inline
   // build that fails where the plain call does not (unless it was cleared meanwhile).
   if (job.generation != generation_) return;
-  ++counters_.fallbacks;
-  give_up(job.key);
-  warn_once(Warning::kBackgroundFailed, "shapecache: the background build of " + describe_key(job.key) + " failed (" +
-                                            first_line(failure) +
-                                            "); that bucket runs uncached from now on (sc.clear lets it be built again)");
+  give_up(job.key, Warning::kBackgroundFailed,
+          "the background build of " + describe_key(job.key) + " failed (" + first_line(failure) + ")");
 }
 
 py::object MissPolicy::build(const ShapeKey& key, const c10::Device& device, const py::tuple& args,
@@ -321,15 +283,11 @@ py::object MissPolicy::build(const ShapeKey& key, const c10::Device& device, con
     auto evicted = cache_->lru(device).make_room_for(last == last_build_bytes_.end() ? 0 : last->second);
   }  // what was evicted is released here, before the build allocates
   const auto start = std::chrono::steady_clock::now();
-  std::optional<BuiltEntry> maybe_built = run_builder(device, args, kwargs, tensors, run_call);
+  std::optional<BuiltEntry> maybe_built = run_build_(device, args, kwargs, tensors, run_call);
   if (!maybe_built) {
     if (run_call) return run_uncached_after_out_of_memory(device, args, kwargs);
     // In the background no call waits: the bucket is built again from its next miss.
-    if (generation != generation_) return py::none();
-    ++counters_.fallbacks;
-    warn_once(Warning::kOutOfMemory, "shapecache: building an entry on " + device.str() +
-                                         " ran out of memory twice (after evicting and emptying the allocator's "
-                                         "cache); such calls run uncached");
+    if (generation == generation_) warn_out_of_memory(device);
     return py::none();
   }
   BuiltEntry built = std::move(*maybe_built);
@@ -353,94 +311,24 @@ py::object MissPolicy::build(const ShapeKey& key, const c10::Device& device, con
   if (!built.runner) {
     // Nothing could be built for the bucket (the compiler failed where the plain call did not).
     // Inline, the output is the plain call's.
-    ++counters_.fallbacks;
-    give_up(key);
-    warn_once(Warning::kBuildFailed, "shapecache: no entry could be built for " + describe_key(key) + " (" +
-                                         first_line(built.failure) +
-                                         "); that bucket runs uncached from now on (sc.clear lets it be built again)");
+    give_up(key, Warning::kBuildFailed,
+            "no entry could be built for " + describe_key(key) + " (" + first_line(built.failure) + ")");
     return output;
   }
   insert(key, device, std::move(built), seconds);
   return output;
 }
 
-// Runs a new entry for the call's result. The call's own errors (an eager entry's run is the
-// plain call) reach the caller, out of memory included, which the build's retry then handles;
-// any error of a graph's run is the entry's: it is returned, named, and the graph is not kept
-// (the plain call answers, after the error and what its traceback holds are released).
-std::string MissPolicy::first_run(BuiltEntry& built, const py::tuple& args, const py::dict& kwargs,
-                                  const py::tuple& tensors) {
-  Call call;
-  call.entry_args = args;
-  call.entry_kwargs = kwargs;
-  for (py::handle t : tensors) call.tensors.push_back(py::reinterpret_borrow<py::object>(t));
-  const bool eager = built.backend == "eager";
-  try {
-    built.output = built.runner->run(call);
-    built.ran_call = true;
-    return "";
-  } catch (py::error_already_set& error) {
-    if (eager) throw;
-    return describe_error(error);
-  } catch (const std::exception& error) {  // a runner's own C++ error (a CUDA graph's replay)
-    if (eager) throw;
-    return first_line(error.what());
-  }
-}
-
-std::optional<BuiltEntry> MissPolicy::run_builder(const c10::Device& device, const py::tuple& args,
-                                                  const py::dict& kwargs, const py::tuple& tensors, bool run_call) {
-  py::object handle = BuildHandle::to_python(BuildHandle(cache_, device, run_call, tensors));
-  for (int attempt = 0;; ++attempt) {
-    try {
-      py::object result;
-      {
-        InsideBuild building;
-        result = builder_(args, kwargs, handle);
-      }
-      BuiltEntry built = BuiltEntry::from_python(result);
-      // An entry whose builder did not run the call (eager, a compiled graph) is run here, once
-      // the builder has returned and the entry's guard is made, so that what the run changes of
-      // what the entry reads is seen (build() checks), and so that a recursive cached function
-      // costs the interpreter's recursion limit one Python frame per level, as any decorator
-      // does, and not the builder's frame too. An entry stale when built, or none, is not run:
-      // the plain call answers.
-      if (run_call && !built.ran_call) {
-        if (built.runner && !built.started_stale) {
-          std::string failure = first_run(built, args, kwargs, tensors);
-          if (!failure.empty()) {
-            built.failure = "its first run raised " + failure;
-            built.runner = nullptr;
-            built.handle = py::none();
-          }
-        }
-        if (!built.ran_call) built.output = run_uncached(args, kwargs);
-        built.ran_call = true;
-      }
-      return built;
-    } catch (py::error_already_set& error) {
-      if (!may_be_out_of_memory(error)) throw;
-    }  // the error, and the traceback that holds the failed build's tensors, are released here
-    if (attempt == 1) return std::nullopt;
-    ++counters_.oom_retries;
-    release_device_memory(device);
-  }
-}
-
-void MissPolicy::release_device_memory(const c10::Device& device) {
-  {
-    auto evicted = cache_->evict_unpinned(device);
-  }  // the evicted entries are destroyed before the allocator's cache is emptied
-  if (services_.release_device_memory.is_none()) return;
-  services_.release_device_memory(BuildHandle::to_python(BuildHandle(cache_, device, /*run_call=*/false)));
-}
-
-py::object MissPolicy::run_uncached_after_out_of_memory(const c10::Device& device, const py::tuple& args,
-                                                        const py::dict& kwargs) {
+void MissPolicy::warn_out_of_memory(const c10::Device& device) {
   ++counters_.fallbacks;
   warn_once(Warning::kOutOfMemory, "shapecache: building an entry on " + device.str() +
                                        " ran out of memory twice (after evicting and emptying the allocator's "
                                        "cache); such calls run uncached");
+}
+
+py::object MissPolicy::run_uncached_after_out_of_memory(const c10::Device& device, const py::tuple& args,
+                                                        const py::dict& kwargs) {
+  warn_out_of_memory(device);
   try {
     return run_uncached(args, kwargs);
   } catch (py::error_already_set& error) {
@@ -488,7 +376,7 @@ void MissPolicy::insert(const ShapeKey& key, const c10::Device& device, BuiltEnt
             << " are running, and max_entries=" << lru.max_entries() << " leaves no room beside them";
   }
   if (never_fits) {
-    give_up(key);
+    remember_uncached(key);
     message << "; the bucket's calls run uncached from now on (a larger budget, or sc.clear, lets it be built "
                "again)";
   } else {
@@ -507,14 +395,19 @@ void MissPolicy::give_up_if_unstable(const ShapeKey& key, const std::string& cha
   last = changed;
   if (count < kInvalidationsBeforeUncached) return;
   invalidations_in_a_row_.erase(key);
-  give_up(key);
-  warn_once(Warning::kUnstable, "shapecache: " + changed + " before each of the last " +
-                                    std::to_string(kInvalidationsBeforeUncached) + " calls of " + describe_key(key) +
-                                    ", so its entry was rebuilt each time; that bucket runs uncached from now on "
-                                    "(sc.clear lets it be built again)");
+  give_up(key, Warning::kUnstable,
+          changed + " before each of the last " + std::to_string(kInvalidationsBeforeUncached) + " calls of " +
+              describe_key(key) + ", so its entry was rebuilt each time",
+          /*fallback=*/false);
 }
 
-void MissPolicy::give_up(const ShapeKey& key) {
+void MissPolicy::give_up(const ShapeKey& key, Warning kind, const std::string& what, bool fallback) {
+  if (fallback) ++counters_.fallbacks;
+  remember_uncached(key);
+  warn_once(kind, "shapecache: " + what + "; that bucket runs uncached from now on (sc.clear lets it be built again)");
+}
+
+void MissPolicy::remember_uncached(const ShapeKey& key) {
   if (uncached_buckets_.size() >= kMaxKeysRemembered) uncached_buckets_.clear();
   uncached_buckets_.insert(key);
 }
@@ -539,11 +432,9 @@ void MissPolicy::clear() {
 
 int MissPolicy::traverse(visitproc visit, void* arg) const {
   Py_VISIT(function_.ptr());
-  Py_VISIT(builder_.ptr());
   Py_VISIT(background_.ptr());
-  Py_VISIT(services_.release_device_memory.ptr());
   Py_VISIT(services_.wake_build_worker.ptr());
-  return 0;
+  return run_build_.traverse(visit, arg);
 }
 
 void MissPolicy::warn_once(Warning kind, const std::string& message) {

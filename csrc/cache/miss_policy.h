@@ -52,6 +52,7 @@
 #include <utility>
 
 #include "cache/build_queue.h"
+#include "cache/build_run.h"
 #include "cache/built_entry.h"
 #include "cache/call.h"
 #include "cache/function_counters.h"
@@ -60,11 +61,6 @@
 namespace shapecache {
 
 namespace py = pybind11;
-
-// Whether a Python error is, or may be, a failed allocation (out of memory; oneDNN's failed
-// primitive creation, which is how it reports one): a build that raises one is retried, and
-// an entry that raises one raised the call's own error.
-bool may_be_out_of_memory(py::error_already_set& error);
 
 // What a miss calls into Python for, each None or a callable.
 struct MissServices {
@@ -137,30 +133,29 @@ class MissPolicy : public QueuedBuildRunner {
 
   bool builds_in_background(const c10::Device& device);
   Queued queue(const Call& call, bool ready);
-  // Builds the bucket's entry and inserts it (unless cleared since `generation`). Inline
-  // (`run_call`), returns the call's output; in the background, None.
+  // Builds the bucket's entry (build_run.h) and inserts it (unless cleared since `generation`).
+  // Inline (`run_call`), returns the call's output; in the background, None.
   py::object build(const ShapeKey& key, const c10::Device& device, const py::tuple& args, const py::dict& kwargs,
                    const py::tuple& tensors, bool run_call, uint64_t generation);
-  // Runs a new entry for the call's result (`built.output`); returns why it raised, or "".
-  static std::string first_run(BuiltEntry& built, const py::tuple& args, const py::dict& kwargs,
-                               const py::tuple& tensors);
-  std::optional<BuiltEntry> run_builder(const c10::Device& device, const py::tuple& args, const py::dict& kwargs,
-                                        const py::tuple& tensors, bool run_call);
-  void release_device_memory(const c10::Device& device);
+  // A build ran out of memory twice: a fallback, with its one warning.
+  void warn_out_of_memory(const c10::Device& device);
   py::object run_uncached_after_out_of_memory(const c10::Device& device, const py::tuple& args, const py::dict& kwargs);
   void insert(const ShapeKey& key, const c10::Device& device, BuiltEntry built, double seconds);
   void give_up_if_unstable(const ShapeKey& key, const std::string& changed);
-  void give_up(const ShapeKey& key);
+  // The bucket runs uncached until clear(), with the kind's one warning: `what` happened, and
+  // that bucket runs uncached from now on. `fallback`: this call fell back (it is counted).
+  void give_up(const ShapeKey& key, Warning kind, const std::string& what, bool fallback = true);
+  void remember_uncached(const ShapeKey& key);
   py::object run_uncached(const py::tuple& args, const py::dict& kwargs);
   void warn_once(Warning kind, const std::string& message);
 
   py::object function_;
-  py::object builder_;
   std::shared_ptr<ShapeCache> cache_;
   uint64_t function_id_;
   FunctionCounters& counters_;  // the dispatcher's
   py::object background_;       // None, or device -> bool
   MissServices services_;
+  BuildRun run_build_;
   std::function<py::object()> self_object_;
   std::unordered_map<c10::Device, bool> background_by_device_;
   uint64_t generation_ = 0;  // clear() calls: a build started or queued before one is dropped

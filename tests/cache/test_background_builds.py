@@ -545,3 +545,57 @@ def test_a_build_thread_runs_below_the_process_whatever_niceness_the_process_sta
     process, thread = (int(v) for v in done.stdout.split())
     assert process >= 7
     assert thread == min(19, process + _background.BUILD_NICENESS)
+
+
+class Recorded(_background.Publication):
+    """A publication that notes when it ran (after which builds), or that it was dropped."""
+
+    def __init__(self, key, owner, log, gate=None, builds_done=lambda: None):
+        self.key, self.owner, self.log, self.gate, self.builds_done = key, owner, log, gate, builds_done
+
+    def run(self):
+        done = self.builds_done()
+        if self.gate is not None:
+            assert self.gate.wait(WAIT), "the test never opened the gate"
+        self.log.append(("ran", self.key) if done is None else ("ran", self.key, done))
+
+    def drop(self):
+        self.log.append(("dropped", self.key))
+
+
+def test_publications_run_on_the_worker_after_the_builds_waiting_and_wait_waits_for_its_owners_own():
+    function = Counted()
+    builder = GatedBuilder(function)
+    builder.gate.clear()
+    f = background(function, builder)
+    other = background(Counted(), GatedBuilder(Counted()))
+    log = []
+    gate = threading.Event()
+    f(torch.ones(1))  # a build, held at its gate
+    assert builder.started.wait(WAIT)
+    cpu = torch.device("cpu")
+    assert _background.publish_later(cpu, Recorded("a", f.function, log, gate, lambda: list(builder.sizes)))
+    assert not _background.publish_later(cpu, Recorded("a", f.function, log))  # its key is queued already
+    f(torch.ones(2))  # a second build, queued after the publication
+    builder.gate.set()
+    assert not wait(f, timeout=0.5)  # the publication is still held
+    assert wait(other, timeout=0.5)  # another function's wait does not wait for it
+    gate.set()
+    assert wait(f)
+    assert log == [("dropped", "a"), ("ran", "a", [1, 2])]  # both builds ran before the publication started
+
+
+def test_publications_beyond_the_limit_are_dropped_not_queued():
+    log = []
+    gate = threading.Event()
+    cpu = torch.device("cpu")
+    queued = [_background.publish_later(cpu, Recorded(f"k{i}", wait, log, gate))
+              for i in range(_background.MAX_PUBLICATIONS + 2)]
+    gate.set()
+    deadline = time.monotonic() + WAIT
+    while _background._publishing and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # The first starts running at once (no longer waiting); MAX_PUBLICATIONS wait behind it.
+    assert queued.count(True) in (_background.MAX_PUBLICATIONS, _background.MAX_PUBLICATIONS + 1)
+    assert sorted(key for what, key in log if what == "ran") == sorted(f"k{i}" for i, q in enumerate(queued) if q)
+    assert [key for what, key in log if what == "dropped"] == [f"k{i}" for i, q in enumerate(queued) if not q]

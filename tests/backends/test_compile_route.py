@@ -1,0 +1,134 @@
+"""Where a compiled build's graph comes from is decided in one function
+(shapecache/_backends/compilers.py: choose_route), and followed by one (compile_on): the
+package store first, then the compilers in order, a failure of one warned of and the next
+trying. Real traces of a small model; nothing here compiles but the fallback test."""
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+
+from shapecache._backends import compile_process, compilers, guards
+from shapecache._backends.inductor_compiler import INDUCTOR
+from shapecache._backends.trace import dropping_tracing_leftovers, trace_call
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return torch.nn.functional.silu(self.conv(x))
+
+
+def traced(net=None, x=None):
+    net = Net().eval() if net is None else net
+    x = torch.randn(1, 4, 8, 8) if x is None else x
+    with dropping_tracing_leftovers():
+        return trace_call(Net.forward, (net, x), {}, (x,), guards.call_roots((net, x), {}, True, ("x",)), ("x",), True)
+
+
+FROZEN = {"options": {"freezing": True}}
+
+
+@pytest.mark.parametrize(("case", "compile_options", "in_background", "compiler", "shared", "expected"), [
+    ("inline", FROZEN, False, None, False, ("inductor",)),
+    ("background", FROZEN, True, None, False, ("process", "inductor")),
+    ("background, thread asked", FROZEN, True, "thread", False, ("inductor",)),
+    ("background, not frozen", {}, True, None, False, ("inductor",)),
+    ("background, options not JSON", {"options": {"freezing": True, "post_grad_custom_post_pass": object()}}, True,
+     None, False, ("inductor",)),
+    ("inline, shared", FROZEN, False, None, True, ("inductor", "store")),
+    ("background, shared", FROZEN, True, None, True, ("process", "inductor", "store")),
+    ("inline, not frozen, shared", {}, False, None, True, ("inductor",)),
+])
+def test_each_build_gets_the_route_its_options_device_and_place_say(case, compile_options, in_background, compiler,
+                                                                     shared, expected, monkeypatch, tmp_path):
+    if compiler is None:
+        monkeypatch.delenv("SHAPECACHE_BACKGROUND_COMPILER", raising=False)
+    else:
+        monkeypatch.setenv("SHAPECACHE_BACKGROUND_COMPILER", compiler)
+    if shared:
+        monkeypatch.setenv("SHAPECACHE_SHARED_DIR", str(tmp_path))
+    else:
+        monkeypatch.delenv("SHAPECACHE_SHARED_DIR", raising=False)
+    with torch.no_grad():
+        trace = traced()
+        route = compilers.choose_route(trace, compile_options, in_background, "Net.forward")
+    got = tuple(c.name for c in route.compilers) + (("store",) if route.store is not None else ())
+    assert got == expected, case
+    assert bool(route.why) == (got != ("process", "inductor", "store")), route.why  # why, wherever a route is cut short
+    if route.store is not None:
+        assert route.store.directory == tmp_path / "packages"
+
+
+def test_with_grad_or_autocast_on_a_frozen_graph_is_no_package():
+    trace = traced()
+    with torch.enable_grad():
+        assert [c.name for c in compilers.choose_route(trace, FROZEN, True, "f").compilers] == ["inductor"]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        route = compilers.choose_route(trace, FROZEN, True, "f")
+    assert [c.name for c in route.compilers] == ["inductor"] and "autocast" in route.why
+
+
+def test_inference_tensor_weights_turn_freezing_off_with_a_warning_and_no_package():
+    with torch.inference_mode():
+        net, x = Net().eval(), torch.randn(1, 4, 8, 8)
+        trace = traced(net, x)
+        assert trace.reads_inference_weights
+        with pytest.warns(RuntimeWarning, match="freezing is off for Net.forward"):
+            route = compilers.choose_route(trace, FROZEN, True, "Net.forward")
+    assert route.options["freezing"] is False
+    assert [c.name for c in route.compilers] == ["inductor"]
+
+
+def test_a_route_whose_compiler_gave_up_in_this_process_compiles_here(monkeypatch):
+    monkeypatch.setattr(compile_process.PROCESS, "failed", "the compiler's process ended by signal 11")
+    with torch.no_grad():
+        route = compilers.choose_route(traced(), FROZEN, True, "f")
+    assert [c.name for c in route.compilers] == ["inductor"] and "signal 11" in route.why
+
+
+class Failing:
+    """A compiler that fails every graph, as the process compiler does when its process dies."""
+
+    name = "failing"
+
+    def __init__(self, error):
+        self.error, self.calls = error, 0
+
+    def compile(self, traced, options, saved):
+        self.calls += 1
+        raise self.error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("error", [compilers.CompilerFailed("the compiler's process was killed by signal 9"),
+                                   compilers.NotForThisGraph()])
+def test_a_compiler_that_fails_hands_the_graph_to_the_next_and_says_so_only_for_a_failure(error):
+    net, x = Net().eval(), torch.randn(1, 4, 8, 8)
+    failing = Failing(error)
+    with torch.no_grad():
+        trace = traced(net, x)
+        route = compilers.Route({}, (failing, INDUCTOR), None, "")
+        saved = compile_process.SavedProgram(trace.program)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = compilers.compile_on(route, trace, saved, owner=Net.forward)
+        saved.remove()
+        torch.testing.assert_close(compiled.run(x)[0], net(x))
+    assert failing.calls == 1
+    said = [str(w.message) for w in caught if "signal 9" in str(w.message)]
+    assert len(said) == (1 if isinstance(error, compilers.CompilerFailed) else 0)
+
+
+def test_the_last_compilers_failure_reaches_the_build():
+    failing = Failing(compilers.CompilerFailed("no compiler at all"))
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        trace = traced()
+        saved = compile_process.SavedProgram(trace.program)
+        stack.callback(saved.remove)
+        with pytest.raises(compilers.CompilerFailed, match="no compiler at all"):
+            compilers.compile_on(compilers.Route({}, (failing,), None, ""), trace, saved, owner=Net.forward)
