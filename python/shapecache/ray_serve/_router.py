@@ -5,18 +5,23 @@ without a size goes by Ray's default policy, power of two choices.
 Ray Serve makes one router per deployment handle (and one per proxy), so each keeps its own
 recent choices; two routers can place one new size on two replicas before either replica
 publishes, after which both hold it and both are its homes.
+
+Built on Ray's public router surface (``ray.serve.request_router``: RequestRouter and the
+locality and multiplex mixins, which Ray's own default router is made of; alpha in Ray 2.60,
+and the ``ray`` extra pins the versions tested). Two fields it reads or writes are documented
+fields of the public PendingRequest whose types Ray does not mark public: the request's
+``routing_context.should_backoff`` (set, as Ray's own mixins and routers set it, so that a home
+that is full is retried with backoff, not in a busy loop; there is no public setter) and its
+``metadata.multiplexed_model_id`` (read only for the default policy's multiplex branch).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 
-# Ray's default router, whose choose_replicas serves requests without a size. Its module is
-# private: Ray names it as its default (DEFAULT_REQUEST_ROUTER_PATH), and the `ray` extra pins
-# the versions this subclass was tested with.
-from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
-from ray.serve.request_router import RequestRouter
+from ray.serve.request_router import LocalityMixin, MultiplexMixin, RequestRouter
 
 from shapecache.ray_serve._placement import SPILL_AFTER_S, Placement, ReplicaState
 from shapecache.ray_serve._request_size import PIPELINE_SIZE_KEYS, check_size_keys, request_size
@@ -24,7 +29,7 @@ from shapecache.ray_serve._request_size import PIPELINE_SIZE_KEYS, check_size_ke
 logger = logging.getLogger("shapecache")
 
 
-class SizeAffinityRouter(PowerOfTwoChoicesRequestRouter):
+class SizeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """Routes each request to a replica that holds its size. Options, given as
     ``request_router_kwargs``: ``size_keys`` (the keyword arguments that make a request's
     size; default ``("height", "width")``), ``max_pending_builds`` (a replica with this many
@@ -36,10 +41,9 @@ class SizeAffinityRouter(PowerOfTwoChoicesRequestRouter):
         super().__init__(*args, **kwargs)
         self.initialize_state()  # Ray calls it again with the deployment's request_router_kwargs
 
-    # A replica found for a request goes to that request. Ray's default router gives it to the
-    # oldest request waiting (FIFOMixin), which here would be a request of another size, whose
-    # home may be another replica.
-    _fulfill_next_pending_request = RequestRouter._fulfill_next_pending_request
+    # No FIFOMixin: a replica found for a request goes to that request (RequestRouter's own
+    # matching). Ray's default router gives it to the oldest request waiting, which here would
+    # be a request of another size, whose home may be another replica.
 
     def initialize_state(self, size_keys=PIPELINE_SIZE_KEYS, max_pending_builds: int = 2,
                          stats_max_age_s: float = 60.0, spill_after_s: float = SPILL_AFTER_S, **kwargs) -> None:
@@ -60,10 +64,25 @@ class SizeAffinityRouter(PowerOfTwoChoicesRequestRouter):
             return None
         return request_size(pending_request.kwargs, self._size_keys)
 
-    def _state_of(self, replica) -> ReplicaState:
-        queue_len = self._replica_queue_len_cache.get(replica.replica_id)
-        full = queue_len is not None and queue_len >= replica.max_ongoing_requests
-        return ReplicaState.from_routing_stats(replica.replica_id.unique_id, replica.routing_stats, full=full)
+    def _states_of(self, replicas) -> list[ReplicaState]:
+        # Full: its last known queue is at max_ongoing_requests (what select_available_replicas
+        # leaves out; an unknown queue counts as room).
+        available = {replica.replica_id for replica in self.select_available_replicas(replicas)}
+        return [ReplicaState.from_routing_stats(r.replica_id.unique_id, r.routing_stats,
+                                                full=r.replica_id not in available) for r in replicas]
+
+    def _power_of_two_choices(self, pending_request):
+        """Ray's default policy (its PowerOfTwoChoicesRequestRouter.choose_replicas): two replicas
+        at random among those its multiplex or locality rules prefer; Ray then takes the one with
+        the shorter queue."""
+        model = getattr(getattr(pending_request, "metadata", None), "multiplexed_model_id", "")
+        if model:
+            candidates = self.apply_multiplex_routing(pending_request=pending_request)
+        else:
+            candidates = self.apply_locality_routing(pending_request=pending_request)
+        replicas = self.curr_replicas
+        chosen = [replicas[i] for i in random.sample(tuple(candidates), k=min(2, len(candidates))) if i in replicas]
+        return [chosen] if chosen else []
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         size = self._size_of(pending_request)
@@ -71,13 +90,13 @@ class SizeAffinityRouter(PowerOfTwoChoicesRequestRouter):
         if size is not None:
             try:
                 now = time.time()
-                ranks = self._placement.rank(size, [self._state_of(r) for r in candidate_replicas], now,
+                ranks = self._placement.rank(size, self._states_of(candidate_replicas), now,
                                              waited_s=now - pending_request.created_at)
             except Exception:  # noqa: BLE001 - a request is never lost to the policy: Ray's default routes it
                 logger.exception("shapecache: size-affinity routing failed; routing by Ray's default policy")
                 ranks = None
         if ranks is None:
-            return await super().choose_replicas(candidate_replicas, pending_request)
+            return self._power_of_two_choices(pending_request)
         # Sent to the first choice until it answers or its replica publishes: a burst of new
         # sizes routed before any is accepted spreads instead of landing on one replica.
         self._placement.routed(size, ranks[0][0], time.time())
@@ -100,4 +119,4 @@ class SizeAffinityRouter(PowerOfTwoChoicesRequestRouter):
         self._forget_gone_replicas()
 
     def _forget_gone_replicas(self) -> None:
-        self._placement.keep_only(replica_id.unique_id for replica_id in self._replicas)
+        self._placement.keep_only(replica_id.unique_id for replica_id in self.curr_replicas)
