@@ -154,7 +154,6 @@ std::string MissPolicy::failure_of_entry(bool eager) {
 
 py::object MissPolicy::entry_failed(Call& call, const std::string& failure) {
   py::object out = run_uncached(call.entry_args, call.entry_kwargs);
-  ++counters_.fallbacks;
   EntryLru& lru = cache_->lru(call.device);
   if (lru.pin_count(call.key) == 0) auto failed = lru.erase(call.key);
   give_up(call.key, Warning::kEntryFailed,

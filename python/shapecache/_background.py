@@ -61,6 +61,7 @@ _processes: set[subprocess.Popen] = set()  # the compiler processes running now
 _exiting = False  # the interpreter is exiting: nothing more starts
 _at_exit_calls: list[Callable[[], None]] = []
 _build_lock = threading.RLock()
+_process_lock = threading.Lock()  # guards _processes (a process starts under it: exit sees every one)
 
 MAX_PUBLICATIONS = 4  # publications waiting, process-wide (each holds a saved program on disk)
 
@@ -117,7 +118,15 @@ def publish_later(device: torch.device, publication: Publication) -> bool:
     if refused:
         publication.drop()
         return False
-    wake(device)
+    try:
+        wake(device)
+    except BaseException:  # no thread can start: nothing would ever run it
+        with _lock:
+            _publishing.pop(publication.key, None)
+            if publication in _publications.get(name, []):
+                _publications[name].remove(publication)
+        publication.drop()
+        raise
     return True
 
 
@@ -263,7 +272,7 @@ def start_process(command: list[str], **popen) -> subprocess.Popen:
     """Starts a compiler process (``subprocess.Popen(command, **popen)``), which exit stops and a
     forked child lets go of; ``process_ended`` once it has ended. Raises Exiting where the
     interpreter is exiting, and OSError where it cannot start."""
-    with _lock:
+    with _process_lock:
         if _exiting:
             raise Exiting
         process = subprocess.Popen(command, **popen)
@@ -273,7 +282,7 @@ def start_process(command: list[str], **popen) -> subprocess.Popen:
 
 def process_ended(process: subprocess.Popen) -> None:
     """`process` (start_process) has ended; raises Exiting where exit stopped it."""
-    with _lock:
+    with _process_lock:
         _processes.discard(process)
         if _exiting:
             raise Exiting
@@ -287,7 +296,7 @@ def at_exit(call: Callable[[], None]) -> None:
 def _at_exit() -> None:
     global _exiting
     _C.cancel_all_builds()
-    with _lock:
+    with _lock, _process_lock:
         _exiting = True
         dropped = [p for queue in _publications.values() for p in queue]
         _publications.clear()
@@ -303,13 +312,17 @@ def _at_exit() -> None:
     # The running build is waited for, and a running publication (its compiler stopped, it only
     # removes its files); the compiler's own workers may be gone by now, which fails the
     # build, and a failure at exit is nobody's to read.
-    warnings.simplefilter("ignore")
-    deadline = time.monotonic() + _PUBLICATION_EXIT_S
-    while any(thread.is_alive() for thread in list(_workers.values())) and (
-            _C.pending_builds() or (_publishing and time.monotonic() < deadline)):
-        time.sleep(0.01)
-    for call in _at_exit_calls:
-        call()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        deadline = time.monotonic() + _PUBLICATION_EXIT_S
+        while any(thread.is_alive() for thread in list(_workers.values())) and (
+                _C.pending_builds() or (_publishing and time.monotonic() < deadline)):
+            time.sleep(0.01)
+    for call in _at_exit_calls:  # each runs, whatever the one before raised
+        try:
+            call()
+        except Exception:  # noqa: BLE001
+            sys.excepthook(*sys.exc_info())
     # (Not in an interactive session, where sys.last_value is the prompt's last error.)
     if _workers and isinstance(getattr(sys, "last_value", None), KeyboardInterrupt) and not hasattr(sys, "ps1"):
         _exit_as_interrupted()
@@ -355,8 +368,8 @@ def _forget_parents_work() -> None:
     (the child's copies of their pipes are closed: a compiler ends when its stdin closes, which a
     child holding it open would delay). What a build running at the fork had changed of the
     process is undone. Each lock is new: a thread of the parent may have held it."""
-    global _lock, _build_lock
-    _lock, _build_lock = threading.Lock(), threading.RLock()
+    global _lock, _build_lock, _process_lock
+    _lock, _build_lock, _process_lock = threading.Lock(), threading.RLock(), threading.Lock()
     if _build_changes["builds"]:
         _forked_mid_build["parent"] = os.getppid()
     _workers.clear()

@@ -352,7 +352,8 @@ def stats(obj) -> CacheStats:
 
 def wait(obj, timeout: float | None = None) -> bool:
     """Waits until the background builds of a cached function, module or wrapped pipeline
-    have ended (built, failed or dropped). Returns False if `timeout` seconds passed first."""
+    have ended (built, failed or dropped), and the packages its builds publish to the shared
+    directory are published. Returns False if `timeout` seconds passed first."""
     if timeout is not None:
         _checks.non_negative_number("timeout", timeout, "seconds, or None to wait as long as it takes")
     return _background.wait(holder_of(obj, "wait").dispatchers(), timeout)

@@ -9,7 +9,8 @@ import warnings
 import pytest
 import torch
 
-from shapecache._backends import compile_process, compilers, guards
+from shapecache import _background
+from shapecache._backends import compile_process, compilers, guards, package_store
 from shapecache._backends.inductor_compiler import INDUCTOR
 from shapecache._backends.trace import dropping_tracing_leftovers, trace_call
 
@@ -107,12 +108,13 @@ class Failing:
 @pytest.mark.slow
 @pytest.mark.parametrize("error", [compilers.CompilerFailed("the compiler's process was killed by signal 9"),
                                    compilers.NotForThisGraph()])
-def test_a_compiler_that_fails_hands_the_graph_to_the_next_and_says_so_only_for_a_failure(error):
+def test_a_compiler_that_fails_hands_the_graph_to_the_next_and_says_so_only_for_a_failure(error, tmp_path):
+    # Nor is the graph published: a package of it would be refused, or fail, again.
     net, x = Net().eval(), torch.randn(1, 4, 8, 8)
     failing = Failing(error)
     with torch.no_grad():
         trace = traced(net, x)
-        route = compilers.Route({}, (failing, INDUCTOR), None, "")
+        route = compilers.Route({}, (failing, INDUCTOR), package_store.PackageStore(tmp_path / "packages"), "")
         saved = compile_process.SavedProgram(trace.program)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -120,6 +122,7 @@ def test_a_compiler_that_fails_hands_the_graph_to_the_next_and_says_so_only_for_
         saved.remove()
         torch.testing.assert_close(compiled.run(x)[0], net(x))
     assert failing.calls == 1
+    assert not _background._publishing and not (tmp_path / "packages").exists()
     said = [str(w.message) for w in caught if "signal 9" in str(w.message)]
     assert len(said) == (1 if isinstance(error, compilers.CompilerFailed) else 0)
 

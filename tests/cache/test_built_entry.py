@@ -111,3 +111,22 @@ def test_an_inline_build_that_built_nothing_answers_with_the_plain_call():
     with pytest.warns(RuntimeWarning, match="no compiler here"):
         assert torch.equal(f(torch.ones(2)), torch.full((2,), 2.0))
     assert f.stats()["entries"] == []
+
+
+def test_an_entry_that_raises_on_a_hit_is_one_fallback_and_its_bucket_runs_uncached():
+    runs = []
+
+    def graph(*tensors):
+        runs.append(len(runs))
+        if len(runs) > 1:  # its first run (the build's) answers; the hit raises
+            raise RuntimeError("a kernel that fails on its second run")
+        return [tensors[0] * 2]
+
+    f = dispatcher(lambda args, kwargs, handle: BuiltEntry(None, 0, graph=graph, backend="compile", ran_call=False))
+    assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+    with pytest.warns(RuntimeWarning, match=r"raised \(RuntimeError: a kernel that fails on its second run\) where the "
+                                            r"uncached call did not; that bucket runs uncached from now on"):
+        assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))  # the plain call answers
+    assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+    stats = f.stats()
+    assert (stats["fallbacks"], stats["uncached_calls"], stats["entries"], len(runs)) == (1, 1, [], 2)

@@ -100,10 +100,6 @@ class Recorded:
         self.globals: dict = {}
         self._seen: set = set()
         self._before: list = []  # (path, dict, key, the value it held)
-        # A module first imported while recording writes its own globals as it runs: its import's
-        # writes, not the call's (torch imports what its first trace needs lazily, and a
-        # generated module of its own among them). Its reads are guarded, not put back.
-        self._modules_before = set(sys.modules)
 
     def saw(self, code, module_globals: dict) -> None:
         self._seen.add(code)
@@ -111,7 +107,11 @@ class Recorded:
             return
         self.globals[code] = module_globals
         module_name = module_globals.get("__name__")
-        if module_name not in self._modules_before:
+        if _initializing(module_name):
+            # Code of a module being imported (torch imports what its first trace needs lazily,
+            # a generated module of its own among them) writes the module's globals as it runs:
+            # the import's writes, not the call's. Its reads are guarded, not put back; code of
+            # the module that starts once its import is done is recorded as any.
             return
         for name, attributes in global_reads(code).items():
             value = module_globals.get(name, _ABSENT)
@@ -267,6 +267,12 @@ def _warn_not_recording(why: str) -> None:
                   stacklevel=4)
 
 
+def _initializing(module_name: str) -> bool:
+    """Whether the module `module_name` is being imported now (importlib marks its spec so
+    while its body runs)."""
+    return bool(getattr(getattr(sys.modules.get(module_name), "__spec__", None), "_initializing", False))
+
+
 def _is_library(module_globals: dict) -> bool:
     name = module_globals.get("__name__")
     return isinstance(name, str) and name.partition(".")[0] in LIBRARIES
@@ -274,7 +280,15 @@ def _is_library(module_globals: dict) -> bool:
 
 def _is_users_module(module_globals: dict) -> bool:
     """Whether these globals are an imported module's (not code generated at run time, such as
-    a namedtuple's methods or an FX graph's forward) and not a library's."""
+    a namedtuple's methods or an FX graph's forward) and not a library's: neither named in one
+    nor made by one's own loader (torch makes its remote-module template a top-level module,
+    ``_remote_module_non_scriptable``, from a string, when torch.distributed is first used)."""
     name = module_globals.get("__name__")
     module = sys.modules.get(name) if isinstance(name, str) else None
-    return getattr(module, "__dict__", None) is module_globals and name.partition(".")[0] not in LIBRARIES
+    if getattr(module, "__dict__", None) is not module_globals or name.partition(".")[0] in LIBRARIES:
+        return False
+    loader = getattr(getattr(module, "__spec__", None), "loader", None)
+    return type(loader).__module__.partition(".")[0] not in _LOADING_LIBRARIES
+
+
+_LOADING_LIBRARIES = LIBRARIES - frozenset(sys.stdlib_module_names)  # importlib's own loaders load the user's files

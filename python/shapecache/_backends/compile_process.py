@@ -117,12 +117,21 @@ class SavedProgram:
     def __init__(self, program):
         self._program = program
         self._directory: str | None = None
+        self._failed: Failed | None = None
 
     def path(self) -> str:
-        """The directory it is saved in (saved now where it is not yet). Raises Failed."""
+        """The directory it is saved in (saved now where it is not yet). Raises Failed, again for
+        a program that could not be saved (it is not tried twice)."""
+        if self._failed is not None:
+            raise self._failed
         if self._directory is None:
-            self._directory = save(self._program)
-            self._program = None
+            try:
+                self._directory = save(self._program)
+            except Failed as failure:
+                self._failed = failure
+                raise
+            finally:
+                self._program = None
         return self._directory
 
     def hand_over(self) -> str:
@@ -235,9 +244,11 @@ def _run_compiler(saved: str, package: str, options: dict, threads: int) -> None
         errors = process.stderr.read()  # until the process ends (stdin stays open: see _exit_with_parent)
         process.wait()
     finally:
-        process.stdin.close()
-        process.stderr.close()
-        _background.process_ended(process)  # raises Exiting where exit stopped it
+        try:
+            process.stdin.close()
+            process.stderr.close()
+        finally:
+            _background.process_ended(process)  # raises Exiting where exit stopped it
     if process.returncode == _UNSUITABLE:
         raise NotForThisGraph
     if -process.returncode in _CRASHES:

@@ -172,9 +172,10 @@ def _not_a_package(traced: Trace, options: dict) -> str:
 
 def compile_on(route: Route, traced: Trace, saved: SavedProgram, owner: Callable) -> CompiledGraph:
     """`traced`'s graph by `route`: the store's package where it has one, else the first of its
-    compilers that builds it (a failure of one is warned of, and the next builds), then
-    published to the store. `owner`: the cached function whose ``wait`` waits for the
-    publication."""
+    compilers that builds it (a failure of one is warned of, and the next builds). Published to
+    the store only where the route's first compiler built it: where that one refused the graph
+    or failed, a package of it would be refused or fail again. `owner`: the cached function
+    whose ``wait`` waits for the publication."""
     from shapecache._backends.package_store import Bypass
 
     key = None
@@ -191,6 +192,8 @@ def compile_on(route: Route, traced: Trace, saved: SavedProgram, owner: Callable
         last = position == len(route.compilers) - 1
         try:
             compiled = compiler.compile(traced, route.options, saved)
+            if position > 0:
+                key = None
             break
         except NotForThisGraph:
             if last:

@@ -45,11 +45,12 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
         saved = SavedProgram(traced.program)
         try:
             compiled = compilers.compile_on(route, traced, saved, owner=function)
+            result = CompiledCall(compiled.run, traced.rebuild, traced.guard, traced.built_from, compiled.constants,
+                                  compiled.constant_bytes)
         finally:
             saved.remove()
-        # What the trace left (its copies of the model, the exported program: cycles) is
-        # collected as the block ends, with the trace let go of.
-        result = CompiledCall(compiled.run, traced.rebuild, traced.guard, traced.built_from, compiled.constants,
-                              compiled.constant_bytes)
-        del traced, compiled, saved
+            # What the trace left (its copies of the model, the exported program: cycles) is
+            # collected as the block ends, on every way out: the trace is let go of first (a
+            # compiler's error keeps this frame in its traceback).
+            traced = saved = compiled = None
     return result

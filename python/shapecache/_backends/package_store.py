@@ -223,6 +223,8 @@ class _Publication(_background.Publication):
     def run(self) -> None:
         target = self.store.directory
         try:
+            if compile_process.PROCESS.failed:  # packages crash this machine's processes: none is made
+                return
             if self.key in _unloadable or not (target / f"{self.key}.pt2").is_file():
                 copy_in(self.key, compile_process.compile_saved(self.saved, self.options, self.threads), target)
         except NotForThisGraph:
