@@ -144,13 +144,15 @@ def unet_rows(device, args) -> list:
         sc.uncached(holder)
         rows.append(("torch.compile (guards hit)", median_us(torch.compile(holder, dynamic=False), x, args.calls, device)))
     # What a hit adds when the call ran every module of the UNet: the guard over its whole tree.
-    from shapecache._backends import record_guard
+    from shapecache._backends import guard_record
+    from shapecache._extension import _C
 
-    guard = record_guard({"unet": holder.unet})
-    check = guard.check
+    record = guard_record({"unet": holder.unet})
+    kinds = [kind for kind, _ in record.describe()]
+    check = _C.StateGuard(record).check
     median, _ = median_us(lambda _: check(), x, args.calls, device)
-    notes.append(f"a guard over the whole UNet ({guard.dict_count} dicts, {guard.tensor_count} tensors), as a hit of a "
-                 f"call that ran every module checks it: {median:.2f} us per check")
+    notes.append(f"a guard over the whole UNet ({kinds.count('dict') + kinds.count('class_dict')} dicts, {kinds.count('tensor')} tensors), as a hit "
+                 f"of a call that ran every module checks it: {median:.2f} us per check")
     return rows
 
 

@@ -220,20 +220,24 @@ void bind_cache(py::module_& m) {
   py::class_<CompiledGraphRunner, EntryRunner, std::shared_ptr<CompiledGraphRunner>>(m, "CompiledGraphRunner");
 
   StateGuard::probe_dict_watchers();
+  py::class_<GuardRecord, std::shared_ptr<GuardRecord>>(
+      m, "GuardRecord", "What a guard will check, item by item (csrc/cache/state_guard.h).")
+      .def(py::init<>())
+      .def("dict", &GuardRecord::dict, py::arg("dict"), py::arg("path"), py::arg("keys") = py::none())
+      .def("tensor", &GuardRecord::tensor, py::arg("tensor"), py::arg("path"), py::arg("version") = py::none())
+      .def("cell", &GuardRecord::cell, py::arg("cell"), py::arg("path"))
+      .def("list", &GuardRecord::list, py::arg("list"), py::arg("path"))
+      .def("type", &GuardRecord::type, py::arg("object"), py::arg("path"))
+      .def("class_dict", &GuardRecord::class_dict, py::arg("cls"), py::arg("path"))
+      .def("snapshot", &GuardRecord::snapshot, py::arg("object"), py::arg("path"), py::arg("snapshot_of"))
+      .def("describe", &GuardRecord::describe)
+      .def("__len__", &GuardRecord::size);
   py::class_<StateGuard, std::shared_ptr<StateGuard>>(m, "StateGuard",
                                                       "What an entry was built from (csrc/cache/state_guard.h).")
       .def(py::init<>())
-      .def(py::init<const py::list&>(), py::arg("record"))
-      .def("add_dict", &StateGuard::add_dict, py::arg("dict"), py::arg("path"), py::arg("keys") = py::none())
-      .def("add_tensor", &StateGuard::add_tensor, py::arg("tensor"), py::arg("path"), py::arg("check_version") = true)
-      .def("add_cell", &StateGuard::add_cell, py::arg("cell"), py::arg("path"))
-      .def("add_list", &StateGuard::add_list, py::arg("list"), py::arg("path"))
-      .def("add_type", &StateGuard::add_type, py::arg("object"), py::arg("path"))
-      .def("add_class", &StateGuard::add_class, py::arg("cls"), py::arg("path"))
+      .def(py::init<const GuardRecord&>(), py::arg("record"))
       .def("check", &StateGuard::check)
-      .def_property_readonly("changed", &StateGuard::changed)
-      .def_property_readonly("dict_count", &StateGuard::dict_count)
-      .def_property_readonly("tensor_count", &StateGuard::tensor_count);
+      .def_property_readonly("changed", &StateGuard::changed);
 
   py::class_<ShapeDispatcher>(m, "ShapeDispatcher", py::dynamic_attr(), py::custom_type_setup(&dispatcher_type_setup))
       .def(py::init(&make_dispatcher), py::arg("function"), py::arg("builder"), py::arg("cache"), py::arg("buckets"),

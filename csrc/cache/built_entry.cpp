@@ -21,8 +21,8 @@ py::object field(const py::handle& returned, const char* name) {
 std::shared_ptr<StateGuard> guard_of(const py::object& guard) {
   if (guard.is_none()) return nullptr;
   if (py::isinstance<StateGuard>(guard)) return guard.cast<std::shared_ptr<StateGuard>>();
-  if (PyList_Check(guard.ptr())) return std::make_shared<StateGuard>(py::reinterpret_borrow<py::list>(guard));
-  throw py::type_error(std::string("shapecache: BuiltEntry.guard must be a record (a list), a StateGuard or None, got ") +
+  if (py::isinstance<GuardRecord>(guard)) return std::make_shared<StateGuard>(guard.cast<const GuardRecord&>());
+  throw py::type_error(std::string("shapecache: BuiltEntry.guard must be a GuardRecord, a StateGuard or None, got ") +
                        Py_TYPE(guard.ptr())->tp_name);
 }
 

@@ -115,46 +115,87 @@ void StateGuard::probe_dict_watchers() {
 #endif
 }
 
-StateGuard::StateGuard(const py::list& record) {
-  for (py::handle item : record) {
-    if (!PyTuple_Check(item.ptr()) || PyTuple_GET_SIZE(item.ptr()) != 4) {
-      throw py::value_error("StateGuard(record): each item is (kind, object, path, option), got " +
-                            std::string(py::repr(item)));
-    }
-    const py::tuple entry = py::reinterpret_borrow<py::tuple>(item);
-    const std::string kind = entry[0].cast<std::string>();
-    const py::object object = entry[1];
-    std::string path = entry[2].cast<std::string>();
-    const py::object option = entry[3];
-    // A dict or list is guarded as the object itself, never converted: a copy would never change.
-    if ((kind == "dict" && !PyDict_Check(object.ptr())) || (kind == "list" && !PyList_Check(object.ptr()))) {
-      throw py::type_error("StateGuard(record): " + path + " is a " + Py_TYPE(object.ptr())->tp_name + ", not a " +
-                           kind);
-    }
-    if (kind == "dict") {
-      add_dict(py::reinterpret_borrow<py::dict>(object), std::move(path), option);
-    } else if (kind == "tensor") {
-      if (PyLong_Check(option.ptr()) && !PyBool_Check(option.ptr())) {
-        add_tensor(object, std::move(path), true);
+namespace {
+
+// `object` is of the kind a record item names, or a TypeError naming its path.
+void check_kind(bool is_kind, const py::object& object, const std::string& path, const char* kind) {
+  if (!is_kind) {
+    throw py::type_error("GuardRecord: " + path + " is a " + Py_TYPE(object.ptr())->tp_name + ", not a " + kind);
+  }
+}
+
+}  // namespace
+
+// A dict or list is guarded as the object itself, never converted: a copy would never change.
+void GuardRecord::dict(const py::object& dict, std::string path, py::object keys) {
+  check_kind(PyDict_Check(dict.ptr()), dict, path, "dict");
+  items_.push_back({Kind::kDict, dict, std::move(path), std::move(keys)});
+}
+
+void GuardRecord::tensor(const py::object& tensor, std::string path, std::optional<int64_t> version) {
+  check_kind(THPVariable_Check(tensor.ptr()), tensor, path, "tensor");
+  items_.push_back({Kind::kTensor, tensor, std::move(path), py::none(), version});
+}
+
+void GuardRecord::cell(const py::object& cell, std::string path) {
+  check_kind(PyCell_Check(cell.ptr()), cell, path, "closure cell");
+  items_.push_back({Kind::kCell, cell, std::move(path)});
+}
+
+void GuardRecord::list(const py::object& list, std::string path) {
+  check_kind(PyList_Check(list.ptr()), list, path, "list");
+  items_.push_back({Kind::kList, list, std::move(path)});
+}
+
+void GuardRecord::type(const py::object& object, std::string path) {
+  items_.push_back({Kind::kType, object, std::move(path)});
+}
+
+void GuardRecord::class_dict(const py::object& cls, std::string path) {
+  check_kind(PyType_Check(cls.ptr()), cls, path, "class");
+  items_.push_back({Kind::kClassDict, cls, std::move(path)});
+}
+
+void GuardRecord::snapshot(const py::object& object, std::string path, py::object snapshot_of) {
+  check_kind(PyCallable_Check(snapshot_of.ptr()), snapshot_of, path + "'s snapshot function", "callable");
+  items_.push_back({Kind::kSnapshot, object, std::move(path), std::move(snapshot_of)});
+}
+
+std::vector<std::pair<std::string, std::string>> GuardRecord::describe() const {
+  static const char* const kNames[] = {"dict", "tensor", "cell", "list", "type", "class_dict", "snapshot"};
+  std::vector<std::pair<std::string, std::string>> out;
+  out.reserve(items_.size());
+  for (const Item& item : items_) out.emplace_back(kNames[static_cast<int>(item.kind)], item.path);
+  return out;
+}
+
+StateGuard::StateGuard(const GuardRecord& record) {
+  for (const GuardRecord::Item& item : record.items_) {
+    std::string path = item.path;
+    switch (item.kind) {
+      case GuardRecord::Kind::kDict:
+        add_dict(py::reinterpret_borrow<py::dict>(item.object), std::move(path), item.option);
+        break;
+      case GuardRecord::Kind::kTensor:
+        add_tensor(item.object, std::move(path), true);
         // The version the record read: an update in place since then makes the guard stale.
-        GuardedTensor& added = tensors_.back();
-        if (added.version >= 0) added.version = option.cast<int64_t>();
-      } else {
-        add_tensor(object, std::move(path), option.is_none() || option.cast<bool>());
-      }
-    } else if (kind == "cell") {
-      add_cell(object, std::move(path));
-    } else if (kind == "list") {
-      add_list(py::reinterpret_borrow<py::list>(object), std::move(path));
-    } else if (kind == "type") {
-      add_type(object, std::move(path));
-    } else if (kind == "snapshot") {
-      add_snapshot(object, option, std::move(path));
-    } else if (kind == "class") {
-      add_class(object.cast<py::type>(), std::move(path));
-    } else {
-      throw py::value_error("StateGuard(record): kind=" + kind +
-                            " is not one of 'dict', 'tensor', 'cell', 'list', 'type', 'class', 'snapshot'");
+        if (item.version && tensors_.back().version >= 0) tensors_.back().version = *item.version;
+        break;
+      case GuardRecord::Kind::kCell:
+        add_cell(item.object, std::move(path));
+        break;
+      case GuardRecord::Kind::kList:
+        add_list(py::reinterpret_borrow<py::list>(item.object), std::move(path));
+        break;
+      case GuardRecord::Kind::kType:
+        add_type(item.object, std::move(path));
+        break;
+      case GuardRecord::Kind::kClassDict:
+        add_class(py::reinterpret_borrow<py::type>(item.object), std::move(path));
+        break;
+      case GuardRecord::Kind::kSnapshot:
+        add_snapshot(item.object, item.option, std::move(path));
+        break;
     }
   }
 }

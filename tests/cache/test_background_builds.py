@@ -377,8 +377,8 @@ def test_an_entry_whose_first_run_updates_what_it_reads_is_given_up_not_rebuilt_
     steps = torch.zeros(1)
 
     def builder(args, kwargs, handle):
-        guard = _C.StateGuard()
-        guard.add_tensor(steps, "steps")
+        guard = _C.GuardRecord()
+        guard.tensor(steps, "steps", steps._version)
 
         def runner(x):
             steps.add_(1)  # as BatchNorm in training updates its statistics

@@ -96,7 +96,7 @@ def test_a_tensor_updated_in_place_after_the_record_read_it_makes_the_guard_stal
 @pytest.mark.parametrize("returned,error,message", [
     (BuiltEntry(lambda x: x, 0, graph=lambda *t: t), ValueError, "a runner or a graph, not both"),
     (BuiltEntry(None, 0), ValueError, "with no runner needs a failure"),
-    (BuiltEntry(lambda x: x, 0, guard={"not": "a record"}), TypeError, "guard must be a record .* got dict"),
+    (BuiltEntry(lambda x: x, 0, guard={"not": "a record"}), TypeError, "guard must be a GuardRecord, a StateGuard or None, got dict"),
     (("a", "tuple"), TypeError, "must return a shapecache BuiltEntry, got tuple"),
 ])
 def test_a_result_that_is_no_entry_is_refused_naming_what_is_wrong(returned, error, message):

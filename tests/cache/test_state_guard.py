@@ -17,9 +17,9 @@ class Settings:
 
 
 def dict_guard(d: dict, keys=None) -> _C.StateGuard:
-    guard = _C.StateGuard()
-    guard.add_dict(d, "d", keys)
-    return guard
+    record = _C.GuardRecord()
+    record.dict(d, "d", keys)
+    return _C.StateGuard(record)
 
 
 @pytest.mark.parametrize("change,named", [
@@ -74,8 +74,9 @@ def test_only_the_keys_given_are_guarded_and_an_absent_key_must_stay_absent():
 ])
 def test_a_changed_tensor_is_seen_and_named(change, named):
     weight = torch.nn.Parameter(torch.ones(3))
-    guard = _C.StateGuard()
-    guard.add_tensor(weight, "w")
+    record = _C.GuardRecord()
+    record.tensor(weight, "w", weight._version)
+    guard = _C.StateGuard(record)
     assert guard.check()
     with torch.no_grad():
         change(weight)
@@ -83,21 +84,23 @@ def test_a_changed_tensor_is_seen_and_named(change, named):
     assert guard.changed.startswith("w ") and named in guard.changed
 
 
-def test_a_tensor_without_version_checks_ignores_in_place_updates_only():
+def test_a_tensors_version_is_the_one_recorded_not_the_one_when_the_guard_is_made():
+    # A record is made into its guard when the cache reads the built entry: an update in place
+    # between the two is a change.
     t = torch.ones(3)
-    guard = _C.StateGuard()
-    guard.add_tensor(t, "t", check_version=False)
+    record = _C.GuardRecord()
+    record.tensor(t, "t", t._version)
     t.add_(1)
-    assert guard.check()
-    t.data = torch.zeros(3)
-    assert not guard.check()
+    guard = _C.StateGuard(record)
+    assert not guard.check() and guard.changed == "t was updated in place"
 
 
 def test_an_inference_tensor_is_guarded_without_its_version():
     with torch.inference_mode():
         t = torch.ones(3)
-    guard = _C.StateGuard()
-    guard.add_tensor(t, "t")
+    record = _C.GuardRecord()
+    record.tensor(t, "t")  # no version to record
+    guard = _C.StateGuard(record)
     assert guard.check()
 
 
@@ -118,8 +121,9 @@ def test_a_closure_cell_is_guarded_by_what_it_holds():
     def f(x):
         return x * scale
 
-    guard = _C.StateGuard()
-    guard.add_cell(f.__closure__[0], "f.<scale>")
+    record = _C.GuardRecord()
+    record.cell(f.__closure__[0], "f.<scale>")
+    guard = _C.StateGuard(record)
     scale = 2.0  # noqa: F841  (the same value again)
     assert guard.check()
     scale = 3.0  # noqa: F841
@@ -241,31 +245,39 @@ def test_a_function_is_guarded_by_the_globals_it_names_and_the_trees_they_hold()
 MODEL = None
 
 
-def test_a_record_is_one_call_and_a_bad_kind_is_named():
+def test_a_record_is_typed_item_by_item_and_an_object_of_another_kind_is_named():
     d = {"scale": 2.0}
     t = torch.ones(2)
-    guard = _C.StateGuard([("dict", d, "d", None), ("tensor", t, "t", True), ("type", t, "t", None)])
-    assert guard.check() and guard.dict_count == 1 and guard.tensor_count == 1
+    record = _C.GuardRecord()
+    record.dict(d, "d")
+    record.tensor(t, "t", t._version)
+    record.type(t, "t")
+    assert record.describe() == [("dict", "d"), ("tensor", "t"), ("type", "t")] and len(record) == 3
+    guard = _C.StateGuard(record)
+    assert guard.check()
     t.add_(1)
     assert not guard.check() and guard.changed == "t was updated in place"
-    with pytest.raises(ValueError, match="kind=module is not one of 'dict', 'tensor'"):
-        _C.StateGuard([("module", d, "d", None)])
-    with pytest.raises(ValueError, match=r"each item is \(kind, object, path, option\)"):
-        _C.StateGuard([("dict", d)])
-    with pytest.raises(ValueError, match=r"each item is \(kind, object, path, option\)"):
-        _C.StateGuard([["dict", d, "d", None]])
     # never a copy, which would never change: a mapping that is not a dict, a sequence that is not a list
     import types
 
-    with pytest.raises(TypeError, match="d is a mappingproxy, not a dict"):
-        _C.StateGuard([("dict", types.MappingProxyType(d), "d", None)])
-    with pytest.raises(TypeError, match="scales is a tuple, not a list"):
-        _C.StateGuard([("list", (1.0, 2.0), "scales", None)])
+    with pytest.raises(TypeError, match="GuardRecord: d is a mappingproxy, not a dict"):
+        record.dict(types.MappingProxyType(d), "d")
+    with pytest.raises(TypeError, match="GuardRecord: scales is a tuple, not a list"):
+        record.list((1.0, 2.0), "scales")
+    with pytest.raises(TypeError, match="GuardRecord: w is a list, not a tensor"):
+        record.tensor([1.0], "w")
+    with pytest.raises(TypeError, match="GuardRecord: f.<x> is a int, not a closure cell"):
+        record.cell(3, "f.<x>")
+    with pytest.raises(TypeError, match="GuardRecord: Settings is a Settings, not a class"):
+        record.class_dict(Settings(), "Settings")
+    assert len(record) == 3  # a refused item is not recorded
 
 
 def test_a_snapshot_is_compared_on_every_check_and_a_failing_one_counts_as_a_change():
     active = {0, 1}
-    guard = _C.StateGuard([("snapshot", active, "block.active", frozenset)])
+    record = _C.GuardRecord()
+    record.snapshot(active, "block.active", frozenset)
+    guard = _C.StateGuard(record)
     active.discard(1)
     active.add(1)  # the same items again
     assert guard.check()
@@ -275,10 +287,15 @@ def test_a_snapshot_is_compared_on_every_check_and_a_failing_one_counts_as_a_cha
     def broken(_):
         raise RuntimeError("no snapshot")
 
+    def snapshot_guard(path, snapshot_of):
+        record = _C.GuardRecord()
+        record.snapshot(active, path, snapshot_of)
+        return _C.StateGuard(record)
+
     calls = []
-    guard = _C.StateGuard([("snapshot", active, "x", lambda v: calls.append(v) or len(calls))])
+    guard = snapshot_guard("x", lambda v: calls.append(v) or len(calls))
     assert not guard.check() and guard.changed == "x changed"  # 1 when recorded, 2 now
-    guard = _C.StateGuard([("snapshot", active, "y", lambda v: broken(v) if calls.append(v) or len(calls) > 3 else 0)])
+    guard = snapshot_guard("y", lambda v: broken(v) if calls.append(v) or len(calls) > 3 else 0)
     assert not guard.check() and guard.changed == "y changed"  # the snapshot raised: a change, no error
 
 
@@ -286,8 +303,8 @@ def test_every_modules_own_set_costs_no_snapshot_but_a_set_of_its_own_does():
     layer = torch.nn.Linear(2, 2)
     recorded = guards.Guarded()
     recorded.module(layer, "layer")
-    assert [item for item in recorded.record if item[0] == "snapshot"] == []  # _non_persistent_buffers_set
+    assert [item for item in recorded.record.describe() if item[0] == "snapshot"] == []  # _non_persistent_buffers_set
     layer.active = {1}
     recorded = guards.Guarded()
     recorded.module(layer, "layer")
-    assert [(kind, path) for kind, _, path, _ in recorded.record if kind == "snapshot"] == [("snapshot", "layer.active")]
+    assert [item for item in recorded.record.describe() if item[0] == "snapshot"] == [("snapshot", "layer.active")]

@@ -39,8 +39,10 @@ def test_caching_and_guarding_leave_no_process_wide_hooks():
         from shapecache._backends import guards
         net = sc.cached(torch.nn.Linear(2, 2), backend="eager")
         net(torch.ones(1, 2))
-        guard = guards.guard({"net": net})
-        print(guard.check(), guard.dict_count > 0, guard.tensor_count)
+        from shapecache._extension import _C
+        record = guards.record({"net": net})
+        kinds = [kind for kind, _ in record.describe()]
+        print(_C.StateGuard(record).check(), kinds.count("dict") > 0, kinds.count("tensor"))
         print(len(module._global_parameter_registration_hooks), len(module._global_module_registration_hooks),
               len(module._global_forward_pre_hooks))
     """)

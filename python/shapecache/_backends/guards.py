@@ -69,8 +69,7 @@ class Guarded:
     """Collects what an entry depends on, once per object."""
 
     def __init__(self, python_only: bool = False, collect: list | None = None, hooks_state: bool = True):
-        # (kind, object, path, option) per item, made into a _C.StateGuard in one call
-        self.record: list[tuple] = []
+        self.record = _C.GuardRecord()  # made into a _C.StateGuard in one call
         self._collect = collect  # receives every dict and list guarded, when given
         self._seen: set[int] = set()
         # Python state alone: no tensors, and not the dicts that hold parameters and buffers
@@ -106,7 +105,7 @@ class Guarded:
         if not self._python_only and self._first(tensor):
             # The version read now: the guard may be made later (when the cache reads the
             # built entry), and an update in place meanwhile must count as a change.
-            self.record.append(("tensor", tensor, path, _version_of(tensor)))
+            self.record.tensor(tensor, path, _version_of(tensor))
 
     def function(self, function, path: str, roots: dict) -> None:
         """The globals `function`'s code names and its closure cells; modules found there are
@@ -154,7 +153,7 @@ class Guarded:
         if not reads:
             return
         module_name = module_globals.get("__name__", "?")
-        self.record.append(("dict", module_globals, f"{module_name} (globals)", sorted(reads)))
+        self.record.dict(module_globals, f"{module_name} (globals)", sorted(reads))
         for name, attributes in reads.items():
             value, path = module_globals[name], f"{module_name}.{name}"
             if None in attributes and (isinstance(value, (torch.nn.Module, torch.Tensor, dict, list, set))
@@ -164,7 +163,7 @@ class Guarded:
             state = getattr(value, "__dict__", None)
             if loaded and isinstance(state, dict) and not isinstance(value, (type, torch.nn.Module)) and not (
                     isinstance(value, types.ModuleType) and value.__name__.partition(".")[0] in called_code.LIBRARIES):
-                self.record.append(("dict", state, path, [a for a in loaded if a in state]))
+                self.record.dict(state, path, [a for a in loaded if a in state])
                 for attribute in loaded:
                     item = state.get(attribute)
                     if isinstance(item, (torch.nn.Module, torch.Tensor, dict, list, set)) or _is_numpy_array(item):
@@ -180,7 +179,7 @@ class Guarded:
                      "_global_forward_hooks_always_called"):
             hooks = getattr(_module_globals, name, None)
             if isinstance(hooks, dict):
-                self.record.append(("dict", hooks, f"torch.nn.modules.module.{name}", None))
+                self.record.dict(hooks, f"torch.nn.modules.module.{name}")
 
     def _argument(self, value, path: str, roots: dict) -> None:
         """A value a function holds or reads: a module is added to `roots` (its tree is
@@ -207,17 +206,17 @@ class Guarded:
                     self._value(item, f"{path}[{key!r}]", depth)
         elif isinstance(value, (list, tuple)):
             if type(value) is list and len(value) <= _LIST_ITEMS and self._first(value):
-                self.record.append(("list", value, path, None))
+                self.record.list(value, path)
                 if self._collect is not None:
                     self._collect.append(value)
             for i, item in enumerate(value[:_LIST_ITEMS]):
                 self._value(item, f"{path}[{i}]", depth)
         elif type(value) is set:
             if len(value) <= _LIST_ITEMS and self._first(value):
-                self.record.append(("snapshot", value, path, frozenset))
+                self.record.snapshot(value, path, frozenset)
         elif _is_numpy_array(value):
             if value.size <= _ARRAY_ELEMENTS and self._first(value):
-                self.record.append(("snapshot", value, path, _array_snapshot))
+                self.record.snapshot(value, path, _array_snapshot)
         elif isinstance(value, (types.FunctionType, functools.partial, types.MethodType)):
             if depth > 0 and self._first(value):
                 self._code_state(value, path, depth - 1)
@@ -249,7 +248,7 @@ class Guarded:
     def _cells(self, function, path: str, depth: int) -> None:
         """A function's closure cells, and what each holds."""
         for name, cell in zip(function.__code__.co_freevars, function.__closure__ or (), strict=True):
-            self.record.append(("cell", cell, f"{path}.<{name}>", None))
+            self.record.cell(cell, f"{path}.<{name}>")
             try:
                 self._value(cell.cell_contents, f"{path}.<{name}>", depth)
             except ValueError:  # an empty cell
@@ -258,15 +257,15 @@ class Guarded:
     def _classes(self, obj, path: str) -> None:
         """Which class `obj` is, and the attributes of its classes up to torch's and Python's
         own (a method patched on a class is a change of every instance)."""
-        self.record.append(("type", obj, path, None))
+        self.record.type(obj, path)
         for cls in type(obj).__mro__:
             if cls in (torch.nn.Module, object):
                 break
             if self._first(cls):
-                self.record.append(("class", cls, f"class {cls.__module__}.{cls.__qualname__}", None))
+                self.record.class_dict(cls, f"class {cls.__module__}.{cls.__qualname__}")
 
     def _add_dict(self, d: dict, path: str) -> None:
-        self.record.append(("dict", d, path, None))
+        self.record.dict(d, path)
         if self._collect is not None:
             self._collect.append(d)
 
@@ -286,13 +285,13 @@ def _defined_in_a_library(function) -> bool:
     return str(getattr(function, "__module__", None) or "").partition(".")[0] in called_code.LIBRARIES
 
 
-def _version_of(tensor: torch.Tensor) -> int | bool:
-    """The tensor's version counter now; True (checked from when the guard is made) for a
-    tensor that keeps none (an inference tensor)."""
+def _version_of(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter now; None for a tensor that keeps none (an inference
+    tensor, guarded by identity)."""
     try:
         return tensor._version
     except RuntimeError:
-        return True
+        return None
 
 
 def _is_numpy_array(value) -> bool:
@@ -322,7 +321,7 @@ def guard(roots: dict, functions: Iterable[Callable] = (), **options) -> _C.Stat
 
 def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensors: Iterable = (),
            python_only: bool = False, collect: list | None = None, called=None,
-           hooks_state: bool = True) -> list[tuple]:
+           hooks_state: bool = True) -> _C.GuardRecord:
     """What a guard over the module trees of `roots` (path -> module) and of the modules the
     globals and closures of `functions` hold checks: a record, made into a ``_C.StateGuard``
     in one call (by ``guard``, or by the cache from a builder's ``BuiltEntry.guard``).
