@@ -19,6 +19,7 @@
 #include "cache/cache_figures.h"
 #include "cache/call_key.h"
 #include "cache/call_modes.h"
+#include "cache/call_scope.h"
 #include "cache/compiled_graph_runner.h"
 #include "cache/entry_runner.h"
 #include "cache/shape_cache.h"
@@ -232,6 +233,15 @@ void bind_cache(py::module_& m) {
       .def("snapshot", &GuardRecord::snapshot, py::arg("object"), py::arg("path"), py::arg("snapshot_of"))
       .def("describe", &GuardRecord::describe)
       .def("__len__", &GuardRecord::size);
+  py::class_<EntriesServed>(m, "EntriesServed",
+                            "The entries the cached calls on this thread serve inside a with block "
+                            "(csrc/cache/call_scope.h).")
+      .def(py::init<>())
+      .def("__enter__", [](EntriesServed& self) -> EntriesServed& { self.open(); return self; },
+           py::return_value_policy::reference_internal)
+      .def("__exit__", [](EntriesServed& self, const py::args&) { self.close(); })
+      .def_readonly("used", &EntriesServed::used)
+      .def_readonly("built", &EntriesServed::built);
   py::class_<StateGuard, std::shared_ptr<StateGuard>>(m, "StateGuard",
                                                       "What an entry was built from (csrc/cache/state_guard.h).")
       .def(py::init<>())

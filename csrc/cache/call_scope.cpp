@@ -3,6 +3,7 @@
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Device.h>
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -25,6 +26,7 @@ struct CachedCallsOnThisThread {
 thread_local CachedCallsOnThisThread cached_calls;
 thread_local bool inside_build = false;
 thread_local bool background_build = false;
+thread_local EntriesServed* entries_served = nullptr;
 
 void make_deferred_builds_ready() {
   if (cached_calls.deferred.empty()) return;  // almost always: nothing per call
@@ -64,6 +66,30 @@ InsideBuild::~InsideBuild() { inside_build = outer_; }
 InBackgroundBuild::InBackgroundBuild() { background_build = true; }
 InBackgroundBuild::~InBackgroundBuild() { background_build = false; }
 bool in_background_build() { return background_build; }
+
+void EntriesServed::open() {
+  if (open_) throw py::value_error("shapecache: this EntriesServed is open already");
+  used.clear();
+  built.clear();
+  outer_ = entries_served;
+  open_ = true;
+  entries_served = this;
+}
+
+void EntriesServed::close() {
+  if (!open_) return;
+  if (entries_served != this) throw py::value_error("shapecache: an EntriesServed is closed on another thread, or "
+                                                    "before one opened inside it");
+  entries_served = outer_;
+  open_ = false;
+}
+
+void note_entry_served(uint64_t id, bool built) {
+  for (EntriesServed* record = entries_served; record != nullptr; record = record->outer_) {
+    std::vector<uint64_t>& ids = built ? record->built : record->used;
+    if (std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);  // a request uses few entries
+  }
+}
 
 bool transparent_here() { return inside_build || c10::impl::TorchDispatchModeTLS::any_modes_set(); }
 

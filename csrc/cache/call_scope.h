@@ -9,6 +9,7 @@
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "core/shape_key.h"
 
@@ -57,6 +58,27 @@ class InBackgroundBuild {
   InBackgroundBuild& operator=(const InBackgroundBuild&) = delete;
 };
 bool in_background_build();
+
+// While one is open on a thread, the entries its cached calls served there: hits (`used`) and
+// entries built inline by a call (`built`), by entry id, each once per record. What a server
+// reads to know which entries a request used, instead of comparing every entry's figures
+// before and after it. Records open inside one another (a request served inside a warm-up)
+// each see what was served while they were open; each is closed on the thread that opened it.
+class EntriesServed {
+ public:
+  void open();
+  void close();
+  std::vector<uint64_t> used;
+  std::vector<uint64_t> built;
+
+ private:
+  friend void note_entry_served(uint64_t id, bool built);
+  EntriesServed* outer_ = nullptr;
+  bool open_ = false;
+};
+// Notes entry `id` served (built: it was built inline for the call) in the record open on this
+// thread, if any: one thread-local read otherwise.
+void note_entry_served(uint64_t id, bool built);
 
 // Whether a call here is part of a trace: inside a build, or under a dispatch mode (the fake
 // and functional modes of torch.export and AOT autograd, a proxy mode, a debug mode), where

@@ -344,6 +344,7 @@ void MissPolicy::insert(const ShapeKey& key, const c10::Device& device, BuiltEnt
   ++counters_.builds;
   Entry entry;
   entry.id = ShapeCache::next_entry_id();
+  const uint64_t id = entry.id;
   entry.runner = std::move(built.runner);
   entry.handle = std::move(built.handle);
   entry.guard = std::move(built.guard);
@@ -361,6 +362,7 @@ void MissPolicy::insert(const ShapeKey& key, const c10::Device& device, BuiltEnt
   EntryLru& lru = cache_->lru(device);
   const bool present = lru.contains(key);
   auto result = lru.insert(key, std::move(entry), bytes);
+  if (result.inserted && !in_background_build()) note_entry_served(id, /*built=*/true);  // the call's
   if (result.inserted || present) return;  // `result` (evicted, returned entries) is destroyed on return
   ++counters_.fallbacks;
   std::ostringstream message;

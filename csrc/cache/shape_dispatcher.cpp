@@ -106,6 +106,7 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
   ++counters_.hits;
   ++entry->hits;
   entry->last_use = unix_seconds();
+  note_entry_served(entry->id, /*built=*/false);
   miss_.note_hit(call.key);
   const bool eager = entry->backend == "eager";
   const bool first_run_unchecked = !entry->checked_after_first_run;

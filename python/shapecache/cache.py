@@ -359,6 +359,12 @@ def wait(obj, timeout: float | None = None) -> bool:
     return _background.wait(holder_of(obj, "wait").dispatchers(), timeout)
 
 
+def entries_served() -> _C.EntriesServed:
+    """A context manager that notes, by entry id, the entries the cached calls on this thread
+    serve inside its block: ``used`` (hits) and ``built`` (built inline by a call)."""
+    return _C.EntriesServed()
+
+
 def clear(obj) -> None:
     """Drops every entry of a cached function, module or wrapped pipeline (entries that are
     running stay)."""

@@ -2,6 +2,7 @@
 
 import functools
 import gc
+import threading
 import weakref
 
 import pytest
@@ -362,3 +363,24 @@ def test_meta_tensors_with_the_default_budget_are_cached():
     out = f(torch.ones(3, device="meta"))
     assert out.device.type == "meta" and out.shape == (3,)
     assert sc.stats(f)["devices"]["meta"]["budget"] is None  # no memory to bound
+
+
+def test_the_entries_served_on_a_thread_are_noted_without_a_scan_and_only_there():
+    from shapecache.cache import entries_served
+
+    f = sc.cached(lambda x: x * 2, backend="eager")
+    f(torch.ones(1))  # built before the record: used, not built, inside it
+    with entries_served() as outer:
+        f(torch.ones(1))
+        with entries_served() as inner:
+            f(torch.ones(2))  # built inline inside both
+            f(torch.ones(2))
+        other = threading.Thread(target=f, args=(torch.ones(3),))  # another thread's call is not this one's
+        other.start()
+        other.join()
+    ids = {e["bucket"]: e["id"] for e in sc.stats(f)["entries"]}
+    one, two = ids["x=(1,) float32 cpu"], ids["x=(2,) float32 cpu"]
+    assert (inner.used, inner.built) == ([two], [two])
+    assert (sorted(outer.used), outer.built) == (sorted([one, two]), [two])
+    f(torch.ones(1))
+    assert len(outer.used) == 2  # nothing noted once closed

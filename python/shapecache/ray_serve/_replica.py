@@ -23,6 +23,7 @@ from typing import ClassVar
 
 import shapecache as sc
 from shapecache import _checks
+from shapecache.cache import entries_served
 from shapecache.ray_serve._placement import routing_stats
 from shapecache.ray_serve._request_size import PIPELINE_SIZE_KEYS, check_size, check_size_keys, request_size
 from shapecache.ray_serve._shared_dir import SharedDir
@@ -147,23 +148,20 @@ class CachedReplica:
         a list that is true afterwards when the call built an entry."""
         with self._lock:  # first: the size is held from the moment its call starts
             self._serving[size] += 1
-        before = self._entry_hits()
         built: list = []
+        served = entries_served()  # what the calls on this thread serve: no scan of every entry
         try:
-            yield built
+            with served:
+                yield built
         finally:
-            after = self._entry_hits()
-            used = frozenset(i for i, hits in after.items() if before.get(i) != hits)
-            built.extend(i for i in used if i not in before)
+            built.extend(served.built)
+            used = frozenset(served.used) | frozenset(served.built)
             with self._lock:
                 self._serving[size] -= 1
                 if not self._serving[size]:
                     del self._serving[size]
                 if used:
                     self._entries_of[size] = used
-
-    def _entry_hits(self) -> dict[int, int]:
-        return {entry["id"]: entry["hits"] for entry in sc.stats(self.cached)["entries"]}
 
     def _prewarm(self, sizes: list[tuple]) -> None:
         """Builds `sizes`, largest first (a pool sized by the first build fits the rest)."""
