@@ -151,7 +151,7 @@ def unet_rows(device, args) -> list:
     kinds = [kind for kind, _ in record.describe()]
     check = _C.StateGuard(record).check
     median, _ = median_us(lambda _: check(), x, args.calls, device)
-    notes.append(f"a guard over the whole UNet ({kinds.count('dict') + kinds.count('class_dict')} dicts, {kinds.count('tensor')} tensors), as a hit "
+    notes.append(f"a guard over the whole UNet ({kinds.count('dicts') + kinds.count('class_dicts')} dicts, {kinds.count('tensors')} tensors), as a hit "
                  f"of a call that ran every module checks it: {median:.2f} us per check")
     return rows
 

@@ -221,18 +221,6 @@ void bind_cache(py::module_& m) {
   py::class_<CompiledGraphRunner, EntryRunner, std::shared_ptr<CompiledGraphRunner>>(m, "CompiledGraphRunner");
 
   StateGuard::probe_dict_watchers();
-  py::class_<GuardRecord, std::shared_ptr<GuardRecord>>(
-      m, "GuardRecord", "What a guard will check, item by item (csrc/cache/state_guard.h).")
-      .def(py::init<>())
-      .def("dict", &GuardRecord::dict, py::arg("dict"), py::arg("path"), py::arg("keys") = py::none())
-      .def("tensor", &GuardRecord::tensor, py::arg("tensor"), py::arg("path"), py::arg("version") = py::none())
-      .def("cell", &GuardRecord::cell, py::arg("cell"), py::arg("path"))
-      .def("list", &GuardRecord::list, py::arg("list"), py::arg("path"))
-      .def("type", &GuardRecord::type, py::arg("object"), py::arg("path"))
-      .def("class_dict", &GuardRecord::class_dict, py::arg("cls"), py::arg("path"))
-      .def("snapshot", &GuardRecord::snapshot, py::arg("object"), py::arg("path"), py::arg("snapshot_of"))
-      .def("describe", &GuardRecord::describe)
-      .def("__len__", &GuardRecord::size);
   py::class_<EntriesServed>(m, "EntriesServed",
                             "The entries the cached calls on this thread serve inside a with block "
                             "(csrc/cache/call_scope.h).")
@@ -245,7 +233,7 @@ void bind_cache(py::module_& m) {
   py::class_<StateGuard, std::shared_ptr<StateGuard>>(m, "StateGuard",
                                                       "What an entry was built from (csrc/cache/state_guard.h).")
       .def(py::init<>())
-      .def(py::init<const GuardRecord&>(), py::arg("record"))
+      .def(py::init<const py::handle&>(), py::arg("record"))
       .def("check", &StateGuard::check)
       .def_property_readonly("changed", &StateGuard::changed);
 

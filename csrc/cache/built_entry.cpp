@@ -21,7 +21,7 @@ py::object field(const py::handle& returned, const char* name) {
 std::shared_ptr<StateGuard> guard_of(const py::object& guard) {
   if (guard.is_none()) return nullptr;
   if (py::isinstance<StateGuard>(guard)) return guard.cast<std::shared_ptr<StateGuard>>();
-  if (py::isinstance<GuardRecord>(guard)) return std::make_shared<StateGuard>(guard.cast<const GuardRecord&>());
+  if (py::hasattr(guard, "dicts")) return std::make_shared<StateGuard>(guard);  // a record (guards.GuardRecord)
   throw py::type_error(std::string("shapecache: BuiltEntry.guard must be a GuardRecord, a StateGuard or None, got ") +
                        Py_TYPE(guard.ptr())->tp_name);
 }

@@ -117,86 +117,62 @@ void StateGuard::probe_dict_watchers() {
 
 namespace {
 
-// `object` is of the kind a record item names, or a TypeError naming its path.
-void check_kind(bool is_kind, const py::object& object, const std::string& path, const char* kind) {
-  if (!is_kind) {
-    throw py::type_error("GuardRecord: " + path + " is a " + Py_TYPE(object.ptr())->tp_name + ", not a " + kind);
+// The items of one kind of a record: a list of tuples of `size` fields.
+std::vector<py::tuple> items_of(const py::handle& record, const char* kind, size_t size) {
+  py::object items = record.attr(kind);
+  if (!PyList_Check(items.ptr())) throw py::type_error(std::string("StateGuard(record): record.") + kind + " is not a list");
+  std::vector<py::tuple> out;
+  for (py::handle item : items) {
+    if (!PyTuple_Check(item.ptr()) || static_cast<size_t>(PyTuple_GET_SIZE(item.ptr())) != size) {
+      throw py::type_error(std::string("StateGuard(record): each item of record.") + kind + " is a tuple of " +
+                           std::to_string(size) + ", got " + std::string(py::repr(item)));
+    }
+    out.push_back(py::reinterpret_borrow<py::tuple>(item));
   }
+  return out;
+}
+
+// An item's object is of its list's kind, or a TypeError naming its path. A dict or list is
+// guarded as the object itself, never converted: a copy would never change.
+void check_kind(bool is_kind, const py::handle& object, const std::string& path, const char* kind) {
+  if (!is_kind) throw py::type_error("StateGuard(record): " + path + " is a " + Py_TYPE(object.ptr())->tp_name + ", not a " + kind);
 }
 
 }  // namespace
 
-// A dict or list is guarded as the object itself, never converted: a copy would never change.
-void GuardRecord::dict(const py::object& dict, std::string path, py::object keys) {
-  check_kind(PyDict_Check(dict.ptr()), dict, path, "dict");
-  items_.push_back({Kind::kDict, dict, std::move(path), std::move(keys)});
-}
-
-void GuardRecord::tensor(const py::object& tensor, std::string path, std::optional<int64_t> version) {
-  check_kind(THPVariable_Check(tensor.ptr()), tensor, path, "tensor");
-  items_.push_back({Kind::kTensor, tensor, std::move(path), py::none(), version});
-}
-
-void GuardRecord::cell(const py::object& cell, std::string path) {
-  check_kind(PyCell_Check(cell.ptr()), cell, path, "closure cell");
-  items_.push_back({Kind::kCell, cell, std::move(path)});
-}
-
-void GuardRecord::list(const py::object& list, std::string path) {
-  check_kind(PyList_Check(list.ptr()), list, path, "list");
-  items_.push_back({Kind::kList, list, std::move(path)});
-}
-
-void GuardRecord::type(const py::object& object, std::string path) {
-  items_.push_back({Kind::kType, object, std::move(path)});
-}
-
-void GuardRecord::class_dict(const py::object& cls, std::string path) {
-  check_kind(PyType_Check(cls.ptr()), cls, path, "class");
-  items_.push_back({Kind::kClassDict, cls, std::move(path)});
-}
-
-void GuardRecord::snapshot(const py::object& object, std::string path, py::object snapshot_of) {
-  check_kind(PyCallable_Check(snapshot_of.ptr()), snapshot_of, path + "'s snapshot function", "callable");
-  items_.push_back({Kind::kSnapshot, object, std::move(path), std::move(snapshot_of)});
-}
-
-std::vector<std::pair<std::string, std::string>> GuardRecord::describe() const {
-  static const char* const kNames[] = {"dict", "tensor", "cell", "list", "type", "class_dict", "snapshot"};
-  std::vector<std::pair<std::string, std::string>> out;
-  out.reserve(items_.size());
-  for (const Item& item : items_) out.emplace_back(kNames[static_cast<int>(item.kind)], item.path);
-  return out;
-}
-
-StateGuard::StateGuard(const GuardRecord& record) {
-  for (const GuardRecord::Item& item : record.items_) {
-    std::string path = item.path;
-    switch (item.kind) {
-      case GuardRecord::Kind::kDict:
-        add_dict(py::reinterpret_borrow<py::dict>(item.object), std::move(path), item.option);
-        break;
-      case GuardRecord::Kind::kTensor:
-        add_tensor(item.object, std::move(path), true);
-        // The version the record read: an update in place since then makes the guard stale.
-        if (item.version && tensors_.back().version >= 0) tensors_.back().version = *item.version;
-        break;
-      case GuardRecord::Kind::kCell:
-        add_cell(item.object, std::move(path));
-        break;
-      case GuardRecord::Kind::kList:
-        add_list(py::reinterpret_borrow<py::list>(item.object), std::move(path));
-        break;
-      case GuardRecord::Kind::kType:
-        add_type(item.object, std::move(path));
-        break;
-      case GuardRecord::Kind::kClassDict:
-        add_class(py::reinterpret_borrow<py::type>(item.object), std::move(path));
-        break;
-      case GuardRecord::Kind::kSnapshot:
-        add_snapshot(item.object, item.option, std::move(path));
-        break;
-    }
+StateGuard::StateGuard(const py::handle& record) {
+  for (const py::tuple& item : items_of(record, "dicts", 3)) {
+    std::string path = item[1].cast<std::string>();
+    check_kind(PyDict_Check(item[0].ptr()), item[0], path, "dict");
+    add_dict(py::reinterpret_borrow<py::dict>(item[0]), std::move(path), item[2]);
+  }
+  for (const py::tuple& item : items_of(record, "tensors", 3)) {
+    std::string path = item[1].cast<std::string>();
+    check_kind(THPVariable_Check(item[0].ptr()), item[0], path, "tensor");
+    add_tensor(item[0], std::move(path), true);
+    // The version the record read: an update in place since then makes the guard stale.
+    if (!item[2].is_none() && tensors_.back().version >= 0) tensors_.back().version = item[2].cast<int64_t>();
+  }
+  for (const py::tuple& item : items_of(record, "cells", 2)) {
+    std::string path = item[1].cast<std::string>();
+    check_kind(PyCell_Check(item[0].ptr()), item[0], path, "closure cell");
+    add_cell(item[0], std::move(path));
+  }
+  for (const py::tuple& item : items_of(record, "lists", 2)) {
+    std::string path = item[1].cast<std::string>();
+    check_kind(PyList_Check(item[0].ptr()), item[0], path, "list");
+    add_list(py::reinterpret_borrow<py::list>(item[0]), std::move(path));
+  }
+  for (const py::tuple& item : items_of(record, "types", 2)) add_type(item[0], item[1].cast<std::string>());
+  for (const py::tuple& item : items_of(record, "class_dicts", 2)) {
+    std::string path = item[1].cast<std::string>();
+    check_kind(PyType_Check(item[0].ptr()), item[0], path, "class");
+    add_class(py::reinterpret_borrow<py::type>(item[0]), std::move(path));
+  }
+  for (const py::tuple& item : items_of(record, "snapshots", 3)) {
+    std::string path = item[1].cast<std::string>();
+    check_kind(PyCallable_Check(item[2].ptr()), item[2], path + "'s snapshot function", "callable");
+    add_snapshot(item[0], item[2], std::move(path));
   }
 }
 

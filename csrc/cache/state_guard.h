@@ -32,9 +32,9 @@
 // shares the object's inline values: there, such a dict's items are compared on every check
 // (probe_dict_watchers finds out at import whether this interpreter sends it).
 //
-// The Python side does not add items to a guard: it fills a GuardRecord, one typed method per
-// kind of item, which a StateGuard is made from in one call (by the cache, when it reads a
-// builder's BuiltEntry; built_entry.h).
+// The Python side does not add items to a guard: it fills a record (guards.GuardRecord), one
+// list of items per kind, which a StateGuard is made from in one call, with one crossing of
+// the seam (by the cache, when it reads a builder's BuiltEntry; built_entry.h).
 //
 // Threading: every method runs with the GIL held (the GIL is the cache's lock, shape_cache.h).
 #pragma once
@@ -45,7 +45,6 @@
 #include <c10/core/TensorImpl.h>
 
 #include <cstdint>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -53,47 +52,15 @@ namespace shapecache {
 
 namespace py = pybind11;
 
-// What a guard will check, item by item, as guards.py records it while an entry is built; each
-// method checks its object's type, names the path where it is wrong, and holds the object
-// until the guard is made (StateGuard(record) reads the items' values then, but a tensor's
-// version is the one recorded).
-class GuardRecord {
- public:
-  enum class Kind { kDict, kTensor, kCell, kList, kType, kClassDict, kSnapshot };
-
-  // A dict's items: every item when `keys` is None, else those keys' (StateGuard::add_dict).
-  void dict(const py::object& dict, std::string path, py::object keys);
-  // A tensor: `version`, the version counter it was read at (an update in place since then
-  // is a change); nullopt for one that keeps none (an inference tensor: its identity only).
-  void tensor(const py::object& tensor, std::string path, std::optional<int64_t> version);
-  void cell(const py::object& cell, std::string path);
-  void list(const py::object& list, std::string path);
-  void type(const py::object& object, std::string path);
-  void class_dict(const py::object& cls, std::string path);
-  void snapshot(const py::object& object, std::string path, py::object snapshot_of);
-
-  size_t size() const { return items_.size(); }
-  // (kind, path) of each item, in order, the kind as the method's name.
-  std::vector<std::pair<std::string, std::string>> describe() const;
-
- private:
-  friend class StateGuard;
-  struct Item {
-    Kind kind;
-    py::object object;
-    std::string path;
-    py::object option = py::none();  // a dict's keys, a snapshot's function
-    std::optional<int64_t> version;  // a tensor's
-  };
-  std::vector<Item> items_;
-};
-
 class StateGuard {
  public:
   StateGuard() = default;
-  // A guard over a whole record, made in one call (guards.py records it), each item added by
-  // the add_ method of its kind.
-  explicit StateGuard(const GuardRecord& record);
+  // A guard over a whole record (guards.GuardRecord): its lists `dicts` of (dict, path, keys or
+  // None), `tensors` of (tensor, path, the version it was read at or None), `cells`, `lists`,
+  // `types` and `class_dicts` of (object, path), `snapshots` of (object, path, snapshot_of),
+  // each item added by the add_ method of its kind. An object of another kind than its list's
+  // is a TypeError naming its path.
+  explicit StateGuard(const py::handle& record);
 
   // Finds out whether this interpreter's dict watchers see attribute stores (see above). Once,
   // at import, before any guard is made: it runs Python code, which may switch threads.

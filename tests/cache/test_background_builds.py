@@ -15,6 +15,7 @@ import torch
 import shapecache as sc
 from shapecache import _background
 from shapecache._backends import BuiltEntry
+from shapecache._backends.guards import GuardRecord
 from shapecache._extension import _C
 
 WAIT = 30  # seconds: a generous bound on a build that should take milliseconds
@@ -377,8 +378,8 @@ def test_an_entry_whose_first_run_updates_what_it_reads_is_given_up_not_rebuilt_
     steps = torch.zeros(1)
 
     def builder(args, kwargs, handle):
-        guard = _C.GuardRecord()
-        guard.tensor(steps, "steps", steps._version)
+        guard = GuardRecord()
+        guard.tensors.append((steps, "steps", steps._version))
 
         def runner(x):
             steps.add_(1)  # as BatchNorm in training updates its statistics

@@ -17,8 +17,8 @@ class Settings:
 
 
 def dict_guard(d: dict, keys=None) -> _C.StateGuard:
-    record = _C.GuardRecord()
-    record.dict(d, "d", keys)
+    record = guards.GuardRecord()
+    record.dicts.append((d, "d", keys))
     return _C.StateGuard(record)
 
 
@@ -74,8 +74,8 @@ def test_only_the_keys_given_are_guarded_and_an_absent_key_must_stay_absent():
 ])
 def test_a_changed_tensor_is_seen_and_named(change, named):
     weight = torch.nn.Parameter(torch.ones(3))
-    record = _C.GuardRecord()
-    record.tensor(weight, "w", weight._version)
+    record = guards.GuardRecord()
+    record.tensors.append((weight, "w", weight._version))
     guard = _C.StateGuard(record)
     assert guard.check()
     with torch.no_grad():
@@ -88,8 +88,8 @@ def test_a_tensors_version_is_the_one_recorded_not_the_one_when_the_guard_is_mad
     # A record is made into its guard when the cache reads the built entry: an update in place
     # between the two is a change.
     t = torch.ones(3)
-    record = _C.GuardRecord()
-    record.tensor(t, "t", t._version)
+    record = guards.GuardRecord()
+    record.tensors.append((t, "t", t._version))
     t.add_(1)
     guard = _C.StateGuard(record)
     assert not guard.check() and guard.changed == "t was updated in place"
@@ -98,8 +98,8 @@ def test_a_tensors_version_is_the_one_recorded_not_the_one_when_the_guard_is_mad
 def test_an_inference_tensor_is_guarded_without_its_version():
     with torch.inference_mode():
         t = torch.ones(3)
-    record = _C.GuardRecord()
-    record.tensor(t, "t")  # no version to record
+    record = guards.GuardRecord()
+    record.tensors.append((t, "t", None))  # no version to record
     guard = _C.StateGuard(record)
     assert guard.check()
 
@@ -121,8 +121,8 @@ def test_a_closure_cell_is_guarded_by_what_it_holds():
     def f(x):
         return x * scale
 
-    record = _C.GuardRecord()
-    record.cell(f.__closure__[0], "f.<scale>")
+    record = guards.GuardRecord()
+    record.cells.append((f.__closure__[0], "f.<scale>"))
     guard = _C.StateGuard(record)
     scale = 2.0  # noqa: F841  (the same value again)
     assert guard.check()
@@ -248,11 +248,11 @@ MODEL = None
 def test_a_record_is_typed_item_by_item_and_an_object_of_another_kind_is_named():
     d = {"scale": 2.0}
     t = torch.ones(2)
-    record = _C.GuardRecord()
-    record.dict(d, "d")
-    record.tensor(t, "t", t._version)
-    record.type(t, "t")
-    assert record.describe() == [("dict", "d"), ("tensor", "t"), ("type", "t")] and len(record) == 3
+    record = guards.GuardRecord()
+    record.dicts.append((d, "d", None))
+    record.tensors.append((t, "t", t._version))
+    record.types.append((t, "t"))
+    assert record.describe() == [("dicts", "d"), ("tensors", "t"), ("types", "t")]
     guard = _C.StateGuard(record)
     assert guard.check()
     t.add_(1)
@@ -260,23 +260,33 @@ def test_a_record_is_typed_item_by_item_and_an_object_of_another_kind_is_named()
     # never a copy, which would never change: a mapping that is not a dict, a sequence that is not a list
     import types
 
-    with pytest.raises(TypeError, match="GuardRecord: d is a mappingproxy, not a dict"):
-        record.dict(types.MappingProxyType(d), "d")
-    with pytest.raises(TypeError, match="GuardRecord: scales is a tuple, not a list"):
-        record.list((1.0, 2.0), "scales")
-    with pytest.raises(TypeError, match="GuardRecord: w is a list, not a tensor"):
-        record.tensor([1.0], "w")
-    with pytest.raises(TypeError, match="GuardRecord: f.<x> is a int, not a closure cell"):
-        record.cell(3, "f.<x>")
-    with pytest.raises(TypeError, match="GuardRecord: Settings is a Settings, not a class"):
-        record.class_dict(Settings(), "Settings")
-    assert len(record) == 3  # a refused item is not recorded
+    def refused(kind, item):
+        bad = guards.GuardRecord()
+        getattr(bad, kind).append(item)
+        return bad
+
+    for kind, item, message in [
+        ("dicts", (types.MappingProxyType(d), "d", None), "d is a mappingproxy, not a dict"),
+        ("lists", ((1.0, 2.0), "scales"), "scales is a tuple, not a list"),
+        ("tensors", ([1.0], "w", None), "w is a list, not a tensor"),
+        ("cells", (3, "f.<x>"), "f.<x> is a int, not a closure cell"),
+        ("class_dicts", (Settings(), "Settings"), "Settings is a Settings, not a class"),
+        ("snapshots", ({1}, "s", None), "s's snapshot function is a NoneType, not a callable"),
+        ("dicts", (d, "d"), r"each item of record.dicts is a tuple of 3, got \(\{'scale': 2.0\}, 'd'\)"),
+    ]:
+        with pytest.raises(TypeError, match=message):
+            _C.StateGuard(refused(kind, item))
+    with pytest.raises(TypeError, match="BuiltEntry.guard must be a GuardRecord, a StateGuard or None, got list"):
+        from shapecache._backends import BuiltEntry
+
+        _C.ShapeDispatcher(lambda x: x, lambda a, k, h: BuiltEntry(lambda x: x, 0, guard=[("dict", d, "d", None)]),
+                           _C.ShapeCache(lambda device: 10**9, None), [], ["x"], None, False)(torch.ones(1))
 
 
 def test_a_snapshot_is_compared_on_every_check_and_a_failing_one_counts_as_a_change():
     active = {0, 1}
-    record = _C.GuardRecord()
-    record.snapshot(active, "block.active", frozenset)
+    record = guards.GuardRecord()
+    record.snapshots.append((active, "block.active", frozenset))
     guard = _C.StateGuard(record)
     active.discard(1)
     active.add(1)  # the same items again
@@ -288,8 +298,8 @@ def test_a_snapshot_is_compared_on_every_check_and_a_failing_one_counts_as_a_cha
         raise RuntimeError("no snapshot")
 
     def snapshot_guard(path, snapshot_of):
-        record = _C.GuardRecord()
-        record.snapshot(active, path, snapshot_of)
+        record = guards.GuardRecord()
+        record.snapshots.append((active, path, snapshot_of))
         return _C.StateGuard(record)
 
     calls = []
@@ -303,8 +313,8 @@ def test_every_modules_own_set_costs_no_snapshot_but_a_set_of_its_own_does():
     layer = torch.nn.Linear(2, 2)
     recorded = guards.Guarded()
     recorded.module(layer, "layer")
-    assert [item for item in recorded.record.describe() if item[0] == "snapshot"] == []  # _non_persistent_buffers_set
+    assert [item for item in recorded.record.describe() if item[0] == "snapshots"] == []  # _non_persistent_buffers_set
     layer.active = {1}
     recorded = guards.Guarded()
     recorded.module(layer, "layer")
-    assert [item for item in recorded.record.describe() if item[0] == "snapshot"] == [("snapshot", "layer.active")]
+    assert [item for item in recorded.record.describe() if item[0] == "snapshots"] == [("snapshots", "layer.active")]

@@ -42,7 +42,7 @@ def test_caching_and_guarding_leave_no_process_wide_hooks():
         from shapecache._extension import _C
         record = guards.record({"net": net})
         kinds = [kind for kind, _ in record.describe()]
-        print(_C.StateGuard(record).check(), kinds.count("dict") > 0, kinds.count("tensor"))
+        print(_C.StateGuard(record).check(), kinds.count("dicts") > 0, kinds.count("tensors"))
         print(len(module._global_parameter_registration_hooks), len(module._global_module_registration_hooks),
               len(module._global_forward_pre_hooks))
     """)

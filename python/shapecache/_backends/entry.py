@@ -21,7 +21,7 @@ class BuiltEntry:
     bytes: int  # device memory the entry holds beyond what the uncached call leaves behind
     output: Any = None  # the call's result, when the builder ran the call (`ran_call`)
     backend: str = "eager"  # what built it: "eager", "compile", "cuda_graph", ...
-    # What the entry depends on: a _C.GuardRecord (guards.record), made into its guard when the
+    # What the entry depends on: a guards.GuardRecord (guards.record), made into its guard when the
     # cache reads this, or a _C.StateGuard made already (a runner made in C++ holds it); None:
     # nothing that can change.
     guard: Any = None

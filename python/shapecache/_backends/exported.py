@@ -24,7 +24,7 @@ class CompiledCall(NamedTuple):
 
     graph: Callable  # the call's tensors in key order -> the output's tensors
     rebuild: Callable | None  # puts the output's tensors back into its structure; None: one tensor
-    guard: object  # the _C.GuardRecord of what the graph was built from (trace.Trace.guard)
+    guard: object  # the guards.GuardRecord of what the graph was built from (trace.Trace.guard)
     built_from: object  # the guard over the live state the trace started from (trace.Trace.built_from)
     constants: list  # the tensors the graph holds that the model does not (compilers.CompiledGraph)
     constant_bytes: int = 0  # bytes the graph holds besides `constants` (a package's constants)

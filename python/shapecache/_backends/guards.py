@@ -65,11 +65,33 @@ _HOOK_DICTS = frozenset({"_forward_pre_hooks", "_forward_hooks", "_backward_pre_
 _CODE = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.BuiltinMethodType)
 
 
+class GuardRecord:
+    """What a guard will check, one list of items per kind, made into a ``_C.StateGuard`` in one
+    call (csrc/cache/state_guard.h reads the lists; an object of another kind than its list's is
+    a TypeError there, naming its path). Dicts and lists are held as themselves, never copied:
+    the guard compares them when it is made and on each check."""
+
+    __slots__ = ("dicts", "tensors", "cells", "lists", "types", "class_dicts", "snapshots")
+
+    def __init__(self):
+        self.dicts: list = []  # (dict, path, the keys read or None for all)
+        self.tensors: list = []  # (tensor, path, the version read or None where it keeps none)
+        self.cells: list = []  # (closure cell, path)
+        self.lists: list = []  # (list, path)
+        self.types: list = []  # (object, path): which class it is an instance of
+        self.class_dicts: list = []  # (class, path): its own attributes
+        self.snapshots: list = []  # (object, path, a function that snapshots it)
+
+    def describe(self) -> list[tuple[str, str]]:
+        """(kind, path) of every item, kind by kind."""
+        return [(kind, item[1]) for kind in self.__slots__ for item in getattr(self, kind)]
+
+
 class Guarded:
     """Collects what an entry depends on, once per object."""
 
     def __init__(self, python_only: bool = False, collect: list | None = None, hooks_state: bool = True):
-        self.record = _C.GuardRecord()  # made into a _C.StateGuard in one call
+        self.record = GuardRecord()
         self._collect = collect  # receives every dict and list guarded, when given
         self._seen: set[int] = set()
         # Python state alone: no tensors, and not the dicts that hold parameters and buffers
@@ -105,7 +127,7 @@ class Guarded:
         if not self._python_only and self._first(tensor):
             # The version read now: the guard may be made later (when the cache reads the
             # built entry), and an update in place meanwhile must count as a change.
-            self.record.tensor(tensor, path, _version_of(tensor))
+            self.record.tensors.append((tensor, path, _version_of(tensor)))
 
     def function(self, function, path: str, roots: dict) -> None:
         """The globals `function`'s code names and its closure cells; modules found there are
@@ -153,7 +175,7 @@ class Guarded:
         if not reads:
             return
         module_name = module_globals.get("__name__", "?")
-        self.record.dict(module_globals, f"{module_name} (globals)", sorted(reads))
+        self.record.dicts.append((module_globals, f"{module_name} (globals)", sorted(reads)))
         for name, attributes in reads.items():
             value, path = module_globals[name], f"{module_name}.{name}"
             if None in attributes and (isinstance(value, (torch.nn.Module, torch.Tensor, dict, list, set))
@@ -163,7 +185,7 @@ class Guarded:
             state = getattr(value, "__dict__", None)
             if loaded and isinstance(state, dict) and not isinstance(value, (type, torch.nn.Module)) and not (
                     isinstance(value, types.ModuleType) and value.__name__.partition(".")[0] in called_code.LIBRARIES):
-                self.record.dict(state, path, [a for a in loaded if a in state])
+                self.record.dicts.append((state, path, [a for a in loaded if a in state]))
                 for attribute in loaded:
                     item = state.get(attribute)
                     if isinstance(item, (torch.nn.Module, torch.Tensor, dict, list, set)) or _is_numpy_array(item):
@@ -179,7 +201,7 @@ class Guarded:
                      "_global_forward_hooks_always_called"):
             hooks = getattr(_module_globals, name, None)
             if isinstance(hooks, dict):
-                self.record.dict(hooks, f"torch.nn.modules.module.{name}")
+                self.record.dicts.append((hooks, f"torch.nn.modules.module.{name}", None))
 
     def _argument(self, value, path: str, roots: dict) -> None:
         """A value a function holds or reads: a module is added to `roots` (its tree is
@@ -206,17 +228,17 @@ class Guarded:
                     self._value(item, f"{path}[{key!r}]", depth)
         elif isinstance(value, (list, tuple)):
             if type(value) is list and len(value) <= _LIST_ITEMS and self._first(value):
-                self.record.list(value, path)
+                self.record.lists.append((value, path))
                 if self._collect is not None:
                     self._collect.append(value)
             for i, item in enumerate(value[:_LIST_ITEMS]):
                 self._value(item, f"{path}[{i}]", depth)
         elif type(value) is set:
             if len(value) <= _LIST_ITEMS and self._first(value):
-                self.record.snapshot(value, path, frozenset)
+                self.record.snapshots.append((value, path, frozenset))
         elif _is_numpy_array(value):
             if value.size <= _ARRAY_ELEMENTS and self._first(value):
-                self.record.snapshot(value, path, _array_snapshot)
+                self.record.snapshots.append((value, path, _array_snapshot))
         elif isinstance(value, (types.FunctionType, functools.partial, types.MethodType)):
             if depth > 0 and self._first(value):
                 self._code_state(value, path, depth - 1)
@@ -248,7 +270,7 @@ class Guarded:
     def _cells(self, function, path: str, depth: int) -> None:
         """A function's closure cells, and what each holds."""
         for name, cell in zip(function.__code__.co_freevars, function.__closure__ or (), strict=True):
-            self.record.cell(cell, f"{path}.<{name}>")
+            self.record.cells.append((cell, f"{path}.<{name}>"))
             try:
                 self._value(cell.cell_contents, f"{path}.<{name}>", depth)
             except ValueError:  # an empty cell
@@ -257,15 +279,15 @@ class Guarded:
     def _classes(self, obj, path: str) -> None:
         """Which class `obj` is, and the attributes of its classes up to torch's and Python's
         own (a method patched on a class is a change of every instance)."""
-        self.record.type(obj, path)
+        self.record.types.append((obj, path))
         for cls in type(obj).__mro__:
             if cls in (torch.nn.Module, object):
                 break
             if self._first(cls):
-                self.record.class_dict(cls, f"class {cls.__module__}.{cls.__qualname__}")
+                self.record.class_dicts.append((cls, f"class {cls.__module__}.{cls.__qualname__}"))
 
     def _add_dict(self, d: dict, path: str) -> None:
-        self.record.dict(d, path)
+        self.record.dicts.append((d, path, None))
         if self._collect is not None:
             self._collect.append(d)
 
@@ -321,7 +343,7 @@ def guard(roots: dict, functions: Iterable[Callable] = (), **options) -> _C.Stat
 
 def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensors: Iterable = (),
            python_only: bool = False, collect: list | None = None, called=None,
-           hooks_state: bool = True) -> _C.GuardRecord:
+           hooks_state: bool = True) -> GuardRecord:
     """What a guard over the module trees of `roots` (path -> module) and of the modules the
     globals and closures of `functions` hold checks: a record, made into a ``_C.StateGuard``
     in one call (by ``guard``, or by the cache from a builder's ``BuiltEntry.guard``).

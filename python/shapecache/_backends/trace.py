@@ -70,7 +70,7 @@ class Trace:
     # The record of what the graph was built from (guards.py): the cache makes the entry's guard
     # from it before the entry's first run, so that a run that moves a tensor the graph reads
     # (BatchNorm's running statistics in training) is seen.
-    guard: object  # a _C.GuardRecord
+    guard: object  # a guards.GuardRecord
     # The guard over the live state the trace started from, recorded before anything was copied
     # from it: if it no longer holds when the entry is made, another thread changed the model
     # during the build, and the entry starts stale.
