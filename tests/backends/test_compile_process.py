@@ -44,6 +44,11 @@ def test_a_frozen_background_build_compiles_where_it_is_told_and_answers_as_the_
     monkeypatch.setenv("SHAPECACHE_BACKGROUND_COMPILER", compiler)
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the package is made and extracted
     monkeypatch.setattr(tempfile, "tempdir", None)
+    # A module in the working directory named as one the compiler imports is never imported there.
+    planted = tmp_path / "cwd"
+    planted.mkdir()
+    (planted / "json.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\n")
+    monkeypatch.chdir(planted)
     net = conv_net()
     weights = sum(p.nbytes for p in net.parameters())
     x, y = torch.randn(1, 4, 12, 12), torch.randn(1, 4, 12, 12)
@@ -78,6 +83,7 @@ def test_a_frozen_background_build_compiles_where_it_is_told_and_answers_as_the_
         assert modules >= 1
     # The entry gone, neither the build's files nor the extracted package are left behind.
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(("shapecache-build-", "aotinductor_"))] == []
+    assert not (tmp_path / "imported").exists()
 
 
 def test_an_inline_build_and_an_unfrozen_one_compile_in_the_serving_process():

@@ -226,7 +226,9 @@ def load(package: str) -> Package:
 def _run_compiler(saved: str, package: str, options: dict, threads: int) -> None:
     """Runs the compiler's process on the program saved at `saved`, which writes `package`.
     Raises _background.Exiting where the interpreter is exiting."""
-    command = [sys.executable, "-m", "shapecache._backends.compile_process", saved, package, json.dumps(options),
+    # -P: the working directory is not put first on its sys.path, so a module there (a json.py
+    # beside the user's script) is never imported in place of the library's own.
+    command = [sys.executable, "-P", "-m", "shapecache._backends.compile_process", saved, package, json.dumps(options),
                str(threads)]
     # Its temporary files (the package its trial extracts) go with the build's directory.
     environment = {**os.environ, "TMPDIR": os.path.dirname(saved)}
