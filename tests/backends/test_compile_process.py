@@ -258,3 +258,36 @@ def test_the_build_directories_of_processes_that_ended_are_removed_and_others_ke
     assert os.path.basename(saved).startswith(f"shapecache-build-{os.getpid()}-")
     assert not dead.exists()
     assert recent.exists() and alive.exists() and other.exists() and os.path.exists(saved)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads processes' states from /proc")
+def test_a_compiler_that_stays_stopped_is_killed_and_its_graph_compiled_here(monkeypatch):
+    # A compiler stopped by SIGSTOP (a frozen cgroup, a debugger) would never end its build:
+    # after STOPPED_LIMIT_S it is killed, and the build compiles in the serving process.
+    from shapecache import _background
+    from shapecache._backends import compile_process
+
+    monkeypatch.setenv("SHAPECACHE_BACKGROUND_COMPILER", "process")
+    monkeypatch.setattr(compile_process, "STOPPED_LIMIT_S", 2.0)
+    net = conv_net()
+    x = torch.randn(1, 4, 10, 10)
+    with torch.no_grad():
+        expected = net(x)
+        cached = sc.cached(net, backend="compile", build="background", compile_options=FROZEN)
+        try:
+            with pytest.warns(RuntimeWarning, match=r"process was stopped \(SIGSTOP.*\) for 2 s, and was killed\); it "
+                                                    r"compiles in the serving process"):
+                cached(x)
+                deadline = time.monotonic() + 120
+                while not _background._processes and time.monotonic() < deadline:  # the worker traces, then starts it
+                    time.sleep(0.01)
+                [compiler] = list(_background._processes)
+                os.kill(compiler.pid, signal.SIGSTOP)
+                assert sc.wait(cached, timeout=300)
+            torch.testing.assert_close(cached(x), expected, rtol=1e-5, atol=1e-5)
+            st = sc.stats(cached)
+        finally:
+            sc.uncached(net)
+    assert compiler.returncode == -signal.SIGKILL
+    assert st["hits"] == 1 and [e["backend"] for e in st["entries"]] == ["compile"]
+    assert not compile_process.PROCESS.failed  # one build's failure: the route stays open

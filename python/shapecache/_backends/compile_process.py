@@ -243,14 +243,16 @@ def _run_compiler(saved: str, package: str, options: dict, threads: int) -> None
         PROCESS.failed = f"the compiler's process could not start: {error}"
         raise Failed(PROCESS.failed) from error
     try:
-        errors = process.stderr.read()  # until the process ends (stdin stays open: see _exit_with_parent)
-        process.wait()
+        errors = _wait_for(process)
     finally:
         try:
             process.stdin.close()
             process.stderr.close()
         finally:
             _background.process_ended(process)  # raises Exiting where exit stopped it
+    if errors is None:
+        raise Failed(f"the compiler's process was stopped (SIGSTOP, a frozen cgroup, a debugger) for {STOPPED_LIMIT_S:.0f} s, "
+                     "and was killed")
     if process.returncode == _UNSUITABLE:
         raise NotForThisGraph
     if -process.returncode in _CRASHES:
@@ -262,6 +264,49 @@ def _run_compiler(saved: str, package: str, options: dict, threads: int) -> None
         raise Failed(f"the compiler's process was killed by signal {-process.returncode}")
     if process.returncode != 0:
         raise Failed(_why(errors.decode(errors="replace"), process.returncode))
+
+
+STOPPED_LIMIT_S = 120.0  # how long the compiler's process may stay stopped before its build fails
+
+
+def _wait_for(process: subprocess.Popen) -> bytes | None:
+    """What the compiler's process wrote to its standard error, once it has ended (its stdin
+    stays open: see _exit_with_parent); None where it stayed stopped STOPPED_LIMIT_S seconds
+    (a SIGSTOP, a frozen cgroup: a compile that would never end), after which it and what it
+    started are killed. A process that runs, however long, is waited for."""
+    errors: list[bytes] = []
+    reader = threading.Thread(target=lambda: errors.append(process.stderr.read()), daemon=True,
+                              name="shapecache-compiler-output")
+    reader.start()
+    stopped_since = None
+    while True:
+        try:
+            process.wait(timeout=1.0)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if not _stopped(process.pid):
+            stopped_since = None
+        elif stopped_since is None:
+            stopped_since = time.monotonic()
+        elif time.monotonic() - stopped_since >= STOPPED_LIMIT_S:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            reader.join()
+            return None
+    reader.join()
+    return errors[0] if errors else b""
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (its state in /proc: T, or t for a tracer's stop); False
+    where /proc cannot tell (not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
 
 
 def _why(errors: str, status: int) -> str:
