@@ -66,7 +66,7 @@ class StateGuard {
   // at import, before any guard is made: it runs Python code, which may switch threads.
   static void probe_dict_watchers();
 
-  // Each kind of item (what GuardRecord's methods record):
+  // Each kind of item (what a guards.GuardRecord's lists hold):
   // Guards `dict`'s items: every item when `keys` is None (an added or removed key counts as
   // a change), else the items of those keys (a key absent now must stay absent).
   void add_dict(const py::dict& dict, std::string path, const py::object& keys);
@@ -93,9 +93,6 @@ class StateGuard {
   // garbage collector: a guard holding a cached module's dict closes a cycle through the
   // cache, which only the dispatcher's tp_traverse makes visible).
   int traverse(visitproc visit, void* arg) const;
-
-  size_t dict_count() const { return dicts_.size(); }
-  size_t tensor_count() const { return tensors_.size(); }
 
  private:
   struct Item {
