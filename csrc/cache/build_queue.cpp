@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "cache/call_key.h"
 #include "cache/shape_cache.h"
 
 namespace shapecache {
@@ -10,7 +11,48 @@ namespace {
 // A cancelled job's bucket is no longer being built: a later miss may queue it again.
 void end_mark(const BuildJob& job) { job.cache->end_build(job.device, job.key); }
 
+// `value` with every list, dict and tuple in it copied, and everything else shared: what a
+// queued build keeps of its call, whose key holds those containers' contents while the
+// caller may change them once the call has returned.
+py::object copy_containers(py::handle value) {
+  PyObject* v = value.ptr();
+  if (PyList_CheckExact(v)) {
+    py::list out;
+    for (py::handle item : py::reinterpret_borrow<py::list>(value)) out.append(copy_containers(item));
+    return out;
+  }
+  if (PyTuple_CheckExact(v)) {
+    const Py_ssize_t n = PyTuple_GET_SIZE(v);
+    py::tuple out(n);
+    for (Py_ssize_t i = 0; i < n; ++i) PyTuple_SET_ITEM(out.ptr(), i, copy_containers(PyTuple_GET_ITEM(v, i)).release().ptr());
+    return out;
+  }
+  if (PyDict_CheckExact(v)) {
+    py::dict out;
+    for (auto [k, item] : py::reinterpret_borrow<py::dict>(value)) out[k] = copy_containers(item);
+    return out;
+  }
+  return py::reinterpret_borrow<py::object>(value);
+}
+
 }  // namespace
+
+BuildJob BuildJob::of_call(const Call& call) {
+  BuildJob job;
+  job.key = call.key;
+  job.device = call.device;
+  py::tuple entry_args = copy_containers(call.entry_args).cast<py::tuple>();
+  if (call.owner.is_none()) {
+    job.args = std::move(entry_args);
+  } else {  // entry_args holds the owner first
+    job.owner_ref = py::weakref(call.owner);
+    job.args = entry_args[py::slice(1, static_cast<Py_ssize_t>(entry_args.size()), 1)];
+  }
+  job.kwargs = copy_containers(call.entry_kwargs).cast<py::dict>();
+  job.tensors = call.tensor_tuple();
+  job.modes = CallModes::of_this_thread(call.device.type());
+  return job;
+}
 
 BuildQueue& BuildQueue::instance() {
   // Never destroyed: its jobs hold Python objects, which must not be released after the

@@ -22,6 +22,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cache/call.h"
 #include "cache/call_modes.h"
 #include "core/shape_key.h"
 
@@ -69,6 +70,10 @@ struct BuildJob {
   // queue_build). Started while its call runs, the build would compete with that call for the
   // cores, and would read state the call has not finished updating (BatchNorm's statistics).
   bool ready = false;
+
+  // A job for `call`'s bucket: its key, device, arguments, owner, tensors and modes, as above.
+  // Who runs it, for which function, generation and readiness are the queuer's to fill.
+  static BuildJob of_call(const Call& call);
 };
 
 class BuildQueue {

@@ -118,6 +118,19 @@ void BuildRun::release_device_memory(const c10::Device& device) {
   release_device_memory_(BuildHandle::to_python(BuildHandle(cache_, device, /*run_call=*/false)));
 }
 
+py::object BuildRun::run_uncached(const c10::Device& device, const py::tuple& args, const py::dict& kwargs) {
+  try {
+    return call_python(function_, args, kwargs);
+  } catch (py::error_already_set& error) {
+    if (!is_out_of_memory(error)) throw;
+    const std::string state = "shapecache: " + cache_->describe(device) +
+                              ". Building an entry ran out of memory twice, so the call ran uncached, and the "
+                              "uncached call ran out of memory too: the model does not fit beside what the cache holds";
+    py::raise_from(error, out_of_memory_type().ptr(), state.c_str());
+    throw py::error_already_set();
+  }
+}
+
 int BuildRun::traverse(visitproc visit, void* arg) const {
   Py_VISIT(function_.ptr());
   Py_VISIT(builder_.ptr());

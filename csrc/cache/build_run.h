@@ -42,6 +42,10 @@ class BuildRun {
   std::optional<BuiltEntry> operator()(const c10::Device& device, const py::tuple& args, const py::dict& kwargs,
                                        const py::tuple& tensors, bool run_call);
 
+  // After the build ran out of memory twice, inline: the call uncached. Its own out-of-memory
+  // error is raised with the cache's state on `device`, since the cache may be what left no room.
+  py::object run_uncached(const c10::Device& device, const py::tuple& args, const py::dict& kwargs);
+
   // Visits the Python objects held here, for the garbage collector.
   int traverse(visitproc visit, void* arg) const;
 

@@ -4,11 +4,11 @@
 // read here once: the builder makes no C++ object of its result. What the entry serves calls
 // with and what it is guarded by are made here, when the builder has returned:
 //   - the runner: a callable called as the plain function is (a PythonRunner), a graph over
-//     the call's tensors in key order (a CompiledGraphRunner), or a runner made in C++ already
-//     (a CUDA graph's);
-//   - the guard: from the record of what the entry depends on (guards.py), or a StateGuard
-//     made already (a CUDA graph's runner holds it). The tensors of a record carry the version
-//     they were read at, so a tensor updated in place between the record and now is stale;
+//     the call's tensors in key order (a CompiledGraphRunner), or `entry_runner`, a runner
+//     made in C++ already (a CUDA graph's), which holds its own guard;
+//   - the guard: made from the record of what the entry depends on (guards.py). The tensors
+//     of a record carry the version they were read at, so a tensor updated in place between
+//     the record and now is stale;
 //   - `built_from`, the guard over the live state the build started from: if it no longer
 //     holds, another thread changed the model while the entry was built: the entry is stale
 //     from the start (`started_stale`; miss_policy.h says what becomes of it).

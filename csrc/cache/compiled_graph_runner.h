@@ -30,6 +30,7 @@ class CompiledGraphRunner : public EntryRunner {
   py::object run(const Call& call) override;
   bool valid() override { return !guard_ || guard_->check(); }
   std::string changed() const override { return guard_ ? guard_->changed() : std::string(); }
+  const std::shared_ptr<StateGuard>& guard() const override { return guard_; }
 
  private:
   py::object graph_;

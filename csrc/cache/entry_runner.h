@@ -6,9 +6,11 @@
 
 #include <pybind11/pybind11.h>
 
+#include <memory>
 #include <string>
 
 #include "cache/call.h"
+#include "cache/state_guard.h"
 
 namespace shapecache {
 
@@ -28,6 +30,9 @@ class EntryRunner {
 
   // After valid() returned false: what changed, for counters and warnings.
   virtual std::string changed() const = 0;
+
+  // What the entry was built from (state_guard.h), or null: it depends on nothing that can change.
+  virtual const std::shared_ptr<StateGuard>& guard() const = 0;
 };
 
 }  // namespace shapecache

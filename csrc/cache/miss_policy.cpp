@@ -5,7 +5,6 @@
 
 #include <chrono>
 #include <new>
-#include <sstream>
 
 #include "cache/call_key.h"
 #include "cache/call_modes.h"
@@ -14,48 +13,6 @@
 #include "cache/python_call.h"
 
 namespace shapecache {
-namespace {
-
-// `value` with every list, dict and tuple in it copied, and everything else shared: what a
-// queued build keeps of its call, whose key holds those containers' contents while the
-// caller may change them once the call has returned.
-py::object copy_containers(py::handle value) {
-  PyObject* v = value.ptr();
-  if (PyList_CheckExact(v)) {
-    py::list out;
-    for (py::handle item : py::reinterpret_borrow<py::list>(value)) out.append(copy_containers(item));
-    return out;
-  }
-  if (PyTuple_CheckExact(v)) {
-    const Py_ssize_t n = PyTuple_GET_SIZE(v);
-    py::tuple out(n);
-    for (Py_ssize_t i = 0; i < n; ++i) PyTuple_SET_ITEM(out.ptr(), i, copy_containers(PyTuple_GET_ITEM(v, i)).release().ptr());
-    return out;
-  }
-  if (PyDict_CheckExact(v)) {
-    py::dict out;
-    for (auto [k, item] : py::reinterpret_borrow<py::dict>(value)) out[k] = copy_containers(item);
-    return out;
-  }
-  return py::reinterpret_borrow<py::object>(value);
-}
-
-// Ends a build's mark on every way out, exceptions included.
-class BuildMark {
- public:
-  BuildMark(ShapeCache& cache, const c10::Device& device, const ShapeKey& key)
-      : cache_(cache), device_(device), key_(key) {}
-  ~BuildMark() { cache_.end_build(device_, key_); }
-  BuildMark(const BuildMark&) = delete;
-  BuildMark& operator=(const BuildMark&) = delete;
-
- private:
-  ShapeCache& cache_;
-  const c10::Device& device_;
-  const ShapeKey& key_;
-};
-
-}  // namespace
 
 MissPolicy::MissPolicy(py::object function, py::object builder, std::shared_ptr<ShapeCache> cache,
                        uint64_t function_id, FunctionCounters& counters, py::object background,
@@ -119,7 +76,7 @@ py::object MissPolicy::serve(Call& call, bool stale) {
   }
   py::object out;
   {
-    BuildMark building(*cache_, call.device, call.key);
+    ShapeCache::BuildMark building(*cache_, call.device, call.key);
     ++counters_.misses;
     out = build(call.key, call.device, call.entry_args, call.entry_kwargs, call.tensor_tuple(), /*run_call=*/true,
                 generation_);
@@ -204,24 +161,12 @@ bool MissPolicy::builds_in_background(const c10::Device& device) {
 
 MissPolicy::Queued MissPolicy::queue(const Call& call, bool ready) {
   if (!cache_->begin_build(call.device, call.key)) return Queued::kBusy;
-  BuildJob job;
+  BuildJob job = BuildJob::of_call(call);
   job.function_ref = py::weakref(self_object_());
   job.runner = this;
   job.cache = cache_;
   job.function_id = function_id_;
-  job.key = call.key;
-  job.device = call.device;
-  py::tuple entry_args = copy_containers(call.entry_args).cast<py::tuple>();
-  if (call.owner.is_none()) {
-    job.args = std::move(entry_args);
-  } else {  // entry_args holds the owner first
-    job.owner_ref = py::weakref(call.owner);
-    job.args = entry_args[py::slice(1, static_cast<Py_ssize_t>(entry_args.size()), 1)];
-  }
-  job.kwargs = copy_containers(call.entry_kwargs).cast<py::dict>();
-  job.tensors = call.tensor_tuple();
   job.generation = generation_;
-  job.modes = CallModes::of_this_thread(call.device.type());
   job.ready = ready;
   if (!BuildQueue::instance().push(std::move(job))) {
     cache_->end_build(call.device, call.key);
@@ -248,7 +193,7 @@ bool MissPolicy::queue_build(Call& call) {
 }
 
 void MissPolicy::run_queued(BuildJob& job) {
-  BuildMark building(*cache_, job.device, job.key);
+  ShapeCache::BuildMark building(*cache_, job.device, job.key);
   if (job.generation != generation_) return;  // cleared since it was queued
   py::tuple args = job.args;
   if (!job.owner_ref.is_none()) {
@@ -284,7 +229,10 @@ py::object MissPolicy::build(const ShapeKey& key, const c10::Device& device, con
   const auto start = std::chrono::steady_clock::now();
   std::optional<BuiltEntry> maybe_built = run_build_(device, args, kwargs, tensors, run_call);
   if (!maybe_built) {
-    if (run_call) return run_uncached_after_out_of_memory(device, args, kwargs);
+    if (run_call) {
+      warn_out_of_memory(device);
+      return run_build_.run_uncached(device, args, kwargs);
+    }
     // In the background no call waits: the bucket is built again from its next miss.
     if (generation == generation_) warn_out_of_memory(device);
     return py::none();
@@ -325,21 +273,6 @@ void MissPolicy::warn_out_of_memory(const c10::Device& device) {
                                        "cache); such calls run uncached");
 }
 
-py::object MissPolicy::run_uncached_after_out_of_memory(const c10::Device& device, const py::tuple& args,
-                                                        const py::dict& kwargs) {
-  warn_out_of_memory(device);
-  try {
-    return run_uncached(args, kwargs);
-  } catch (py::error_already_set& error) {
-    if (!is_out_of_memory(error)) throw;
-    const std::string state = "shapecache: " + cache_->describe(device) +
-                              ". Building an entry ran out of memory twice, so the call ran uncached, and the "
-                              "uncached call ran out of memory too: the model does not fit beside what the cache holds";
-    py::raise_from(error, out_of_memory_type().ptr(), state.c_str());
-    throw py::error_already_set();
-  }
-}
-
 void MissPolicy::insert(const ShapeKey& key, const c10::Device& device, BuiltEntry built, double seconds) {
   ++counters_.builds;
   Entry entry;
@@ -347,7 +280,6 @@ void MissPolicy::insert(const ShapeKey& key, const c10::Device& device, BuiltEnt
   const uint64_t id = entry.id;
   entry.runner = std::move(built.runner);
   entry.handle = std::move(built.handle);
-  entry.guard = std::move(built.guard);
   entry.function_id = function_id_;
   entry.bucket = describe_key(key);
   entry.backend = std::move(built.backend);
@@ -365,27 +297,18 @@ void MissPolicy::insert(const ShapeKey& key, const c10::Device& device, BuiltEnt
   if (result.inserted && !in_background_build()) note_entry_served(id, /*built=*/true);  // the call's
   if (result.inserted || present) return;  // `result` (evicted, returned entries) is destroyed on return
   ++counters_.fallbacks;
-  std::ostringstream message;
-  message << "shapecache: the entry for " << describe_key(key) << " was not kept: ";
-  const bool never_fits = bytes > lru.budget_bytes() - lru.shared_bytes();
-  if (bytes > lru.budget_bytes() - lru.shared_bytes() - lru.pinned_bytes()) {
-    message << "it holds " << bytes << " bytes, more than the budget of " << lru.budget_bytes()
-            << " bytes leaves after " << lru.pinned_bytes() << " bytes of running entries and " << lru.shared_bytes()
-            << " shared bytes";
-  } else {
-    message << "all " << lru.pinned_count() << " entries on " << device
-            << " are running, and max_entries=" << lru.max_entries() << " leaves no room beside them";
-  }
+  bool never_fits = false;
+  std::string message = "shapecache: the entry for " + describe_key(key) + " was not kept: " +
+                        cache_->why_not_kept(device, bytes, never_fits);
   if (never_fits) {
     remember_uncached(key);
-    message << "; the bucket's calls run uncached from now on (a larger budget, or sc.clear, lets it be built "
-               "again)";
+    message += "; the bucket's calls run uncached from now on (a larger budget, or sc.clear, lets it be built again)";
   } else {
-    message << "; the bucket is built again on its next call";
+    message += "; the bucket is built again on its next call";
   }
   // The call's result is computed: the warning is reported as unraisable if it is an error.
   if (warned_.insert(Warning::kRejected).second &&
-      PyErr_WarnEx(PyExc_RuntimeWarning, message.str().c_str(), 1) < 0) {
+      PyErr_WarnEx(PyExc_RuntimeWarning, message.c_str(), 1) < 0) {
     PyErr_WriteUnraisable(function_.ptr());
   }
 }

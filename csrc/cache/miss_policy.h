@@ -139,7 +139,6 @@ class MissPolicy : public QueuedBuildRunner {
                    const py::tuple& tensors, bool run_call, uint64_t generation);
   // A build ran out of memory twice: a fallback, with its one warning.
   void warn_out_of_memory(const c10::Device& device);
-  py::object run_uncached_after_out_of_memory(const c10::Device& device, const py::tuple& args, const py::dict& kwargs);
   void insert(const ShapeKey& key, const c10::Device& device, BuiltEntry built, double seconds);
   void give_up_if_unstable(const ShapeKey& key, const std::string& changed);
   // The bucket runs uncached until clear(), with the kind's one warning: `what` happened, and

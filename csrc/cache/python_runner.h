@@ -27,7 +27,7 @@ class PythonRunner : public EntryRunner {
   std::string changed() const override { return guard_ ? guard_->changed() : std::string(); }
 
   const py::object& callable() const { return callable_; }
-  const std::shared_ptr<StateGuard>& guard() const { return guard_; }
+  const std::shared_ptr<StateGuard>& guard() const override { return guard_; }
 
  private:
   py::object callable_;

@@ -85,6 +85,21 @@ std::optional<ShapeKey> ShapeCache::key_of(const c10::Device& device, uint64_t i
   return found;
 }
 
+std::string ShapeCache::why_not_kept(const c10::Device& device, int64_t bytes, bool& never_fits) {
+  EntryLru& entries = lru(device);
+  never_fits = bytes > entries.budget_bytes() - entries.shared_bytes();
+  std::ostringstream why;
+  if (bytes > entries.budget_bytes() - entries.shared_bytes() - entries.pinned_bytes()) {
+    why << "it holds " << bytes << " bytes, more than the budget of " << entries.budget_bytes()
+        << " bytes leaves after " << entries.pinned_bytes() << " bytes of running entries and "
+        << entries.shared_bytes() << " shared bytes";
+  } else {
+    why << "all " << entries.pinned_count() << " entries on " << device
+        << " are running, and max_entries=" << entries.max_entries() << " leaves no room beside them";
+  }
+  return why.str();
+}
+
 int ShapeCache::traverse(uint64_t function_id, visitproc visit, void* arg) const {
   int result = 0;
   for (const auto& [device, cache] : devices_) {
@@ -95,7 +110,8 @@ int ShapeCache::traverse(uint64_t function_id, visitproc visit, void* arg) const
       if (auto* python = dynamic_cast<const PythonRunner*>(entry.runner.get()); result == 0 && python != nullptr) {
         result = visit(python->callable().ptr(), arg);
       }
-      if (result == 0 && entry.guard) result = entry.guard->traverse(visit, arg);
+      // What the runner was built from (entry_runner.h), once however many hold it.
+      if (const auto& guard = entry.runner->guard(); result == 0 && guard) result = guard->traverse(visit, arg);
     });
   }
   return result;

@@ -29,7 +29,6 @@
 #include "core/budgeted_lru.h"
 #include "core/shape_key.h"
 #include "cache/entry_runner.h"
-#include "cache/state_guard.h"
 
 namespace shapecache {
 
@@ -47,8 +46,6 @@ struct Entry {
   // What the builder returned as the runner (a callable, or a runner bound to Python): the
   // object BuildHandle.entries() lists and the garbage collector visits.
   py::object handle;
-  // What the runner was built from (state_guard.h), or null: visited by the garbage collector.
-  std::shared_ptr<StateGuard> guard;
   uint64_t function_id = 0;   // the ShapeDispatcher that built it
   std::string bucket;         // the key, readable
   std::string backend;        // what built the runner: "eager", "compile", ...
@@ -125,6 +122,24 @@ class ShapeCache : public std::enable_shared_from_this<ShapeCache> {
     return devices_.at(device).building.insert(key).second;
   }
   void end_build(const c10::Device& device, const ShapeKey& key) { devices_.at(device).building.erase(key); }
+  // Ends a build's mark on every way out, exceptions included.
+  class BuildMark {
+   public:
+    BuildMark(ShapeCache& cache, const c10::Device& device, const ShapeKey& key)
+        : cache_(cache), device_(device), key_(key) {}
+    ~BuildMark() { cache_.end_build(device_, key_); }
+    BuildMark(const BuildMark&) = delete;
+    BuildMark& operator=(const BuildMark&) = delete;
+
+   private:
+    ShapeCache& cache_;
+    const c10::Device& device_;
+    const ShapeKey& key_;
+  };
+
+  // Why an entry of `bytes` was not inserted on `device` (BudgetedLru::insert refused it),
+  // for the warning; `never_fits`: it is larger than the budget leaves beside the shared bytes.
+  std::string why_not_kept(const c10::Device& device, int64_t bytes, bool& never_fits);
 
   // Visits the Python objects the entries of one function hold (their runners and guards),
   // once per reference, for the garbage collector. Calls no Python code.

@@ -441,7 +441,7 @@ def owned_background(guarded: bool):
     """A background-building dispatcher of Owner.forward bound to a new Owner, whose builder
     waits for `gate` and records each build's size; its entries guard the module when
     `guarded`. Returns (dispatcher, owner, gate, started, sizes)."""
-    from shapecache._backends import record_guard
+    from shapecache._backends import guard_record
 
     gate, started, sizes = threading.Event(), threading.Event(), []
 
@@ -449,7 +449,7 @@ def owned_background(guarded: bool):
         started.set()
         assert gate.wait(WAIT), "the test never opened the gate"
         sizes.append(args[1].shape[0])  # args[0] is the module
-        guard = record_guard({"self": args[0]}) if guarded else None
+        guard = guard_record({"self": args[0]}) if guarded else None
         return BuiltEntry(Owner.forward, 0, None, "eager", guard, ran_call=False)
 
     owner = Owner()

@@ -93,10 +93,40 @@ def test_a_tensor_updated_in_place_after_the_record_read_it_makes_the_guard_stal
     assert _C.StateGuard(record({}, tensors=[("t", t)])).check()
 
 
+def test_a_runner_made_in_cpp_serves_with_its_own_guard_and_takes_no_second_one():
+    # A runner made already (a CUDA graph's; here the graph runner of another function's
+    # entry, which computes the same) holds the guard it was made with: the cache reads that one.
+    holder = Holder()
+    cache = _C.ShapeCache(lambda device: 10**9, None)
+    made = _C.ShapeDispatcher(lambda x: x * holder.scale, lambda args, kwargs, handle: BuiltEntry(
+        None, 0, graph=lambda t: [t * holder.scale], guard=record({"holder": holder}), ran_call=False),
+        cache, [], ["x"], None, False)
+    made(torch.ones(3))
+    guards_given = [record({"holder": holder}), None]
+
+    def reuse(args, kwargs, handle):
+        if not guards_given:
+            return BuiltEntry(None, 0, failure="built once only", ran_call=False)
+        ((_, runner, _),) = handle.entries()
+        return BuiltEntry(None, 0, backend="compile", entry_runner=runner, guard=guards_given.pop(0), ran_call=False)
+
+    served = _C.ShapeDispatcher(lambda x: x * holder.scale, reuse, cache, [], ["x"], None, False)
+    with pytest.raises(ValueError, match="entry_runner holds its own guard; its guard and built_from must be None"):
+        served(torch.ones(3))
+    assert served.stats()["entries"] == []
+    assert torch.equal(served(torch.ones(3)), torch.full((3,), 2.0))
+    assert served.stats()["entries"][0]["backend"] == "compile"
+    holder.scale = 3.0  # what the runner's own guard holds: the entry is stale, and built again
+    with pytest.warns(RuntimeWarning, match="built once only"):
+        assert torch.equal(served(torch.ones(3)), torch.full((3,), 3.0))
+    assert served.stats()["invalidations"] == 1
+
+
 @pytest.mark.parametrize("returned,error,message", [
-    (BuiltEntry(lambda x: x, 0, graph=lambda *t: t), ValueError, "a runner or a graph, not both"),
+    (BuiltEntry(lambda x: x, 0, graph=lambda *t: t), ValueError, "one of a runner, a graph and an entry_runner, not several"),
     (BuiltEntry(None, 0), ValueError, "with no runner needs a failure"),
-    (BuiltEntry(lambda x: x, 0, guard={"not": "a record"}), TypeError, "guard must be a GuardRecord, a StateGuard or None, got dict"),
+    (BuiltEntry(lambda x: x, 0, guard={"not": "a record"}), TypeError, "guard must be a GuardRecord or None, got dict"),
+    (BuiltEntry(None, 0, entry_runner=lambda x: x), TypeError, "entry_runner must be a shapecache._C runner, got function"),
     (("a", "tuple"), TypeError, "must return a shapecache BuiltEntry, got tuple"),
 ])
 def test_a_result_that_is_no_entry_is_refused_naming_what_is_wrong(returned, error, message):

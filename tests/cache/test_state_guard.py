@@ -276,7 +276,7 @@ def test_a_record_is_typed_item_by_item_and_an_object_of_another_kind_is_named()
     ]:
         with pytest.raises(TypeError, match=message):
             _C.StateGuard(refused(kind, item))
-    with pytest.raises(TypeError, match="BuiltEntry.guard must be a GuardRecord, a StateGuard or None, got list"):
+    with pytest.raises(TypeError, match="BuiltEntry.guard must be a GuardRecord or None, got list"):
         from shapecache._backends import BuiltEntry
 
         _C.ShapeDispatcher(lambda x: x, lambda a, k, h: BuiltEntry(lambda x: x, 0, guard=[("dict", d, "d", None)]),

@@ -133,6 +133,7 @@ class CudaGraphRunner final : public EntryRunner {
   py::object run(const Call& call) override;
   bool valid() override;
   std::string changed() const override { return guard_ ? guard_->changed() : std::string(); }
+  const std::shared_ptr<StateGuard>& guard() const override { return guard_; }
 
   // Drops the graph and its outputs: every block it held in the pool goes back to the pool,
   // and when no graph of the pool is left, emptying the allocator's cache frees the pool.

@@ -29,7 +29,6 @@ from shapecache._backends.compilers import background_compiler
 from shapecache._backends.disk_cache import disk_cache_counts, disk_cache_state
 from shapecache._backends.entry import BUILDERS, BuildContext, Builder, BuiltEntry, not_built
 from shapecache._backends.graph_pool import release_device_memory
-from shapecache._backends.guards import guard as record_guard
 from shapecache._backends.guards import record as guard_record
 from shapecache._backends.package_store import ENVIRONMENT as SHARED_DIR_VARIABLE
 from shapecache._backends.package_store import directory_in as shared_packages_directory
@@ -42,7 +41,7 @@ GRAPH_BACKENDS = ("cuda_graph", "compile+cuda_graph")
 # The package's seam: what the rest of shapecache uses of the backends.
 __all__ = ["BACKENDS", "BUILDERS", "GRAPH_BACKENDS", "SHARED_DIR_VARIABLE", "BuildContext", "Builder", "BuiltEntry",
            "background_compiler", "builds_in_background", "check_available", "disk_cache_counts", "disk_cache_state",
-           "dynamo_entry_point", "guard_record", "make_builder", "record_guard", "release_device_memory", "resolve_backend",
+           "dynamo_entry_point", "guard_record", "make_builder", "release_device_memory", "resolve_backend",
            "shared_packages_directory"]
 
 def check_available(backend: str) -> None:

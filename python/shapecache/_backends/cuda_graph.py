@@ -144,4 +144,4 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
         replay_seconds = min(_timing.timings(lambda: runner(*handle.tensors), device, repeats=3))
         if replay_seconds >= eager_seconds:
             return BuiltEntry(function, 0, output, "eager")
-    return BuiltEntry(runner, entry_bytes, output, name, guard)
+    return BuiltEntry(None, entry_bytes, output, name, entry_runner=runner)  # the runner holds `guard`

@@ -15,17 +15,16 @@ class BuiltEntry:
     builder has returned, which makes the entry's runner and guard from it
     (csrc/cache/built_entry.h)."""
 
-    # Serves the bucket's later calls, called as the plain function is (owner first), or a
-    # runner made in C++ (a CUDA graph's). None with no graph: nothing was built (`failure`).
-    runner: Any
+    # Serves the bucket's later calls, called as the plain function is (owner first). None:
+    # the entry is a `graph` or an `entry_runner`, or nothing was built (`failure`).
+    runner: Callable | None
     bytes: int  # device memory the entry holds beyond what the uncached call leaves behind
     output: Any = None  # the call's result, when the builder ran the call (`ran_call`)
     backend: str = "eager"  # what built it: "eager", "compile", "cuda_graph", ...
-    # What the entry depends on: a guards.GuardRecord (guards.record), made into its guard when the
-    # cache reads this, or a _C.StateGuard made already (a runner made in C++ holds it); None:
-    # nothing that can change.
+    # What the entry depends on: a guards.GuardRecord (guards.record), made into its guard when
+    # the cache reads this; None: nothing that can change.
     guard: Any = None
-    failure: str = ""  # with no runner and no graph: why, for the warning
+    failure: str = ""  # with no runner, graph or entry_runner: why, for the warning
     # False: the builder did not run the call (an eager entry, a compiled graph, any build in
     # the background); inline, the cache runs the new entry for the result.
     ran_call: bool = True
@@ -37,7 +36,9 @@ class BuiltEntry:
     # A _C.StateGuard over the live state the build started from: if it no longer holds when
     # the cache reads this, the entry starts stale and is rebuilt on its next call.
     built_from: Any = None
-
+    # Instead of `runner`: a runner made in C++ already (a _C.CudaGraphRunner), which holds its
+    # own guard (`guard` and `built_from` are None then).
+    entry_runner: Any = None
 
 @dataclass(frozen=True)
 class BuildContext:
