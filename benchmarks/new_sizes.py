@@ -77,6 +77,7 @@ def run_strategy(strategy: str, model_name: str, sizes: list, interval: float, p
         pending = lambda: dispatcher.pending_builds  # noqa: E731
     arguments = [inputs(h, w) for h, w in sizes]
     records = []
+    compiler_bytes = 0
     with torch.no_grad():
         start = time.perf_counter()
         for i, k in enumerate(schedule(sizes, per_size)):
@@ -90,6 +91,8 @@ def run_strategy(strategy: str, model_name: str, sizes: list, interval: float, p
             end = time.perf_counter()
             records.append({"size": k, "arrival": arrival - start, "service": end - begin, "latency": end - arrival,
                             "end": end - start, "building": building})
+            if pending is not None and i % 10 == 0:  # the compiler's process, where builds compile in one
+                compiler_bytes = max(compiler_bytes, sc.stats(forward)["compiler_bytes"])
     best = {}
     if strategy == "shapecache-inline":  # the compiled entries' best call per size: the reference speed
         with torch.no_grad():
@@ -104,6 +107,7 @@ def run_strategy(strategy: str, model_name: str, sizes: list, interval: float, p
     if pending is not None:
         st = sc.stats(forward)
         out["builds"] = [e["build_seconds"] for e in sorted(st["entries"], key=lambda e: e["id"])]
+        out["compiler_bytes"] = compiler_bytes
     return out
 
 
@@ -163,6 +167,8 @@ def report(results: dict, sizes: list, interval: float) -> None:
         building = [r["latency"] for r in background["records"] if r["building"]]
         builds = ", ".join(f"{b:.1f}" for b in background.get("builds", []))
         print(f"\n{strategy}: serving while the worker builds ({os.cpu_count()} cores shared; builds {builds} s)")
+        if background.get("compiler_bytes"):
+            print(f"  the compiler's process: {background['compiler_bytes'] / 2**20:.0f} MiB resident at most")
         if building:
             p99 = percentile(building, 99)
             print(f"  p99 latency of the {len(building)} requests that arrived while a build ran: {p99 * 1e3:.0f} ms "

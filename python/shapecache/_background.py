@@ -58,6 +58,7 @@ _worker_threads: set[int] = set()  # threading.get_ident() of each worker
 _publications: dict[str, list[Publication]] = {}  # device -> publications waiting, oldest first
 _publishing: dict[str, Publication] = {}  # key -> each publication waiting or running
 _processes: set[subprocess.Popen] = set()  # the compiler processes running now
+_parents_processes: list[subprocess.Popen] = []  # in a forked child: its parent's, let go of
 _exiting = False  # the interpreter is exiting: nothing more starts
 _at_exit_calls: list[Callable[[], None]] = []
 _build_lock = threading.RLock()
@@ -382,6 +383,9 @@ def _forget_parents_work() -> None:
             if pipe is not None:
                 with contextlib.suppress(OSError, ValueError):
                     os.close(pipe.fileno())
+    # Kept, never finalized here: their pipe objects would close the descriptors' numbers
+    # again, which a file this process opens later may have.
+    _parents_processes.extend(_processes)
     _processes.clear()
     if _build_changes["builds"] and sys.getswitchinterval() == _build_changes["set"]:
         sys.setswitchinterval(_build_changes["previous"])

@@ -28,6 +28,7 @@ from shapecache._backends import (
     background_compiler,
     builds_in_background,
     check_available,
+    compiler_resident_bytes,
     make_builder,
     release_device_memory,
 )
@@ -154,6 +155,7 @@ class CachedFunction(_C.ShapeDispatcher, CacheHolder):
         budgets = [figures["budget"] for figures in out["devices"].values()]
         out["budget"] = budgets[0] if budgets else None
         out["backend"] = self.options.backend
+        out["compiler_bytes"] = compiler_resident_bytes()
         return out
 
     def dispatchers(self) -> list:

@@ -73,6 +73,10 @@ class CacheStats(TypedDict):
     budget: int | None  # bytes on the device used first; None before the first call
     max_entries: int | None
     backend: str  # the backend asked for ("auto", "eager", ...); each entry says what built it
+    # Resident memory of this process's compiler process, where background builds of frozen
+    # graphs compile (one per serving process, shared by every cache; docs/budgets.md); 0
+    # while none runs.
+    compiler_bytes: int
     devices: dict[str, DeviceStats]
     entries: list[EntryStats]  # most recently used first
 

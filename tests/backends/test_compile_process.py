@@ -2,6 +2,7 @@
 (shapecache/_backends/compile_process.py): the serving process traces, a new process compiles
 with AOTInductor, the serving process loads the package."""
 
+import contextlib
 import copy
 import gc
 import os
@@ -11,6 +12,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import warnings
 
 import pytest
 import torch
@@ -228,6 +230,12 @@ def test_the_compilers_place_is_checked_when_a_background_cache_is_made(monkeypa
     monkeypatch.setenv("SHAPECACHE_BACKGROUND_COMPILER", "fork")
     with pytest.raises(ValueError, match=r"SHAPECACHE_BACKGROUND_COMPILER='fork': expected 'process' .* or 'thread'"):
         sc.cached(conv_net(), backend="compile", build="background")
+    monkeypatch.setenv("SHAPECACHE_BACKGROUND_COMPILER", "process")
+    for idle in ("soon", "0", "-5", "inf"):
+        monkeypatch.setenv("SHAPECACHE_COMPILER_IDLE_S", idle)
+        with pytest.raises(ValueError, match=rf"SHAPECACHE_COMPILER_IDLE_S='{idle}': expected a positive number of "
+                                             r"seconds .* \(default 300\)"):
+            sc.cached(conv_net(), backend="compile", build="background")
     net = conv_net()
     sc.cached(net, backend="compile")  # an inline cache compiles in the serving process: not read
     sc.uncached(net)
@@ -291,3 +299,75 @@ def test_a_compiler_that_stays_stopped_is_killed_and_its_graph_compiled_here(mon
     assert compiler.returncode == -signal.SIGKILL
     assert st["hits"] == 1 and [e["backend"] for e in st["entries"]] == ["compile"]
     assert not compile_process.PROCESS.failed  # one build's failure: the route stays open
+
+
+def compiler():
+    """This process's compiler process (compile_process.CompilerProcess), or None."""
+    from shapecache._backends import compile_process
+
+    return compile_process._this_process()["process"]
+
+
+@pytest.fixture
+def no_compiler_running():
+    """No compiler process runs when the test starts (an earlier test's, kept warm, is ended)."""
+    if (running := compiler()) is not None:
+        from shapecache._backends import compile_process
+
+        compile_process._this_process()["process"] = None
+        running.end()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads processes' states from /proc")
+def test_the_compilers_process_takes_every_later_build_is_started_anew_when_killed_or_crashed_and_ends_idle(
+        monkeypatch, no_compiler_running):
+    # One process for the builds: the second build starts none. Killed between builds, the
+    # next build starts another; crashed during a build (SIGSEGV), the build is sent to a new
+    # one, which builds it: no warning, nothing compiled here. Idle for its time, it ends.
+    # Each one started reuses the directory of the first (its compiles are warm).
+    monkeypatch.setenv("SHAPECACHE_BACKGROUND_COMPILER", "process")
+    net = conv_net()
+    plain = copy.deepcopy(net)  # net itself is cached in place
+    pids, compiler_bytes = [], []
+    with torch.no_grad(), warnings_recorded() as caught:
+        cached = sc.cached(net, backend="compile", build="background", compile_options=FROZEN)
+        try:
+            modules = loaded_compiled_modules()
+            for size in (8, 10, 12, 14):
+                x = torch.randn(1, 4, size, size)
+                if size == 12:
+                    os.kill(pids[-1], signal.SIGKILL)
+                    assert gone(pids[-1], within=30)
+                cached(x)  # the miss: the plain call, and the build queued
+                if size == 14:
+                    monkeypatch.setenv("SHAPECACHE_COMPILER_IDLE_S", "3")  # read by the next process started
+                    running = compiler()
+                    deadline = time.monotonic() + 120
+                    while running.builds < 2 and time.monotonic() < deadline:  # its request was sent
+                        time.sleep(0.002)
+                    os.kill(running.process.pid, signal.SIGSEGV)
+                assert sc.wait(cached, timeout=300)
+                pids.append(compiler().process.pid)
+                compiler_bytes.append(sc.stats(cached)["compiler_bytes"])
+                torch.testing.assert_close(cached(x), plain(x), rtol=1e-5, atol=1e-5)
+            modules = loaded_compiled_modules() - modules
+            assert gone(pids[-1], within=60)  # 3 s without a build
+            st = sc.stats(cached)
+            idle = compiler()
+        finally:
+            sc.uncached(net)
+    assert pids[0] == pids[1] and len({pids[1], pids[2], pids[3]}) == 3, pids
+    assert st["background_builds"] == 4 and st["hits"] == 4 and st["fallbacks"] == 0
+    assert [e["backend"] for e in st["entries"]] == ["compile"] * 4
+    assert modules == 0 and not [str(w.message) for w in caught if "shapecache" in str(w.message)]
+    assert min(compiler_bytes) > 64 << 20, compiler_bytes  # torch and inductor imported there
+    assert st["compiler_bytes"] == 0
+    # Its directory (inductor's cache, the precompiled headers) stays for the next one, private.
+    assert os.stat(idle.directory).st_mode & 0o777 == 0o700 and any(os.scandir(idle.directory))
+
+
+@contextlib.contextmanager
+def warnings_recorded():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught

@@ -18,6 +18,11 @@ SCRIPT = textwrap.dedent("""
     import torch
     import shapecache as sc
     from shapecache import _background
+    from shapecache._backends import compile_process
+
+    def compiler_pid():
+        running = compile_process._this_process()["process"]
+        return running.process.pid if running is not None else None
 
     torch.manual_seed(0)
     frozen_before = __import__("gc").get_freeze_count()  # 375 of the interpreter's own on 3.12.1
@@ -25,7 +30,8 @@ SCRIPT = textwrap.dedent("""
     x, y = torch.randn(1, 3, 16, 16), torch.randn(1, 3, 24, 24)
     with torch.no_grad():
         expected = model(y)  # before caching: sc.cached caches the module in place
-    f = sc.cached(model, backend="compile", build="background")
+    frozen = {"options": {"freezing": True}} if len(sys.argv) > 2 else {}  # compiled in the compiler's process
+    f = sc.cached(model, backend="compile", build="background", compile_options=frozen)
     with torch.no_grad():
         f(x)
         if sys.argv[1] == "mid-build":  # the first build imports the compiler: seconds
@@ -35,6 +41,7 @@ SCRIPT = textwrap.dedent("""
             assert _background._build_changes["builds"], "the build never started"
         else:
             assert sc.wait(f, timeout=120)
+        parent_compiler = compiler_pid()
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:
@@ -48,19 +55,23 @@ SCRIPT = textwrap.dedent("""
                       "again_close": bool(torch.allclose(again, expected, rtol=1e-4, atol=1e-5)),
                       "backends": sorted(e["backend"] for e in st["entries"]), "fallbacks": st["fallbacks"],
                       "switch_interval": sys.getswitchinterval(), "frozen": __import__("gc").get_freeze_count() - frozen_before,
-                      "warnings": [str(w.message) for w in caught]}
+                      "warnings": [str(w.message) for w in caught], "compiler": compiler_pid()}
             os.write(write, json.dumps(report).encode())
             os._exit(0)
         os.close(write)
         _, status = os.waitpid(pid, 0)
         child = json.loads(os.read(read, 1 << 20) or b"null")
-        print(json.dumps({"status": status, "child": child, "parent_waited": sc.wait(f, timeout=120),
-                          "parent_backends": [e["backend"] for e in sc.stats(f)["entries"]]}))
+        parent_waited = sc.wait(f, timeout=120)
+        f(torch.randn(1, 3, 20, 20))  # a size of the parent's own, after the child
+        parent_waited = parent_waited and sc.wait(f, timeout=120)
+        print(json.dumps({"status": status, "child": child, "parent_waited": parent_waited,
+                          "parent_backends": [e["backend"] for e in sc.stats(f)["entries"]],
+                          "parent_compiler": [parent_compiler, compiler_pid()]}))
 """)
 
 
-def run(when):
-    out = subprocess.run([sys.executable, "-c", SCRIPT, when], capture_output=True, text=True, timeout=300,
+def run(*when):
+    out = subprocess.run([sys.executable, "-c", SCRIPT, *when], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -73,7 +84,8 @@ def test_a_child_forked_mid_build_runs_its_compiled_buckets_uncached_with_a_warn
     assert "compile" not in child["backends"] and child["fallbacks"] == 1
     assert any("was forked from process" in w and "while a build ran there" in w for w in child["warnings"])
     assert child["switch_interval"] == 0.005 and child["frozen"] == 0  # what the build had set is undone
-    assert result["parent_waited"] and result["parent_backends"] == ["compile"]  # the parent's build went on
+    assert result["parent_waited"] and result["parent_backends"] == ["compile", "compile"]  # the parent's build went on
+    assert any("shapecache.wait on the parent's cached objects before forking avoids it" in w for w in child["warnings"])
 
 
 def test_a_child_forked_between_builds_builds_as_any_process():
@@ -82,3 +94,15 @@ def test_a_child_forked_between_builds_builds_as_any_process():
     # the first call ran uncached (its build is queued); the second hit the compiled entry
     assert result["status"] == 0 and child["waited"] and child["first_equal"] and child["again_close"]
     assert child["backends"] == ["compile", "compile"] and child["fallbacks"] == 0 and child["warnings"] == []
+
+
+def test_a_child_forked_between_builds_compiles_in_a_compilers_process_of_its_own():
+    # The parent's compiler process, kept warm, is the parent's: the child starts its own for
+    # its frozen build, and the parent's keeps serving the parent's builds.
+    result = run("between-builds", "frozen")
+    child = result["child"]
+    assert result["status"] == 0 and child["waited"] and child["first_equal"] and child["again_close"]
+    assert child["backends"] == ["compile", "compile"] and child["fallbacks"] == 0 and child["warnings"] == []
+    before, after = result["parent_compiler"]
+    assert before is not None and before == after and child["compiler"] not in (None, before), (result, child)
+    assert result["parent_waited"] and result["parent_backends"] == ["compile", "compile"]  # x, then its own size

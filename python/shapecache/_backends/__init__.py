@@ -25,6 +25,7 @@ import torch
 import shapecache._backends.compile
 import shapecache._backends.cuda_graph
 import shapecache._backends.eager  # noqa: F401  (each of the three registers its builders)
+from shapecache._backends.compile_process import resident_bytes as compiler_resident_bytes
 from shapecache._backends.compilers import background_compiler
 from shapecache._backends.disk_cache import disk_cache_counts, disk_cache_state
 from shapecache._backends.entry import BUILDERS, BuildContext, Builder, BuiltEntry, not_built
@@ -40,9 +41,9 @@ GRAPH_BACKENDS = ("cuda_graph", "compile+cuda_graph")
 
 # The package's seam: what the rest of shapecache uses of the backends.
 __all__ = ["BACKENDS", "BUILDERS", "GRAPH_BACKENDS", "SHARED_DIR_VARIABLE", "BuildContext", "Builder", "BuiltEntry",
-           "background_compiler", "builds_in_background", "check_available", "disk_cache_counts", "disk_cache_state",
-           "dynamo_entry_point", "guard_record", "make_builder", "release_device_memory", "resolve_backend",
-           "shared_packages_directory"]
+           "background_compiler", "builds_in_background", "check_available", "compiler_resident_bytes",
+           "disk_cache_counts", "disk_cache_state", "dynamo_entry_point", "guard_record", "make_builder",
+           "release_device_memory", "resolve_backend", "shared_packages_directory"]
 
 def check_available(backend: str) -> None:
     """Raises ValueError when `backend` cannot run here at all."""
@@ -92,7 +93,8 @@ def make_builder(function: Callable, backend: str, context: BuildContext) -> Cal
         if chosen != "eager" and (parent := forked_mid_build()) is not None:
             return not_built(function, args, kwargs, f"this process was forked from process {parent} while a build "
                              "ran there, and what that build had half made (a module half imported, the compiler's "
-                             "state) has no thread here to finish it", run_call=handle.run_call)
+                             "state) has no thread here to finish it; shapecache.wait on the parent's cached objects "
+                             "before forking avoids it", run_call=handle.run_call)
         return BUILDERS[chosen].build(function, args, kwargs, handle, context, backend)
 
     return build

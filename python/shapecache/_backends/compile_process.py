@@ -6,10 +6,11 @@ minute for a UNet on the CPU); every operator a serving thread calls releases th
 waits to get it back, so calls served meanwhile stall for seconds (docs/background-builds.md).
 So the worker does here only what needs the live model: ``torch.export`` traces the call (a
 few seconds; the guards come from that trace, trace.py). It saves the exported program, and
-a new Python process (``python -m shapecache._backends.compile_process``, started by the
-worker, so at its lower priority) compiles it with AOTInductor into a package, whose kernels
-and frozen weights this process then loads: in tens of milliseconds, with no Python of the
-compiler's run here.
+the compiler's process (``python -m shapecache._backends.compile_process``, started by the
+worker at its lower priority at the first such build, and kept warm for the next ones:
+``CompilerProcess``) compiles it with AOTInductor into a package, whose kernels and frozen
+weights this process then loads: in tens of milliseconds, with no Python of the compiler's
+run here.
 
 ``ProcessCompiler`` is one of the compilers (compilers.py), chosen there for a background
 build of a graph that inductor's freezing makes (``freezing`` on, grad off): its
@@ -20,26 +21,31 @@ not; a graph that writes what it reads (BatchNorm's statistics in training) woul
 package's copies (the compiler's process refuses it: NotForThisGraph); under autocast the
 exported graph records no casts. Those compile in this process; so does a build this compiler
 failed, with a warning, and every later build where the compiler's process cannot start or
-crashed (a segmentation fault, an illegal instruction: ``failed``). The route costs a small
-model time: every build starts Python and inductor again and compiles the graph as one C++
-file (docs/background-builds.md).
+crashed again once started anew (a segmentation fault, an illegal instruction: ``failed``).
+The route costs a small model time: the graph compiles as one C++ file
+(docs/background-builds.md).
 
 The same steps (SavedProgram, compile_saved, load) make and read the packages that processes
 share through a shared directory (package_store.py).
 
-The package's process never touches the model: it reads the saved program only. It ends with
-this process (it watches its standard input, which only this process holds open), and does not
-get the terminal's Ctrl-C (a process group of its own). It is started through shapecache's
-owner of background work (shapecache/_background.py), which stops it at interpreter exit
-rather than waiting for it.
+The compiler's process never touches the model: it reads the saved programs only. It ends
+with this process (it watches its standard input, which only this process holds open), after
+``SHAPECACHE_COMPILER_IDLE_S`` seconds without a build (default 300), or when killed; the next
+build starts another. It does not get the terminal's Ctrl-C (a process group of its own). It
+is started through shapecache's owner of background work (shapecache/_background.py), which
+stops it at interpreter exit rather than waiting for it, and lets go of it in a forked child,
+which starts its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import glob
 import json
 import os
+import queue
+import select
 import shutil
 import signal
 import subprocess
@@ -47,12 +53,13 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import zipfile
 
 import torch
 
 from shapecache import _background
-from shapecache._backends.compilers import CompiledGraph, CompilerFailed, NotForThisGraph
+from shapecache._backends.compilers import CompiledGraph, CompilerFailed, NotForThisGraph, idle_seconds
 from shapecache._backends.entry import described
 
 # The package keeps the constants in a file beside the library, which the loader reads into
@@ -62,9 +69,6 @@ _PACKAGE_OPTIONS = {"aot_inductor.package_constants_in_so": False,
                     "aot_inductor.package_constants_on_disk_format": "binary_blob"}
 
 PROGRAM = "program.pt2"  # the saved program's name in its directory (save)
-_UNSUITABLE = 3  # the compiler's exit status for a graph that writes what it reads (NotForThisGraph)
-# The signals a crash of the process itself ends it with, as a package that cannot run here does.
-_CRASHES = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGABRT, signal.SIGFPE}
 
 class Failed(Exception):
     """Saving the program, the compiler's process or loading its package failed (the message
@@ -169,17 +173,23 @@ _LEFT_FOR_S = 3600  # how old a dead process's build directory is before another
 
 
 def _remove_builds_of_dead_processes() -> None:
-    """Removes, once per process, the build directories that processes which no longer run left
-    in the temporary directory over an hour ago: one killed (SIGKILL, as Ray stops a replica) runs
-    no clean-up, and each directory holds a copy of the weights. (The hour spares a process of
+    """Removes, once per process, the build directories and compilers' directories that
+    processes which no longer run left in the temporary directory over an hour ago: one killed
+    (SIGKILL, as Ray stops a replica) runs no clean-up, and a build's holds a copy of the weights. (The hour spares a process of
     another PID namespace that shares the directory, which looks dead from here, unless one of
     its builds waits an hour.)"""
     global _swept
     if _swept:
         return
     _swept = True
-    for path in glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), f"{_BUILD_PREFIX}*-*")):
-        owner = os.path.basename(path)[len(_BUILD_PREFIX):].split("-", 1)[0]
+    temporary = glob.escape(tempfile.gettempdir())
+    for prefix in (_BUILD_PREFIX, _COMPILER_PREFIX):
+        _remove_dead(prefix, glob.glob(os.path.join(temporary, f"{prefix}*-*")))
+
+
+def _remove_dead(prefix: str, paths: list[str]) -> None:
+    for path in paths:
+        owner = os.path.basename(path)[len(prefix):].split("-", 1)[0]
         if not owner.isdigit() or int(owner) == os.getpid():
             continue
         try:
@@ -223,80 +233,172 @@ def load(package: str) -> Package:
     return Package(loaded, sum(blobs.values()))
 
 
-def _run_compiler(saved: str, package: str, options: dict, threads: int) -> None:
-    """Runs the compiler's process on the program saved at `saved`, which writes `package`.
-    Raises _background.Exiting where the interpreter is exiting."""
-    # -P: the working directory is not put first on its sys.path, so a module there (a json.py
-    # beside the user's script) is never imported in place of the library's own.
-    command = [sys.executable, "-P", "-m", "shapecache._backends.compile_process", saved, package, json.dumps(options),
-               str(threads)]
-    # Its temporary files (the package its trial extracts) go with the build's directory.
-    environment = {**os.environ, "TMPDIR": os.path.dirname(saved)}
-    # A process group of its own, not a session: the terminal's Ctrl-C is not sent to it,
-    # and it shares the scheduler's group (autogroup: one per session) with the serving
-    # process, inside which its lower priority counts; in a group of its own it would take
-    # a fair half of the CPU whatever its priority.
-    try:
-        process = _background.start_process(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.PIPE, process_group=0, env=environment)
-    except OSError as error:  # no Python to start here (an embedded interpreter): not tried again
-        PROCESS.failed = f"the compiler's process could not start: {error}"
-        raise Failed(PROCESS.failed) from error
-    try:
-        errors = _wait_for(process)
-    finally:
-        try:
-            process.stdin.close()
-            process.stderr.close()
-        finally:
-            _background.process_ended(process)  # raises Exiting where exit stopped it
-    if errors is None:
-        raise Failed(f"the compiler's process was stopped (SIGSTOP, a frozen cgroup, a debugger) for {STOPPED_LIMIT_S:.0f} s, "
-                     "and was killed")
-    if process.returncode == _UNSUITABLE:
-        raise NotForThisGraph
-    if -process.returncode in _CRASHES:
-        # Its package crashed it (a toolchain that links its own copy of the C++ library),
-        # which every package of this machine would. Not tried again.
-        PROCESS.failed = f"the compiler's process ended by signal {-process.returncode}"
-        raise Failed(PROCESS.failed)
-    if process.returncode < 0:  # killed (the out-of-memory killer, an operator): this build's failure only
-        raise Failed(f"the compiler's process was killed by signal {-process.returncode}")
-    if process.returncode != 0:
-        raise Failed(_why(errors.decode(errors="replace"), process.returncode))
-
-
 STOPPED_LIMIT_S = 120.0  # how long the compiler's process may stay stopped before its build fails
+_COMPILER_PREFIX = "shapecache-compiler-"  # then the process's id: a compiler's private directory
+_REPLY_LIMIT = 4000  # characters of a failure's text a reply carries
 
 
-def _wait_for(process: subprocess.Popen) -> bytes | None:
-    """What the compiler's process wrote to its standard error, once it has ended (its stdin
-    stays open: see _exit_with_parent); None where it stayed stopped STOPPED_LIMIT_S seconds
-    (a SIGSTOP, a frozen cgroup: a compile that would never end), after which it and what it
-    started are killed. A process that runs, however long, is waited for."""
-    errors: list[bytes] = []
-    reader = threading.Thread(target=lambda: errors.append(process.stderr.read()), daemon=True,
-                              name="shapecache-compiler-output")
-    reader.start()
-    stopped_since = None
-    while True:
+class CompilerProcess:
+    """The compiler's process, kept warm between builds: it imports torch and inductor once,
+    then compiles the programs it is sent one at a time, each request a line of JSON on its
+    stdin and each reply a line on a pipe of its own. Its temporary directory (inductor's
+    cache, its precompiled headers, the packages its trials extract) is `directory`, private
+    to this process's compilers (0700), which the next one started reuses; where the user sets
+    TORCHINDUCTOR_CACHE_DIR, inductor's cache is that one, and outlives them. It ends after
+    ``idle_seconds()`` without a build, when its stdin closes (this process ended), or when it
+    is killed; the next build starts another."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.builds = 0
+        self.stopped = False
+        # -P: the working directory is not put first on its sys.path, so a module there (a
+        # json.py beside the user's script) is never imported in place of the library's own.
+        command = [sys.executable, "-P", "-m", "shapecache._backends.compile_process", str(idle_seconds())]
+        # A process group of its own, not a session: the terminal's Ctrl-C is not sent to it,
+        # and it shares the scheduler's group (autogroup: one per session) with the serving
+        # process, inside which its lower priority counts; in a group of its own it would
+        # take a fair half of the CPU whatever its priority.
+        self.process = _background.start_process(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, process_group=0,
+            env={**os.environ, "TMPDIR": directory})
+
+    def request(self, **request) -> dict | None:
+        """The reply to `request`; None where the process ended without one (see `process.returncode`;
+        killed by this after staying stopped STOPPED_LIMIT_S seconds: ``stopped`` is then true).
+        A process that runs, however long, is waited for."""
+        self.stopped = False
         try:
-            process.wait(timeout=1.0)
-            break
-        except subprocess.TimeoutExpired:
-            pass
-        if not _stopped(process.pid):
-            stopped_since = None
-        elif stopped_since is None:
-            stopped_since = time.monotonic()
-        elif time.monotonic() - stopped_since >= STOPPED_LIMIT_S:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            reader.join()
+            self.process.stdin.write((json.dumps(request) + "\n").encode())
+            self.process.stdin.flush()
+        except (BrokenPipeError, ValueError):  # it ended (idle) as the request was sent
+            self.process.wait()
             return None
-    reader.join()
-    return errors[0] if errors else b""
+        self.builds += 1
+        reply = self.process.stdout
+        stopped_since = None
+        while True:
+            if select.select([reply], [], [], 1.0)[0]:
+                line = reply.readline()
+                if line:
+                    return json.loads(line)
+                self.process.wait()
+                return None
+            if not _stopped(self.process.pid):
+                stopped_since = None
+            elif stopped_since is None:
+                stopped_since = time.monotonic()
+            elif time.monotonic() - stopped_since >= STOPPED_LIMIT_S:
+                self.stopped = True
+                self.end()
+                return None
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def end(self) -> None:
+        """Stops it with what it started (its process group), and lets go of it. Raises
+        _background.Exiting where exit stopped it."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        self.ended()
+
+    def ended(self) -> None:
+        """After it ended: its pipes closed. Raises _background.Exiting where exit stopped it."""
+        try:
+            for pipe in (self.process.stdin, self.process.stdout):
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        finally:
+            _background.process_ended(self.process)
+
+    def resident_bytes(self) -> int:
+        """Its resident memory (its process alone, not the C++ compilers it runs); 0 where it
+        has ended or /proc cannot tell."""
+        try:
+            with open(f"/proc/{self.process.pid}/statm") as statm:
+                return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError, ValueError):
+            return 0
+
+
+_compiler: dict = {"process": None, "lock": None, "directory": None, "owner": None}  # see _this_process
+
+
+def _this_process() -> dict:
+    """This process's compiler process, the lock of its requests and its compilers' directory:
+    a forked child uses none of its parent's (the fork handler closed its copies of their
+    pipes, _background; a thread of the parent may have held the lock; the directory is the
+    parent's to remove)."""
+    if _compiler["owner"] != os.getpid():
+        _compiler.update(process=None, lock=threading.Lock(), directory=None, owner=os.getpid())
+    return _compiler
+
+
+def _compilers_directory(state: dict) -> str:
+    """The private directory of this process's compilers, made at the first (0700), removed at
+    exit (where this process is killed: by its compiler's process, or by a later process's
+    sweep, _remove_builds_of_dead_processes)."""
+    if state["directory"] is None or not os.path.isdir(state["directory"]):
+        directory = state["directory"] = tempfile.mkdtemp(prefix=f"{_COMPILER_PREFIX}{os.getpid()}-")
+        owner = os.getpid()
+        _background.at_exit(lambda: os.getpid() == owner and shutil.rmtree(directory, ignore_errors=True))
+    return state["directory"]
+
+
+def resident_bytes() -> int:
+    """The resident memory of this process's compiler's process; 0 where none runs."""
+    compiler = _this_process()["process"]
+    return compiler.resident_bytes() if compiler is not None and compiler.running() else 0
+
+
+def _run_compiler(saved: str, package: str, options: dict, threads: int) -> None:
+    """Has the compiler's process compile the program saved at `saved` into `package`, starting
+    one where none runs. A process that ends without replying is started anew for the build
+    once; ended again, this build fails, and where that end was a crash (or the process could
+    not start up), the route is not tried again in this process (PROCESS.failed). Raises
+    Failed, NotForThisGraph, and _background.Exiting where the interpreter is exiting."""
+    state = _this_process()
+    with state["lock"]:
+        restarted = False
+        while True:
+            compiler = state["process"]
+            if compiler is not None and not compiler.running():  # ended idle, or killed since its last build
+                state["process"] = None
+                compiler.ended()
+                compiler = None
+            if compiler is None:
+                try:
+                    compiler = state["process"] = CompilerProcess(_compilers_directory(state))
+                except OSError as error:  # no Python to start here (an embedded interpreter): not tried again
+                    PROCESS.failed = f"the compiler's process could not start: {error}"
+                    raise Failed(PROCESS.failed) from error
+            reply = compiler.request(saved=saved, package=package, options=options, threads=threads)
+            if reply is not None:
+                break
+            state["process"] = None
+            if compiler.stopped:  # killed, and let go of, by request()
+                raise Failed(f"the compiler's process was stopped (SIGSTOP, a frozen cgroup, a debugger) for "
+                             f"{STOPPED_LIMIT_S:.0f} s, and was killed")
+            compiler.ended()  # raises Exiting where exit stopped it
+            status = compiler.process.returncode
+            if status == 0 and compiler.builds > 1:
+                continue  # it ended idle as this build's request came: a new one takes it
+            if not restarted:
+                restarted = True
+                continue
+            if status == -signal.SIGKILL:  # the out-of-memory killer, an operator: this build's failure only
+                raise Failed("the compiler's process was killed by signal 9, and again when started anew")
+            # Its package crashed it (a toolchain that links its own copy of the C++ library),
+            # which every package of this machine would, or it cannot start up: not tried again.
+            ended = f"signal {-status}" if status < 0 else f"exit status {status}"
+            PROCESS.failed = f"the compiler's process ended by {ended}, and again when started anew"
+            raise Failed(PROCESS.failed)
+    if "unsuitable" in reply:
+        raise NotForThisGraph
+    if "error" in reply:
+        raise Failed(reply["error"])
 
 
 def _stopped(pid: int) -> bool:
@@ -309,12 +411,13 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def _why(errors: str, status: int) -> str:
-    """The line of the compiler's output that says why it failed: the last that names an error
-    (torch's own advice follows it), else its exit status."""
-    lines = [line.strip() for line in errors.splitlines() if line.strip()]
+def _why(error: BaseException) -> str:
+    """The line of a failed compile's report that says why: the last that names an error (a
+    C++ compiler's own error precedes torch's advice), else the error in a line."""
+    text = "".join(traceback.format_exception(error))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     named = [line for line in lines if "Error" in line or "error:" in line]
-    return named[-1] if named else f"exit status {status}"
+    return (named[-1] if named else described(error))[:_REPLY_LIMIT]
 
 
 def _remove_extracted(blobs) -> None:
@@ -333,16 +436,55 @@ def _remove_extracted(blobs) -> None:
                 os.remove(blob)
 
 
-def _exit_with_parent() -> None:
-    """Ends this process and what it started (its process group) when the one that started it
-    ends: its end closes our stdin. (A read of the file descriptor itself: a daemon thread
-    inside sys.stdin's buffered reader would hold its lock at interpreter exit, which is fatal.)"""
-    while os.read(0, 1 << 12):
-        pass
-    shutil.rmtree(os.path.dirname(sys.argv[1]), ignore_errors=True)  # its build's directory, which the parent left
-    if os.getpgid(0) == os.getpid():  # the leader of its own group, as _run_compiler starts it
+_building = {"directory": None}  # in the compiler's process: the directory of the build it runs
+
+
+def _read_requests(requests: queue.Queue) -> None:
+    """Puts each request line of stdin on `requests`. At its end (the process that started this
+    one ended: only it holds the pipe open) ends this process and what it started (its process
+    group), removing the directories the parent would have. (A read of the file descriptor
+    itself: a daemon thread inside sys.stdin's buffered reader would hold its lock at
+    interpreter exit, which is fatal.)"""
+    pending = b""
+    while chunk := os.read(0, 1 << 16):
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            requests.put(json.loads(line))
+    for directory in (_building["directory"], tempfile.gettempdir()):  # the build's, the compilers'
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+    if os.getpgid(0) == os.getpid():  # the leader of its own group, as CompilerProcess starts it
         os.killpg(0, signal.SIGKILL)
     os._exit(1)
+
+
+def _serve(idle_s: float) -> None:
+    """Compiles the requests of stdin one at a time, each reply a line on the pipe that was
+    stdout (stdout itself goes to stderr: what the compiler prints is not a reply); ends after
+    `idle_s` seconds without one."""
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    requests: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_requests, args=(requests,), daemon=True, name="shapecache-requests").start()
+    while True:
+        try:
+            request = requests.get(timeout=idle_s)
+        except queue.Empty:  # (its directory is kept for the next one)
+            os._exit(0)
+        _building["directory"] = os.path.dirname(request["saved"])
+        torch.set_num_threads(request["threads"])
+        try:
+            _compile(request["saved"], request["package"], request["options"])
+            reply = {}
+        except NotForThisGraph:
+            reply = {"unsuitable": True}
+        except Exception as error:  # noqa: BLE001  (any failure of one compile is that build's)
+            reply = {"error": _why(error)}
+        _building["directory"] = None
+        gc.collect()  # the program's weights and the trial's package, before the next build
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
 
 
 def _compile(saved: str, package: str, options: dict) -> None:
@@ -350,7 +492,8 @@ def _compile(saved: str, package: str, options: dict) -> None:
     package that cannot be loaded or run here (a C++ compiler that links its own copy of the C++
     library into it, which crashes the process that loads it) fails here, not in the serving
     process. The constants file the compiler leaves in inductor's cache directory (a copy of
-    the weights, which the package holds) is removed."""
+    the weights, which the package holds) is removed. Raises NotForThisGraph for a graph that
+    writes what it reads."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     program = torch.export.load(saved)
@@ -359,7 +502,7 @@ def _compile(saved: str, package: str, options: dict) -> None:
         # does it too.
         signature = program.run_decompositions(decomp_table={}).graph_signature  # functional, nothing decomposed
         if signature.buffers_to_mutate or signature.user_inputs_to_mutate:
-            sys.exit(_UNSUITABLE)
+            raise NotForThisGraph
         torch._inductor.aoti_compile_and_package(program, package_path=package,
                                                  inductor_configs={**options, **_PACKAGE_OPTIONS})
         with zipfile.ZipFile(package) as archive:
@@ -381,6 +524,4 @@ def _compile(saved: str, package: str, options: dict) -> None:
 
 
 if __name__ == "__main__":
-    threading.Thread(target=_exit_with_parent, daemon=True).start()
-    torch.set_num_threads(int(sys.argv[4]))
-    _compile(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
+    _serve(float(sys.argv[1]))

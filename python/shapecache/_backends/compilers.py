@@ -81,12 +81,35 @@ def handles(compile_options: dict) -> bool:
 def background_compiler() -> str:
     """Where background builds of frozen graphs compile, as ``SHAPECACHE_BACKGROUND_COMPILER``
     says: "process" (unset, the default) or "thread"; anything else is a ValueError naming the
-    variable (checked when a cached object is made)."""
+    variable (checked when a cached object is made, with the process's idle time)."""
     value = os.environ.get(BACKGROUND_COMPILER, "").strip().lower() or "process"
     if value not in ("process", "thread"):
         raise ValueError(f"{BACKGROUND_COMPILER}={os.environ[BACKGROUND_COMPILER]!r}: expected 'process' (a background "
                          "build compiles in a process of its own) or 'thread' (in the serving process)")
+    if value == "process":
+        idle_seconds()
     return value
+
+
+IDLE_VARIABLE = "SHAPECACHE_COMPILER_IDLE_S"  # seconds the compiler's process waits for its next build
+IDLE_S = 300.0  # its default
+
+
+def idle_seconds() -> float:
+    """How long the compiler's process waits for its next build before it ends (IDLE_VARIABLE;
+    checked with ``background_compiler``). Raises ValueError naming the variable for a value
+    that is not a positive number of seconds."""
+    text = os.environ.get(IDLE_VARIABLE, "").strip()
+    if not text:
+        return IDLE_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{IDLE_VARIABLE}={os.environ[IDLE_VARIABLE]!r}: expected a positive number of seconds the "
+                         f"compiler's process waits for its next build (default {IDLE_S:.0f})")
+    return seconds
 
 
 def inductor_options(compile_options: dict) -> dict:

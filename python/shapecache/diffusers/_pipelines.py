@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shapecache import _checks
-from shapecache._backends import builds_in_background, disk_cache_counts, disk_cache_state
+from shapecache._backends import builds_in_background, compiler_resident_bytes, disk_cache_counts, disk_cache_state
 from shapecache._extension import _C
 from shapecache._holder import HOLDER, CacheHolder, holder_on
 from shapecache.buckets import check_buckets
@@ -53,6 +53,7 @@ class PipelineHolder(CacheHolder):
         budgets = [figures["budget"] for figures in totals["devices"].values()]
         totals["budget"] = budgets[0] if budgets else None
         totals["backend"] = self.options.backend
+        totals["compiler_bytes"] = compiler_resident_bytes()
         totals["components"] = components
         totals["prewarmed"] = list(self.prewarmed)
         totals["memory"] = device_memory(totals["devices"])
