@@ -43,6 +43,7 @@ import contextlib
 import gc
 import glob
 import json
+import logging
 import os
 import queue
 import select
@@ -236,6 +237,7 @@ def load(package: str) -> Package:
 STOPPED_LIMIT_S = 120.0  # how long the compiler's process may stay stopped before its build fails
 _COMPILER_PREFIX = "shapecache-compiler-"  # then the process's id: a compiler's private directory
 _REPLY_LIMIT = 4000  # characters of a failure's text a reply carries
+logger = logging.getLogger("shapecache")
 
 
 class CompilerProcess:
@@ -255,6 +257,7 @@ class CompilerProcess:
         # -P: the working directory is not put first on its sys.path, so a module there (a
         # json.py beside the user's script) is never imported in place of the library's own.
         command = [sys.executable, "-P", "-m", "shapecache._backends.compile_process", str(idle_seconds())]
+        self.started_at = time.time()
         # A process group of its own, not a session: the terminal's Ctrl-C is not sent to it,
         # and it shares the scheduler's group (autogroup: one per session) with the serving
         # process, inside which its lower priority counts; in a group of its own it would
@@ -281,7 +284,9 @@ class CompilerProcess:
             if select.select([reply], [], [], 1.0)[0]:
                 line = reply.readline()
                 if line:
-                    return json.loads(line)
+                    answer = json.loads(line)
+                    self._log(answer)
+                    return answer
                 self.process.wait()
                 return None
             if not _stopped(self.process.pid):
@@ -292,6 +297,15 @@ class CompilerProcess:
                 self.stopped = True
                 self.end()
                 return None
+
+    def _log(self, reply: dict) -> None:
+        """Logs where the build's time went in this process (the first: its start and imports too)."""
+        ready_at = reply.pop("ready_at", None)
+        split = {"start": ready_at - self.started_at} if self.builds == 1 and ready_at is not None else {}
+        split.update(reply.pop("seconds", {}))
+        logger.debug("shapecache: the compiler's process (pid %d) took %s", self.process.pid,
+                     ", ".join(f"{step} {seconds:.2f} s" for step, seconds in split.items()),
+                     extra={"compiler_split": split})
 
     def running(self) -> bool:
         return self.process.poll() is None
@@ -463,6 +477,7 @@ def _serve(idle_s: float) -> None:
     """Compiles the requests of stdin one at a time, each reply a line on the pipe that was
     stdout (stdout itself goes to stderr: what the compiler prints is not a reply); ends after
     `idle_s` seconds without one."""
+    ready_at = time.time()
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     requests: queue.Queue = queue.Queue()
@@ -474,8 +489,9 @@ def _serve(idle_s: float) -> None:
             os._exit(0)
         _building["directory"] = os.path.dirname(request["saved"])
         torch.set_num_threads(request["threads"])
+        seconds: dict = {}
         try:
-            _compile(request["saved"], request["package"], request["options"])
+            _compile(request["saved"], request["package"], request["options"], seconds)
             reply = {}
         except NotForThisGraph:
             reply = {"unsuitable": True}
@@ -483,19 +499,20 @@ def _serve(idle_s: float) -> None:
             reply = {"error": _why(error)}
         _building["directory"] = None
         gc.collect()  # the program's weights and the trial's package, before the next build
-        replies.write(json.dumps(reply) + "\n")
+        replies.write(json.dumps({**reply, "ready_at": ready_at, "seconds": seconds}) + "\n")
         replies.flush()
 
 
-def _compile(saved: str, package: str, options: dict) -> None:
+def _compile(saved: str, package: str, options: dict, seconds: dict) -> None:
     """Compiles the saved program into `package`, then loads it and runs it once on zeros: a
     package that cannot be loaded or run here (a C++ compiler that links its own copy of the C++
     library into it, which crashes the process that loads it) fails here, not in the serving
     process. The constants file the compiler leaves in inductor's cache directory (a copy of
     the weights, which the package holds) is removed. Raises NotForThisGraph for a graph that
-    writes what it reads."""
+    writes what it reads. `seconds` receives each step's time."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
+    began = time.perf_counter()
     program = torch.export.load(saved)
     with torch.no_grad():  # freezing applies to graphs compiled without grad (compile_fx)
         # The traced program shows in-place writes only once functionalized, as the compiler
@@ -503,8 +520,10 @@ def _compile(saved: str, package: str, options: dict) -> None:
         signature = program.run_decompositions(decomp_table={}).graph_signature  # functional, nothing decomposed
         if signature.buffers_to_mutate or signature.user_inputs_to_mutate:
             raise NotForThisGraph
+        seconds["read"] = time.perf_counter() - began
         torch._inductor.aoti_compile_and_package(program, package_path=package,
                                                  inductor_configs={**options, **_PACKAGE_OPTIONS})
+        seconds["compile"] = time.perf_counter() - began - seconds["read"]
         with zipfile.ZipFile(package) as archive:
             blobs = [os.path.basename(n) for n in archive.namelist() if n.endswith("_weights.blob")]
         for name in blobs:
@@ -521,6 +540,7 @@ def _compile(saved: str, package: str, options: dict) -> None:
         loaded = torch._inductor.aoti_load_package(package)
         with contextlib.suppress(Exception):
             loaded.loader.run(zeros)
+        seconds["trial"] = time.perf_counter() - began - seconds["read"] - seconds["compile"]
 
 
 if __name__ == "__main__":
