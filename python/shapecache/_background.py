@@ -57,10 +57,11 @@ _leaving: dict[str, bool] = {}  # the device's worker found nothing to run and i
 _worker_threads: set[int] = set()  # threading.get_ident() of each worker
 _publications: dict[str, list[Publication]] = {}  # device -> publications waiting, oldest first
 _publishing: dict[str, Publication] = {}  # key -> each publication waiting or running
-_processes: set[subprocess.Popen] = set()  # the compiler processes running now
+_processes: set[subprocess.Popen] = set()  # the compiler processes started and not yet let go of (process_ended)
 _parents_processes: list[subprocess.Popen] = []  # in a forked child: its parent's, let go of
 _exiting = False  # the interpreter is exiting: nothing more starts
 _at_exit_calls: list[Callable[[], None]] = []
+_after_fork_calls: list[Callable[[], None]] = []
 _build_lock = threading.RLock()
 _process_lock = threading.Lock()  # guards _processes (a process starts under it: exit sees every one)
 
@@ -294,6 +295,12 @@ def at_exit(call: Callable[[], None]) -> None:
     _at_exit_calls.append(call)
 
 
+def after_fork_in_child(call: Callable[[], None]) -> None:
+    """Runs `call` in a forked child, after this module has let go of its parent's work: for
+    state of the parent's that the child must not use (a lock, a process's handle)."""
+    _after_fork_calls.append(call)
+
+
 def _at_exit() -> None:
     global _exiting
     _C.cancel_all_builds()
@@ -306,8 +313,9 @@ def _at_exit() -> None:
         # A compile in a process of its own is stopped, not waited for: its process group,
         # which holds the C++ compilers it started.
         for process in _processes:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
+            if process.returncode is None:  # (one reaped already: its id may be another's by now)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signal.SIGKILL)
     for publication in dropped:
         publication.drop()
     # The running build is waited for, and a running publication (its compiler stopped, it only
@@ -378,14 +386,16 @@ def _forget_parents_work() -> None:
     _worker_threads.clear()
     _publications.clear()
     _publishing.clear()
+    # The child's copies of their pipes are replaced by /dev/null, not closed: their objects
+    # close their descriptors when finalized, and a closed number may be another file's by then.
+    null = os.open(os.devnull, os.O_RDWR)
     for process in _processes:
         for pipe in (process.stdin, process.stdout, process.stderr):
             if pipe is not None:
                 with contextlib.suppress(OSError, ValueError):
-                    os.close(pipe.fileno())
-    # Kept, never finalized here: their pipe objects would close the descriptors' numbers
-    # again, which a file this process opens later may have.
-    _parents_processes.extend(_processes)
+                    os.dup2(null, pipe.fileno())
+    os.close(null)
+    _parents_processes.extend(_processes)  # (kept: finalizing one could flush into /dev/null, at most)
     _processes.clear()
     if _build_changes["builds"] and sys.getswitchinterval() == _build_changes["set"]:
         sys.setswitchinterval(_build_changes["previous"])
@@ -393,6 +403,8 @@ def _forget_parents_work() -> None:
         gc.unfreeze()
     _build_changes.update(builds=0, previous=None, set=None, froze=False)
     _C.forget_parents_builds()
+    for call in _after_fork_calls:
+        call()
 
 
 atexit.register(_at_exit)

@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent("""
     from shapecache._backends import compile_process
 
     def compiler_pid():
-        running = compile_process._this_process()["process"]
+        running = compile_process._compiler["process"]
         return running.process.pid if running is not None else None
 
     torch.manual_seed(0)

@@ -49,6 +49,7 @@ import queue
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -175,10 +176,11 @@ _LEFT_FOR_S = 3600  # how old a dead process's build directory is before another
 
 def _remove_builds_of_dead_processes() -> None:
     """Removes, once per process, the build directories and compilers' directories that
-    processes which no longer run left in the temporary directory over an hour ago: one killed
-    (SIGKILL, as Ray stops a replica) runs no clean-up, and a build's holds a copy of the weights. (The hour spares a process of
-    another PID namespace that shares the directory, which looks dead from here, unless one of
-    its builds waits an hour.)"""
+    processes which no longer run left in the temporary directory, untouched for over an hour:
+    one killed (SIGKILL, as Ray stops a replica) runs no clean-up, and a build's directory holds
+    a copy of the weights. (The hour spares a process of another PID namespace that shares the
+    directory, which looks dead from here, unless one of its builds waits an hour, or it has
+    built nothing for an hour: its compilers' directory is touched at each build.)"""
     global _swept
     if _swept:
         return
@@ -204,10 +206,10 @@ def _remove_dead(prefix: str, paths: list[str]) -> None:
 
 
 def compile_saved(directory: str, options: dict, threads: int | None = None) -> str:
-    """The program saved in `directory` (save) compiled by AOTInductor in a new process into a
-    package in that directory, whose path this returns. Raises Failed where that process
-    failed (where it could not start or crashed, the route is not tried again in this process:
-    PROCESS.failed), NotForThisGraph where the graph writes what it reads,
+    """The program saved in `directory` (save) compiled by AOTInductor in the compiler's process
+    into a package in that directory, whose path this returns. Raises Failed where that process
+    failed (where it could not start or crashed twice, the route is not tried again in this
+    process: PROCESS.failed), NotForThisGraph where the graph writes what it reads,
     _background.Exiting where the interpreter is exiting. `threads`: the thread count the kernels
     are generated for (default: this process's)."""
     package = os.path.join(directory, "package.pt2")
@@ -235,6 +237,7 @@ def load(package: str) -> Package:
 
 
 STOPPED_LIMIT_S = 120.0  # how long the compiler's process may stay stopped before its build fails
+BUILDS_PER_PROCESS = 64  # builds a compiler's process takes before it is ended (what each leaves mapped)
 _COMPILER_PREFIX = "shapecache-compiler-"  # then the process's id: a compiler's private directory
 _REPLY_LIMIT = 4000  # characters of a failure's text a reply carries
 logger = logging.getLogger("shapecache")
@@ -243,51 +246,83 @@ logger = logging.getLogger("shapecache")
 class CompilerProcess:
     """The compiler's process, kept warm between builds: it imports torch and inductor once,
     then compiles the programs it is sent one at a time, each request a line of JSON on its
-    stdin and each reply a line on a pipe of its own. Its temporary directory (inductor's
-    cache, its precompiled headers, the packages its trials extract) is `directory`, private
-    to this process's compilers (0700), which the next one started reuses; where the user sets
-    TORCHINDUCTOR_CACHE_DIR, inductor's cache is that one, and outlives them. It ends after
-    ``idle_seconds()`` without a build, when its stdin closes (this process ended), or when it
-    is killed; the next build starts another."""
+    stdin, each reply a line of JSON, naming its request, on a pipe of its own (nothing it
+    prints at start-up can pass for one). Its temporary directory (inductor's cache, its
+    precompiled headers, the packages its trials extract) and working directory is
+    `directory`, private to this process's compilers (0700), which the next one started
+    reuses; where the user sets TORCHINDUCTOR_CACHE_DIR, inductor's cache is that one, and
+    outlives them. It ends after ``idle_seconds()`` without a build, when its stdin closes
+    (this process ended), when killed, or after BUILDS_PER_PROCESS builds; the next build
+    starts another. Its environment (CXX, TORCHINDUCTOR_* variables) is this process's when it
+    starts."""
 
     def __init__(self, directory: str):
         self.directory = directory
         self.builds = 0
         self.stopped = False
+        self.started_at = time.time()
+        replies, self._replies_write = os.pipe()
         # -P: the working directory is not put first on its sys.path, so a module there (a
         # json.py beside the user's script) is never imported in place of the library's own.
-        command = [sys.executable, "-P", "-m", "shapecache._backends.compile_process", str(idle_seconds())]
-        self.started_at = time.time()
+        command = [sys.executable, "-P", "-m", "shapecache._backends.compile_process", directory,
+                   str(self._replies_write), str(idle_seconds())]
         # A process group of its own, not a session: the terminal's Ctrl-C is not sent to it,
         # and it shares the scheduler's group (autogroup: one per session) with the serving
         # process, inside which its lower priority counts; in a group of its own it would
         # take a fair half of the CPU whatever its priority.
-        self.process = _background.start_process(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, process_group=0,
-            env={**os.environ, "TMPDIR": directory})
+        try:
+            self.process = _background.start_process(
+                command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                process_group=0, cwd=directory, pass_fds=(self._replies_write,),
+                env={**os.environ, "TMPDIR": directory})
+        except BaseException:
+            os.close(replies)
+            raise
+        finally:
+            os.close(self._replies_write)  # the child's end: its end is the pipe's end of file
+        self._replies = replies
+        self._unread = b""
+        self._let_go = False
 
     def request(self, **request) -> dict | None:
-        """The reply to `request`; None where the process ended without one (see `process.returncode`;
-        killed by this after staying stopped STOPPED_LIMIT_S seconds: ``stopped`` is then true).
-        A process that runs, however long, is waited for."""
+        """The reply to `request`; None where the process ended without one, or answered what
+        is not one (it is then ended with what it started: see `process.returncode`), or stayed
+        stopped STOPPED_LIMIT_S seconds (``stopped``: killed by this). A process that runs,
+        however long, is waited for."""
         self.stopped = False
+        self.builds += 1
+        request["id"] = self.builds
         try:
             self.process.stdin.write((json.dumps(request) + "\n").encode())
             self.process.stdin.flush()
         except (BrokenPipeError, ValueError):  # it ended (idle) as the request was sent
-            self.process.wait()
+            self.end()
             return None
-        self.builds += 1
-        reply = self.process.stdout
+        line = self._reply_line()
+        try:
+            reply = json.loads(line) if line is not None else None
+            if not isinstance(reply, dict) or reply.get("id") != request["id"]:
+                raise ValueError(f"not a reply to request {request['id']}")
+        except ValueError:  # (json's errors are ValueErrors) a process that does not answer as it must
+            self.end()
+            return None
+        self._log(reply)
+        return reply
+
+    def _reply_line(self) -> bytes | None:
+        """The next line of the replies' pipe; None where the process ended first (or stayed
+        stopped: then killed, ``stopped``)."""
+        waiting = select.poll()  # (not select.select: a descriptor past 1024 in a busy server)
+        waiting.register(self._replies, select.POLLIN)
         stopped_since = None
-        while True:
-            if select.select([reply], [], [], 1.0)[0]:
-                line = reply.readline()
-                if line:
-                    answer = json.loads(line)
-                    self._log(answer)
-                    return answer
-                self.process.wait()
+        while b"\n" not in self._unread:
+            if waiting.poll(1000):
+                chunk = os.read(self._replies, 1 << 16)
+                if not chunk:
+                    return None  # every writer has closed it: the process ended
+                self._unread += chunk
+                continue
+            if self.process.poll() is not None:  # ended (a writer it left, its own children, may live on)
                 return None
             if not _stopped(self.process.pid):
                 stopped_since = None
@@ -295,8 +330,9 @@ class CompilerProcess:
                 stopped_since = time.monotonic()
             elif time.monotonic() - stopped_since >= STOPPED_LIMIT_S:
                 self.stopped = True
-                self.end()
                 return None
+        line, _, self._unread = self._unread.partition(b"\n")
+        return line
 
     def _log(self, reply: dict) -> None:
         """Logs where the build's time went in this process (the first: its start and imports too)."""
@@ -311,8 +347,10 @@ class CompilerProcess:
         return self.process.poll() is None
 
     def end(self) -> None:
-        """Stops it with what it started (its process group), and lets go of it. Raises
-        _background.Exiting where exit stopped it."""
+        """Stops it with what it started (its process group: the C++ compilers a crash left
+        running too), and lets go of it. Raises _background.Exiting where exit stopped it."""
+        if self._let_go:
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
@@ -320,10 +358,14 @@ class CompilerProcess:
 
     def ended(self) -> None:
         """After it ended: its pipes closed. Raises _background.Exiting where exit stopped it."""
+        if self._let_go:
+            return
+        self._let_go = True
         try:
-            for pipe in (self.process.stdin, self.process.stdout):
-                with contextlib.suppress(OSError):
-                    pipe.close()
+            with contextlib.suppress(OSError):
+                self.process.stdin.close()
+            with contextlib.suppress(OSError):
+                os.close(self._replies)
         finally:
             _background.process_ended(self.process)
 
@@ -337,34 +379,51 @@ class CompilerProcess:
             return 0
 
 
-_compiler: dict = {"process": None, "lock": None, "directory": None, "owner": None}  # see _this_process
+_compiler: dict = {"process": None, "lock": threading.Lock(), "directory": None}  # this process's
 
 
-def _this_process() -> dict:
-    """This process's compiler process, the lock of its requests and its compilers' directory:
-    a forked child uses none of its parent's (the fork handler closed its copies of their
-    pipes, _background; a thread of the parent may have held the lock; the directory is the
-    parent's to remove)."""
-    if _compiler["owner"] != os.getpid():
-        _compiler.update(process=None, lock=threading.Lock(), directory=None, owner=os.getpid())
-    return _compiler
+def _forget_parents_compiler() -> None:
+    """In a forked child (_background's fork handler): its parent's compiler's process, the
+    lock of its requests (a thread of the parent may have held it) and its directory (the
+    parent's to remove) are not the child's."""
+    _compiler.update(process=None, lock=threading.Lock(), directory=None)
 
 
-def _compilers_directory(state: dict) -> str:
-    """The private directory of this process's compilers, made at the first (0700), removed at
-    exit (where this process is killed: by its compiler's process, or by a later process's
-    sweep, _remove_builds_of_dead_processes)."""
-    if state["directory"] is None or not os.path.isdir(state["directory"]):
-        directory = state["directory"] = tempfile.mkdtemp(prefix=f"{_COMPILER_PREFIX}{os.getpid()}-")
+_background.after_fork_in_child(_forget_parents_compiler)
+
+
+def _compilers_directory() -> str:
+    """The private directory of this process's compilers: made at the first (0700), reused
+    while it is still this user's directory of mode 0700 (not a link, nor one another user made
+    in its place), removed at exit (where this process is killed: by its compiler's process
+    when one runs, else by a later process's sweep, _remove_builds_of_dead_processes). Touched
+    at each build, so that the sweep, which goes by age, spares it."""
+    directory = _compiler["directory"]
+    if directory is not None and not _private(directory):
+        directory = None
+    if directory is None:
+        directory = _compiler["directory"] = tempfile.mkdtemp(prefix=f"{_COMPILER_PREFIX}{os.getpid()}-")
         owner = os.getpid()
         _background.at_exit(lambda: os.getpid() == owner and shutil.rmtree(directory, ignore_errors=True))
-    return state["directory"]
+    with contextlib.suppress(OSError):
+        os.utime(directory)
+    return directory
+
+
+def _private(directory: str) -> bool:
+    """Whether `directory` is a directory (not a link) of this user's, of mode 0700."""
+    try:
+        status = os.lstat(directory)
+    except OSError:
+        return False
+    return stat.S_ISDIR(status.st_mode) and status.st_uid == os.getuid() and stat.S_IMODE(status.st_mode) == 0o700
 
 
 def resident_bytes() -> int:
-    """The resident memory of this process's compiler's process; 0 where none runs."""
-    compiler = _this_process()["process"]
-    return compiler.resident_bytes() if compiler is not None and compiler.running() else 0
+    """The resident memory of this process's compiler's process; 0 where none runs. (Reads
+    /proc, and reaps nothing: the process is let go of by the next build.)"""
+    compiler = _compiler["process"]
+    return compiler.resident_bytes() if compiler is not None and compiler.process.returncode is None else 0
 
 
 def _run_compiler(saved: str, package: str, options: dict, threads: int) -> None:
@@ -373,46 +432,54 @@ def _run_compiler(saved: str, package: str, options: dict, threads: int) -> None
     once; ended again, this build fails, and where that end was a crash (or the process could
     not start up), the route is not tried again in this process (PROCESS.failed). Raises
     Failed, NotForThisGraph, and _background.Exiting where the interpreter is exiting."""
-    state = _this_process()
-    with state["lock"]:
-        restarted = False
+    with _compiler["lock"]:
+        ended_idle = restarted = False
         while True:
-            compiler = state["process"]
+            compiler = _compiler["process"]
             if compiler is not None and not compiler.running():  # ended idle, or killed since its last build
-                state["process"] = None
+                _compiler["process"] = None
                 compiler.ended()
                 compiler = None
             if compiler is None:
                 try:
-                    compiler = state["process"] = CompilerProcess(_compilers_directory(state))
+                    compiler = _compiler["process"] = CompilerProcess(_compilers_directory())
                 except OSError as error:  # no Python to start here (an embedded interpreter): not tried again
                     PROCESS.failed = f"the compiler's process could not start: {error}"
                     raise Failed(PROCESS.failed) from error
             reply = compiler.request(saved=saved, package=package, options=options, threads=threads)
             if reply is not None:
+                if compiler.builds >= BUILDS_PER_PROCESS:  # a new one for the next build
+                    _compiler["process"] = None
+                    compiler.end()
                 break
-            state["process"] = None
-            if compiler.stopped:  # killed, and let go of, by request()
+            _compiler["process"] = None
+            if compiler.stopped:
+                compiler.end()
                 raise Failed(f"the compiler's process was stopped (SIGSTOP, a frozen cgroup, a debugger) for "
                              f"{STOPPED_LIMIT_S:.0f} s, and was killed")
-            compiler.ended()  # raises Exiting where exit stopped it
+            compiler.end()  # what a crash left running goes too; raises Exiting where exit stopped it
             status = compiler.process.returncode
-            if status == 0 and compiler.builds > 1:
+            if status == 0 and not ended_idle:
+                ended_idle = True
                 continue  # it ended idle as this build's request came: a new one takes it
             if not restarted:
                 restarted = True
                 continue
-            if status == -signal.SIGKILL:  # the out-of-memory killer, an operator: this build's failure only
-                raise Failed("the compiler's process was killed by signal 9, and again when started anew")
+            if status in (-signal.SIGKILL, 0):  # the out-of-memory killer, an operator: this build's failure only
+                raise Failed(f"the compiler's process ended ({_ending(status)}) without compiling, and again when "
+                             "started anew")
             # Its package crashed it (a toolchain that links its own copy of the C++ library),
             # which every package of this machine would, or it cannot start up: not tried again.
-            ended = f"signal {-status}" if status < 0 else f"exit status {status}"
-            PROCESS.failed = f"the compiler's process ended by {ended}, and again when started anew"
+            PROCESS.failed = f"the compiler's process ended by {_ending(status)}, and again when started anew"
             raise Failed(PROCESS.failed)
     if "unsuitable" in reply:
         raise NotForThisGraph
     if "error" in reply:
-        raise Failed(reply["error"])
+        raise Failed(str(reply["error"]))
+
+
+def _ending(status: int) -> str:
+    return f"signal {-status}" if status < 0 else f"exit status {status}"
 
 
 def _stopped(pid: int) -> bool:
@@ -453,42 +520,48 @@ def _remove_extracted(blobs) -> None:
 _building = {"directory": None}  # in the compiler's process: the directory of the build it runs
 
 
-def _read_requests(requests: queue.Queue) -> None:
+def _read_requests(requests: queue.Queue, directory: str) -> None:
     """Puts each request line of stdin on `requests`. At its end (the process that started this
     one ended: only it holds the pipe open) ends this process and what it started (its process
-    group), removing the directories the parent would have. (A read of the file descriptor
-    itself: a daemon thread inside sys.stdin's buffered reader would hold its lock at
-    interpreter exit, which is fatal.)"""
+    group), removing the build's directory and the compilers' `directory`, which the parent
+    would have. (A read of the file descriptor itself: a daemon thread inside sys.stdin's
+    buffered reader would hold its lock at interpreter exit, which is fatal.)"""
     pending = b""
     while chunk := os.read(0, 1 << 16):
         pending += chunk
         *lines, pending = pending.split(b"\n")
         for line in lines:
             requests.put(json.loads(line))
-    for directory in (_building["directory"], tempfile.gettempdir()):  # the build's, the compilers'
-        if directory is not None:
-            shutil.rmtree(directory, ignore_errors=True)
+    for path in (_building["directory"], directory):
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
     if os.getpgid(0) == os.getpid():  # the leader of its own group, as CompilerProcess starts it
         os.killpg(0, signal.SIGKILL)
     os._exit(1)
 
 
-def _serve(idle_s: float) -> None:
-    """Compiles the requests of stdin one at a time, each reply a line on the pipe that was
-    stdout (stdout itself goes to stderr: what the compiler prints is not a reply); ends after
-    `idle_s` seconds without one."""
+def _serve(directory: str, replies_fd: int, idle_s: float) -> None:
+    """Compiles the requests of stdin one at a time, each reply a line on `replies_fd`; ends
+    after `idle_s` seconds without one (not before the first). `directory` is its private
+    directory, checked before anything is written there or removed from it."""
+    if not _private(directory) or os.path.realpath(tempfile.gettempdir()) != os.path.realpath(directory):
+        sys.exit(f"shapecache: the compiler's directory {directory!r} is not this user's private directory")
+    tempfile.tempdir = directory
     ready_at = time.time()
-    replies = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
+    replies = os.fdopen(replies_fd, "w")
     requests: queue.Queue = queue.Queue()
-    threading.Thread(target=_read_requests, args=(requests,), daemon=True, name="shapecache-requests").start()
+    threading.Thread(target=_read_requests, args=(requests, directory), daemon=True,
+                     name="shapecache-requests").start()
+    waited: float | None = None  # the first request is waited for however long
     while True:
         try:
-            request = requests.get(timeout=idle_s)
+            request = requests.get(timeout=waited)
         except queue.Empty:  # (its directory is kept for the next one)
             os._exit(0)
+        waited = idle_s
         _building["directory"] = os.path.dirname(request["saved"])
         torch.set_num_threads(request["threads"])
+        began = time.time()
         seconds: dict = {}
         try:
             _compile(request["saved"], request["package"], request["options"], seconds)
@@ -499,8 +572,32 @@ def _serve(idle_s: float) -> None:
             reply = {"error": _why(error)}
         _building["directory"] = None
         gc.collect()  # the program's weights and the trial's package, before the next build
-        replies.write(json.dumps({**reply, "ready_at": ready_at, "seconds": seconds}) + "\n")
+        _remove_outputs(directory, ready_at if request["id"] == 1 else began)
+        replies.write(json.dumps({**reply, "id": request["id"], "ready_at": ready_at, "seconds": seconds}) + "\n")
         replies.flush()
+
+
+def _remove_outputs(directory: str, since: float) -> None:
+    """Removes what a build wrote to inductor's cache where that cache is in the compilers'
+    private `directory` (TORCHINDUCTOR_CACHE_DIR unset): the generated C++, its objects and
+    libraries, which the package holds and nothing reads again, so that the directory does not
+    grow with every build of a long-lived server. The precompiled headers stay."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    cache = os.path.realpath(cache_dir())
+    if not cache.startswith(os.path.realpath(directory) + os.sep):
+        return
+    for root, _folders, files in os.walk(cache, topdown=False):
+        if "precompiled_headers" in os.path.relpath(root, cache).split(os.sep):
+            continue
+        for name in files:
+            path = os.path.join(root, name)
+            with contextlib.suppress(OSError):
+                if os.lstat(path).st_mtime >= since:
+                    os.remove(path)
+        if root != cache:
+            with contextlib.suppress(OSError):
+                os.rmdir(root)  # emptied
 
 
 def _compile(saved: str, package: str, options: dict, seconds: dict) -> None:
@@ -544,4 +641,4 @@ def _compile(saved: str, package: str, options: dict, seconds: dict) -> None:
 
 
 if __name__ == "__main__":
-    _serve(float(sys.argv[1]))
+    _serve(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))
