@@ -3,9 +3,9 @@
 Each mode runs in a process of its own with an empty inductor cache (a new TORCHINDUCTOR_CACHE_DIR
 and TMPDIR), freezing on (the CPU serving set-up), grad off. A size's build time is from the call
 that misses to its entry being in (``sc.wait``) for shapecache, and the first call at that size
-for torch.compile. The background mode also prints where its builds' time went: the trace and
-the program's save in this process, then the compiler's process (its start and imports, the
-program's read, the compile, the trial run of its package), then the package's load here.
+for torch.compile. The background mode also prints where its builds' time went in the
+compiler's process (its start and imports, the program's read, the compile, the trial run of
+its package), as the process logs it.
 
     python benchmarks/background_builds.py [--models toy,mid] [--sizes 20,28]
 """
@@ -49,54 +49,26 @@ def run_mode(mode: str, model_name: str, sizes: list[int]) -> dict:
     parameters = sum(p.numel() for p in model.parameters())
     options = {"options": {"freezing": True}}
     splits: list[dict] = []
-    timed: dict[str, float] = {}
     if mode == "torch.compile":
         torch._inductor.config.freezing = True
         forward = torch.compile(model)
     else:
         forward = sc.cached(model, backend="compile", compile_options=options, build=mode)
         if mode == "background":
-            watch_the_build_steps(timed)
             handler = logging.Handler()
             handler.emit = lambda record: splits.append(dict(getattr(record, "compiler_split", {})))
             logging.getLogger("shapecache").addHandler(handler)
             logging.getLogger("shapecache").setLevel(logging.DEBUG)
-    seconds, steps = [], []
+    seconds = []
     with torch.no_grad():
         for size in sizes:
             x = torch.randn(1, channels, size, size)
-            timed.clear()
             begin = time.perf_counter()
             forward(x)
             if mode != "torch.compile":
                 assert sc.wait(forward, timeout=1800)
             seconds.append(time.perf_counter() - begin)
-            steps.append(dict(timed))
-    if mode == "background":
-        for step, split in zip(steps, splits, strict=False):
-            step.update(split)
-    return {"seconds": seconds, "parameters": parameters, "steps": steps if mode == "background" else []}
-
-
-def watch_the_build_steps(timed: dict) -> None:
-    """Times the serving process's steps of a background build (trace, save, load) in `timed`."""
-    from shapecache._backends import compile_process, exported
-
-    def timing(owner, name, step):
-        function = getattr(owner, name)
-
-        def timed_call(*args, **kwargs):
-            begin = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                timed[step] = timed.get(step, 0.0) + time.perf_counter() - begin
-
-        setattr(owner, name, timed_call)
-
-    timing(exported, "trace_call", "trace")
-    timing(compile_process, "save", "save")
-    timing(compile_process, "load", "load")
+    return {"seconds": seconds, "parameters": parameters, "steps": splits}
 
 
 def main() -> None:

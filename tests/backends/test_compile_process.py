@@ -302,6 +302,42 @@ def test_a_compiler_that_stays_stopped_is_killed_and_its_graph_compiled_here(mon
     assert not compile_process.PROCESS.failed  # one build's failure: the route stays open
 
 
+class MakesAFactoryTensor(torch.nn.Module):
+    """Its graph makes a tensor of the default dtype: 1.0 in float64, 0.0 in float32 (and its
+    output is of the default dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x) + (torch.full((x.shape[-1],), 16777217.0) - 16777216.0)
+
+
+def test_the_compilers_process_compiles_under_the_serving_processs_default_dtype(monkeypatch):
+    monkeypatch.setenv("SHAPECACHE_BACKGROUND_COMPILER", "process")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        net = MakesAFactoryTensor().float().eval()  # float32 weights (freezing packs no float64 convolution)
+        x = torch.randn(1, 4, 8, 8, dtype=torch.float32)
+        with torch.no_grad():
+            expected = net(x)
+            cached = sc.cached(net, backend="compile", build="background", compile_options=FROZEN)
+            try:
+                cached(x)
+                assert sc.wait(cached, timeout=300)
+                got = cached(x)
+                st = sc.stats(cached)
+            finally:
+                sc.uncached(net)
+    finally:
+        torch.set_default_dtype(previous)
+    assert st["hits"] == 1 and st["fallbacks"] == 0 and [e["backend"] for e in st["entries"]] == ["compile"]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # float64, and 1.0 added (float32: 0.0)
+
+
 def compiler():
     """This process's compiler process (compile_process.CompilerProcess), or None."""
     from shapecache._backends import compile_process

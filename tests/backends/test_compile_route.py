@@ -85,6 +85,18 @@ def test_inference_tensor_weights_turn_freezing_off_with_a_warning_and_no_packag
     assert [c.name for c in route.compilers] == ["inductor"]
 
 
+def test_a_custom_graph_pass_keeps_the_graph_in_this_process_and_out_of_the_store(monkeypatch, tmp_path):
+    # The pass is code of this process's: the compiler's process would compile without it, and
+    # a package key would not name it.
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setenv("SHAPECACHE_SHARED_DIR", str(tmp_path))
+    with torch.no_grad(), inductor_config.patch(post_grad_custom_post_pass=lambda graph: None):
+        route = compilers.choose_route(traced(), FROZEN, True, "f")
+    assert [c.name for c in route.compilers] == ["inductor"] and route.store is None
+    assert "torch._inductor.config.post_grad_custom_post_pass" in route.why
+
+
 def test_a_route_whose_compiler_gave_up_in_this_process_compiles_here(monkeypatch):
     monkeypatch.setattr(compile_process.PROCESS, "failed", "the compiler's process ended by signal 11")
     with torch.no_grad():

@@ -160,6 +160,58 @@ def test_a_package_that_does_not_load_costs_a_warning_and_is_compiled_and_replac
         assert any(n.endswith(".so") for n in archive.namelist())
 
 
+def served_by_a_new_cache(x, caplog, seed=0):
+    """A new cache of a new conv_net(seed) serves `x`: (its answer's max difference from the
+    model's, whether it loaded a package, the warnings logged)."""
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="shapecache"):
+        caplog.clear()
+        loaded = loaded_count()
+        net = conv_net(seed)
+        expected = conv_net(seed)(x)
+        cached = sc.cached(net, backend="compile", compile_options=FROZEN)
+        try:
+            difference = (cached(x) - expected).abs().max().item()
+            assert sc.wait(cached, 300)  # what it publishes in its package's place
+        finally:
+            sc.uncached(net)
+    return difference, loaded_count() > loaded, [r.getMessage() for r in caplog.records]
+
+
+def test_a_package_is_loaded_only_where_it_is_this_users_own_and_answers_as_the_model(shared, caplog, tmp_path):
+    # A package's library runs its code in the process that loads it, and its constants answer
+    # for the model: only a regular file of this user's that no one else may write, whose
+    # outputs on the call's tensors are the live model's, is loaded. Anything else is compiled
+    # here (the answer is the model's) and published in its place.
+    x = torch.randn(1, 4, 12, 12)
+    assert served_by_a_new_cache(x, caplog, seed=0)[:2] == (pytest.approx(0, abs=1e-5), False)
+    [name] = packages(shared)
+    package = shared / name
+    served_by_a_new_cache(x, caplog, seed=1)
+    [other] = [shared / n for n in packages(shared) if n != name]
+
+    def refused(because: str) -> None:
+        difference, loaded, logged = served_by_a_new_cache(x, caplog, seed=0)
+        assert difference < 1e-5 and not loaded
+        assert any(because in m and name in m for m in logged), logged
+        assert package.is_file() and not package.is_symlink() and package.stat().st_mode & 0o777 == 0o644
+        assert package.read_bytes() != other.read_bytes()  # published in its place
+
+    # Model 1's package in model 0's place (a misplaced file, a tool that renamed it): the key
+    # is right, the weights are not.
+    package.write_bytes(other.read_bytes())
+    refused("does not answer as the model it was found for (output 0 differs by up to")
+    package.chmod(0o666)
+    refused("is not loaded: users other than its owner may write it (mode 666)")
+    (tmp_path / "elsewhere.pt2").write_bytes(package.read_bytes())
+    package.unlink()
+    package.symlink_to(tmp_path / "elsewhere.pt2")
+    refused("cannot be read")
+    if os.getuid() == 0:  # a file of another user's (only root can give one away)
+        os.chown(package, 12345, -1)
+        refused("it belongs to user id 12345")
+    assert served_by_a_new_cache(x, caplog, seed=0)[:2] == (pytest.approx(0, abs=1e-5), True)  # and read from now on
+
+
 def test_a_background_build_publishes_the_package_its_compiler_made(shared, monkeypatch):
     monkeypatch.setenv("SHAPECACHE_BACKGROUND_COMPILER", "process")
     net = conv_net()

@@ -446,7 +446,8 @@ def _run_compiler(saved: str, package: str, options: dict, threads: int) -> None
                 except OSError as error:  # no Python to start here (an embedded interpreter): not tried again
                     PROCESS.failed = f"the compiler's process could not start: {error}"
                     raise Failed(PROCESS.failed) from error
-            reply = compiler.request(saved=saved, package=package, options=options, threads=threads)
+            reply = compiler.request(saved=saved, package=package, options=options, threads=threads,
+                                     default_dtype=str(torch.get_default_dtype()).removeprefix("torch."))
             if reply is not None:
                 if compiler.builds >= BUILDS_PER_PROCESS:  # a new one for the next build
                     _compiler["process"] = None
@@ -561,6 +562,7 @@ def _serve(directory: str, replies_fd: int, idle_s: float) -> None:
         waited = idle_s
         _building["directory"] = os.path.dirname(request["saved"])
         torch.set_num_threads(request["threads"])
+        torch.set_default_dtype(getattr(torch, request["default_dtype"]))  # factory ops' dtype, as the serving process's
         began = time.time()
         seconds: dict = {}
         try:

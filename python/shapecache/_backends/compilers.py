@@ -139,7 +139,8 @@ def choose_route(traced: Trace, compile_options: dict, in_background: bool, name
       they keep no version counter, so a frozen copy would miss an update in place.
     - A graph may be a package where it is a frozen graph (freezing on, grad off) of one
       CPU device, without autocast (export records no casts), whose options are JSON (the
-      compiler's process reads them so), in a process whose packages work.
+      compiler's process reads them so), without a custom graph pass in inductor's
+      configuration (code of this process's), in a process whose packages work.
     - Such a graph compiles in a process of its own where the build is in the background and
       ``SHAPECACHE_BACKGROUND_COMPILER`` is not "thread"; in this process otherwise, and
       whenever the process compiler fails.
@@ -190,7 +191,15 @@ def _not_a_package(traced: Trace, options: dict) -> str:
         json.dumps(options)
     except (TypeError, ValueError):
         return "inductor's options are not JSON, which the compiler's process reads"
+    passes = [name for name in _GRAPH_PASSES if getattr(inductor_config, name, None)]
+    if passes:  # code of this process's, which neither the compiler's process nor a package key has
+        return f"a custom graph pass is set (torch._inductor.config.{passes[0]})"
     return ""
+
+
+# Inductor's settings that hold code (torch: _save_config_ignore), which cannot reach another process.
+_GRAPH_PASSES = ("pre_grad_custom_pass", "joint_custom_pre_pass", "joint_custom_post_pass", "post_grad_custom_pre_pass",
+                 "post_grad_custom_post_pass", "custom_partitioner_fn", "_pre_fusion_custom_pass")
 
 
 def compile_on(route: Route, traced: Trace, saved: SavedProgram, owner: Callable) -> CompiledGraph:
@@ -208,7 +217,7 @@ def compile_on(route: Route, traced: Trace, saved: SavedProgram, owner: Callable
         except Bypass as bypass:
             route.store.log_bypass(bypass)
         else:
-            if (found := route.store.lookup(key)) is not None:
+            if (found := route.store.lookup(key, traced)) is not None:
                 return found
     compiled = None
     for position, compiler in enumerate(route.compilers):

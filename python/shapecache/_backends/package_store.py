@@ -36,11 +36,13 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import tempfile
 import zipfile
 from pathlib import Path
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from shapecache import _background
 from shapecache._backends import compile_process, disk_cache
@@ -88,21 +90,42 @@ class PackageStore:
     def log_bypass(bypass: Bypass) -> None:
         logger.warning("shapecache: a graph is not shared (%s)", bypass)
 
-    def lookup(self, key: str) -> CompiledGraph | None:
-        """The package of `key`, loaded; None where the directory has none, or one that does not
-        load (with a warning: it is published over)."""
+    def lookup(self, key: str, traced) -> CompiledGraph | None:
+        """The package of `key`, loaded, where it can be trusted: a file of this process's user
+        that no one else may write (what another user put there would run its own code here:
+        its library is loaded), and whose outputs on the call's tensors are those of `traced`'s
+        graph run on the live weights (a package of other weights, copied under this key, would
+        answer for them). None where the directory has none, or one that fails (with a warning:
+        it is published over)."""
         found = self.directory / f"{key}.pt2"
         try:
-            if not found.is_file():
-                return None
-        except OSError as error:  # a directory this process may not read: a miss
-            logger.warning("shapecache: the shared packages in %s cannot be read (%s)", found.parent, error)
+            opened = os.open(found, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError as error:  # a directory this process may not read, a link: a miss
+            logger.warning("shapecache: the shared package %s cannot be read (%s)", found, error)
+            _unloadable.add(key)  # (a link is replaced by the package published)
             return None
         try:
-            package = compile_process.load(str(found))
-        except compile_process.Failed as failure:
-            logger.warning("shapecache: the shared package %s does not load (%s); the graph is compiled and the package "
-                           "published again", found, failure)
+            # Checked and loaded through the same descriptor: a file swapped in meanwhile is not read.
+            if (why := _untrusted(os.fstat(opened))) is not None:
+                logger.warning("shapecache: the shared package %s is not loaded: %s; the graph is compiled here and "
+                               "published in its place", found, why)
+                _unloadable.add(key)
+                return None
+            try:
+                package = compile_process.load(f"/proc/self/fd/{opened}" if os.path.isdir("/proc/self/fd") else str(found))
+            except compile_process.Failed as failure:
+                logger.warning("shapecache: the shared package %s does not load (%s); the graph is compiled and the "
+                               "package published again", found, failure)
+                _unloadable.add(key)
+                return None
+        finally:
+            os.close(opened)
+        if (difference := _answers_otherwise(package, traced)) is not None:
+            logger.warning("shapecache: the shared package %s does not answer as the model it was found for (%s): it "
+                           "was built from other weights or changed since; the graph is compiled and the package "
+                           "published again", found, difference)
             _unloadable.add(key)
             return None
         disk_cache.note_shared_package_loaded()
@@ -120,11 +143,56 @@ class PackageStore:
             _background.publish_later(torch.device("cpu"), _Publication(saved.hand_over(), key, options, self, owner))
 
 
+def _untrusted(status: os.stat_result) -> str | None:
+    """Why a package file with `status` may hold what another user wrote; None where only this
+    process's user (or root) could have."""
+    if not stat.S_ISREG(status.st_mode):
+        return "it is not a regular file"
+    if status.st_uid != os.getuid():
+        return f"it belongs to user id {status.st_uid}, not to this process's {os.getuid()}"
+    if status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"users other than its owner may write it (mode {stat.S_IMODE(status.st_mode):o})"
+    return None
+
+
+def _answers_otherwise(package, traced) -> str | None:
+    """What differs between `package`'s outputs on the call's tensors and those of `traced`'s
+    graph, run on the live weights; None where they agree within a compiler's rounding (a
+    thousandth of the output's largest value), or where the graph draws random numbers, which
+    no two runs agree on."""
+    # The graph is run below: one that writes what it reads would write the model's tensors. No
+    # package is made of such a graph (the compiler's process refuses it), so none is this one's.
+    signature = traced.program.run_decompositions(decomp_table={}).graph_signature  # functional, as there
+    if signature.buffers_to_mutate or signature.user_inputs_to_mutate:
+        return "the graph writes the tensors it reads, which no package is made of"
+    seeded = torch.Tag.nondeterministic_seeded
+    if any(seeded in getattr(node.target, "tags", ()) for node in traced.graph.graph.nodes):
+        return None
+    with torch.no_grad():
+        expected = tree_leaves(traced.graph(*traced.tensors))
+        got = tree_leaves(package(*traced.tensors))
+    if len(got) != len(expected):
+        return f"{len(got)} outputs where the model has {len(expected)}"
+    for position, (a, b) in enumerate(zip(got, expected, strict=True)):
+        if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+            return f"output {position} is not the model's shape or type"
+        if not (a.is_floating_point() or a.is_complex()):
+            if not torch.equal(a, b):
+                return f"output {position} differs"
+            continue
+        error = (a - b).abs().max().item() if a.numel() else 0.0
+        scale = b.abs().max().item() if b.numel() else 0.0
+        if not error <= 1e-3 * (1.0 + scale):  # (not <=: a NaN differs)
+            return f"output {position} differs by up to {error:.3g}, its largest value being {scale:.3g}"
+    return None
+
+
 def key(saved: str, options: dict) -> str:
     """The key of the program saved in `saved` (compile_process.save) compiled with `options`.
     Raises OSError, zipfile.BadZipFile or ValueError where the saved program cannot be read."""
     digest = hashlib.sha256()
-    setting = {"format": FORMAT, "torch": torch.__version__, "threads": torch.get_num_threads(),
+    setting = {"format": FORMAT, "torch": torch.__version__, "torch build": torch.version.git_version,
+               "default dtype": str(torch.get_default_dtype()), "threads": torch.get_num_threads(),
                "host": _host(), "options": {**options, "freezing": True}, "inductor": _inductor_config()}
     digest.update(json.dumps(setting, sort_keys=True, default=repr).encode())
     with zipfile.ZipFile(os.path.join(saved, compile_process.PROGRAM)) as archive:
