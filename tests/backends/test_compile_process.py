@@ -356,11 +356,11 @@ def no_compiler_running():
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads processes' states from /proc")
-def test_the_compilers_process_takes_every_later_build_is_started_anew_when_killed_or_crashed_and_ends_idle(
+def test_the_compilers_process_takes_every_later_build_is_started_anew_when_it_crashes_and_ends_idle(
         monkeypatch, no_compiler_running):
-    # One process for the builds: the second build starts none. Killed between builds, the
-    # next build starts another; crashed during a build (SIGSEGV), the build is sent to a new
-    # one, which builds it: no warning, nothing compiled here. Idle for its time, it ends.
+    # One process for the builds: the second build starts none. Crashed during a build
+    # (SIGSEGV), the build is sent to a new one, which builds it: no warning, nothing compiled
+    # here. Idle for its time, it ends (the next build then starts another, as after any end).
     # Each one started reuses the directory of the first (its compiles are warm).
     monkeypatch.setenv("SHAPECACHE_BACKGROUND_COMPILER", "process")
     net = conv_net()
@@ -370,13 +370,10 @@ def test_the_compilers_process_takes_every_later_build_is_started_anew_when_kill
         cached = sc.cached(net, backend="compile", build="background", compile_options=FROZEN)
         try:
             modules = loaded_compiled_modules()
-            for size in (8, 10, 12, 14):
+            for size in (8, 10, 12):
                 x = torch.randn(1, 4, size, size)
-                if size == 12:
-                    os.kill(pids[-1], signal.SIGKILL)
-                    assert gone(pids[-1], within=30)
                 cached(x)  # the miss: the plain call, and the build queued
-                if size == 14:
+                if size == 12:
                     monkeypatch.setenv("SHAPECACHE_COMPILER_IDLE_S", "3")  # read by the next process started
                     running = compiler()
                     deadline = time.monotonic() + 120
@@ -393,9 +390,9 @@ def test_the_compilers_process_takes_every_later_build_is_started_anew_when_kill
             idle = compiler()
         finally:
             sc.uncached(net)
-    assert pids[0] == pids[1] and len({pids[1], pids[2], pids[3]}) == 3, pids
-    assert st["background_builds"] == 4 and st["hits"] == 4 and st["fallbacks"] == 0
-    assert [e["backend"] for e in st["entries"]] == ["compile"] * 4
+    assert pids[0] == pids[1] != pids[2], pids
+    assert st["background_builds"] == 3 and st["hits"] == 3 and st["fallbacks"] == 0
+    assert [e["backend"] for e in st["entries"]] == ["compile"] * 3
     assert modules == 0 and not [str(w.message) for w in caught if "shapecache" in str(w.message)]
     assert min(compiler_bytes) > 64 << 20, compiler_bytes  # torch and inductor imported there
     assert st["compiler_bytes"] == 0

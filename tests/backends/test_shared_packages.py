@@ -177,38 +177,51 @@ def served_by_a_new_cache(x, caplog, seed=0):
     return difference, loaded_count() > loaded, [r.getMessage() for r in caplog.records]
 
 
-def test_a_package_is_loaded_only_where_it_is_this_users_own_and_answers_as_the_model(shared, caplog, tmp_path):
+def test_a_package_is_loaded_only_where_it_is_this_users_own_and_was_built_for_its_key(shared, caplog, tmp_path):
     # A package's library runs its code in the process that loads it, and its constants answer
-    # for the model: only a regular file of this user's that no one else may write, whose
-    # outputs on the call's tensors are the live model's, is loaded. Anything else is compiled
-    # here (the answer is the model's) and published in its place.
+    # for the model: only a regular file of this user's that no one else may write, with no
+    # other name, whose metadata names this key, is loaded. Anything else is compiled here (the
+    # answer is the model's) and published in its place.
     x = torch.randn(1, 4, 12, 12)
     assert served_by_a_new_cache(x, caplog, seed=0)[:2] == (pytest.approx(0, abs=1e-5), False)
     [name] = packages(shared)
-    package = shared / name
+    package, key = shared / name, name.removesuffix(".pt2")
     served_by_a_new_cache(x, caplog, seed=1)
     [other] = [shared / n for n in packages(shared) if n != name]
+    own = package.read_bytes()
+    store = package_store.PackageStore(shared)
 
     def refused(because: str) -> None:
-        difference, loaded, logged = served_by_a_new_cache(x, caplog, seed=0)
-        assert difference < 1e-5 and not loaded
-        assert any(because in m and name in m for m in logged), logged
-        assert package.is_file() and not package.is_symlink() and package.stat().st_mode & 0o777 == 0o644
-        assert package.read_bytes() != other.read_bytes()  # published in its place
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="shapecache"):
+            assert store.lookup(key) is None
+        assert any(because in r.getMessage() and name in r.getMessage() for r in caplog.records), caplog.text
 
-    # Model 1's package in model 0's place (a misplaced file, a tool that renamed it): the key
-    # is right, the weights are not.
-    package.write_bytes(other.read_bytes())
-    refused("does not answer as the model it was found for (output 0 differs by up to")
     package.chmod(0o666)
     refused("is not loaded: users other than its owner may write it (mode 666)")
-    (tmp_path / "elsewhere.pt2").write_bytes(package.read_bytes())
+    package.chmod(0o644)
+    (tmp_path / "elsewhere.pt2").write_bytes(own)
     package.unlink()
     package.symlink_to(tmp_path / "elsewhere.pt2")
     refused("cannot be read")
+    package.unlink()
+    os.link(other, package)  # another package of this user's, under this key's name too
+    refused("it has 2 names (hard links)")
+    package.unlink()
+    package.write_bytes(own)
     if os.getuid() == 0:  # a file of another user's (only root can give one away)
         os.chown(package, 12345, -1)
         refused("it belongs to user id 12345")
+        os.chown(package, 0, -1)
+    assert store.lookup(key) is not None  # its own package, as published
+    # Model 1's package in model 0's place (a misplaced file, a tool that renamed it): the key
+    # is right, the weights are not. Model 0's answer is its own, and its package is put back.
+    package.write_bytes(other.read_bytes())
+    difference, loaded, logged = served_by_a_new_cache(x, caplog, seed=0)
+    assert difference < 1e-5 and not loaded
+    assert any("it was built for another program or other weights (its metadata names another key)" in m
+               for m in logged), logged
+    assert package.read_bytes() != other.read_bytes() and package.stat().st_mode & 0o777 == 0o644
     assert served_by_a_new_cache(x, caplog, seed=0)[:2] == (pytest.approx(0, abs=1e-5), True)  # and read from now on
 
 

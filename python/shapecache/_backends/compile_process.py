@@ -205,27 +205,32 @@ def _remove_dead(prefix: str, paths: list[str]) -> None:
             pass
 
 
-def compile_saved(directory: str, options: dict, threads: int | None = None) -> str:
+def compile_saved(directory: str, options: dict, threads: int | None = None,
+                  default_dtype: torch.dtype | None = None) -> str:
     """The program saved in `directory` (save) compiled by AOTInductor in the compiler's process
     into a package in that directory, whose path this returns. Raises Failed where that process
     failed (where it could not start or crashed twice, the route is not tried again in this
     process: PROCESS.failed), NotForThisGraph where the graph writes what it reads,
     _background.Exiting where the interpreter is exiting. `threads`: the thread count the kernels
-    are generated for (default: this process's)."""
+    are generated for, `default_dtype` the one factory operations make (default: this process's)."""
     package = os.path.join(directory, "package.pt2")
     # Freezing as this process has it (its options or inductor's config, which that process
     # does not share).
     _run_compiler(os.path.join(directory, PROGRAM), package, {**options, "freezing": True},
-                  torch.get_num_threads() if threads is None else threads)
+                  torch.get_num_threads() if threads is None else threads,
+                  torch.get_default_dtype() if default_dtype is None else default_dtype)
     return package
 
 
-def load(package: str) -> Package:
-    """The package at `package` loaded into this process. Raises Failed."""
+def load(package) -> Package:
+    """The package at `package` (a path, or a file open for reading, which the loader copies
+    before it reads it) loaded into this process. Raises Failed."""
     try:
         with zipfile.ZipFile(package) as archive:
             blobs = {os.path.basename(i.filename): i.file_size for i in archive.infolist()
                      if i.filename.endswith("_weights.blob")}
+        if not isinstance(package, str):
+            package.seek(0)
         # The loader extracts the package to a directory of its own, removed when it is freed,
         # and reads the constants into memory: their file is removed at once (in a temporary
         # directory on tmpfs, a second copy of the weights for the entry's life).
@@ -426,7 +431,7 @@ def resident_bytes() -> int:
     return compiler.resident_bytes() if compiler is not None and compiler.process.returncode is None else 0
 
 
-def _run_compiler(saved: str, package: str, options: dict, threads: int) -> None:
+def _run_compiler(saved: str, package: str, options: dict, threads: int, default_dtype: torch.dtype) -> None:
     """Has the compiler's process compile the program saved at `saved` into `package`, starting
     one where none runs. A process that ends without replying is started anew for the build
     once; ended again, this build fails, and where that end was a crash (or the process could
@@ -447,7 +452,7 @@ def _run_compiler(saved: str, package: str, options: dict, threads: int) -> None
                     PROCESS.failed = f"the compiler's process could not start: {error}"
                     raise Failed(PROCESS.failed) from error
             reply = compiler.request(saved=saved, package=package, options=options, threads=threads,
-                                     default_dtype=str(torch.get_default_dtype()).removeprefix("torch."))
+                                     default_dtype=str(default_dtype).removeprefix("torch."))
             if reply is not None:
                 if compiler.builds >= BUILDS_PER_PROCESS:  # a new one for the next build
                     _compiler["process"] = None

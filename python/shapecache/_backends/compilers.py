@@ -210,20 +210,21 @@ def compile_on(route: Route, traced: Trace, saved: SavedProgram, owner: Callable
     whose ``wait`` waits for the publication."""
     from shapecache._backends.package_store import Bypass
 
-    key = None
+    key, options = None, route.options
     if route.store is not None:
         try:
             key = route.store.key(saved, route.options)
         except Bypass as bypass:
             route.store.log_bypass(bypass)
         else:
-            if (found := route.store.lookup(key, traced)) is not None:
+            if (found := route.store.lookup(key)) is not None:
                 return found
+            options = route.store.stamped(options, key)
     compiled = None
     for position, compiler in enumerate(route.compilers):
         last = position == len(route.compilers) - 1
         try:
-            compiled = compiler.compile(traced, route.options, saved)
+            compiled = compiler.compile(traced, options, saved)
             if position > 0:
                 key = None
             break

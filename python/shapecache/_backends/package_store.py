@@ -14,12 +14,19 @@ process, the saved program is handed to the build workers as a publication
 The key is what makes the package's code and constants: the saved program (its graph and its
 weights, read from the file, less what differs between two saves of one program: the call's
 example inputs, the save's serialization id, and the source paths in the nodes' stack traces),
-inductor's options and configuration, torch's version, the thread count, and the host (_host).
-A model whose weights changed makes another key; a package is never read for weights it was
-not built from. A key that cannot be made is a ``Bypass``: the build goes on unstored.
+inductor's options and configuration, torch's version and build, the default dtype, the thread
+count, and the host (_host). A model whose weights changed makes another key. A key that cannot
+be made is a ``Bypass``: the build goes on unstored.
+
+A package is trusted only as far as it can be told whose it is: ``lookup`` loads a regular file
+of this process's user, writable by no one else and with no other name, whose metadata names
+its key (each is compiled with the key in ``aot_inductor.metadata``): never another user's
+library, nor a package of other weights copied to a key's name. The checks and the load go
+through one open descriptor.
 
 A package is copied in under a temporary name and renamed into place, so readers see a whole
-file or none; one of its key that is there already is kept. One that does not load here (a
+file or none; one of its key that is there already is kept, unless it failed those checks or
+did not load here. One that does not load here (a
 library built against another host's C++ runtime, a noexec temporary directory) costs a
 warning, and the build compiles it, then publishes over it. A directory that cannot be read or
 written costs a warning, never a build. Each package holds a copy of the weights it reads: the
@@ -29,6 +36,7 @@ directory grows by about the model's size per size built (docs/ray-serve.md).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -42,7 +50,6 @@ import zipfile
 from pathlib import Path
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from shapecache import _background
 from shapecache._backends import compile_process, disk_cache
@@ -52,7 +59,8 @@ from shapecache._backends.entry import described
 logger = logging.getLogger("shapecache")
 
 ENVIRONMENT = "SHAPECACHE_SHARED_DIR"
-FORMAT = 1  # in every key: packages of another layout are another key
+FORMAT = 2  # in every key: packages of another layout are another key
+KEY_METADATA = "shapecache_key"  # the package's metadata entry that names the key it was built for
 
 _unloadable: set[str] = set()  # keys whose file in the directory did not load here: published over
 _unwritable: set[Path] = set()  # directories found not writable (warned of once)
@@ -90,46 +98,45 @@ class PackageStore:
     def log_bypass(bypass: Bypass) -> None:
         logger.warning("shapecache: a graph is not shared (%s)", bypass)
 
-    def lookup(self, key: str, traced) -> CompiledGraph | None:
+    def lookup(self, key: str) -> CompiledGraph | None:
         """The package of `key`, loaded, where it can be trusted: a file of this process's user
-        that no one else may write (what another user put there would run its own code here:
-        its library is loaded), and whose outputs on the call's tensors are those of `traced`'s
-        graph run on the live weights (a package of other weights, copied under this key, would
-        answer for them). None where the directory has none, or one that fails (with a warning:
-        it is published over)."""
+        that no one else may write and that has no other name (what another user put there
+        would run its own code here: its library is loaded), and that was built for this key
+        (its metadata names the key: a package of another program or other weights, copied or
+        renamed to this key's name, is not). Checked and loaded through one open descriptor, so
+        a file swapped in meanwhile is never read. None where the directory has none, or one
+        that fails (with a warning: it is published over)."""
         found = self.directory / f"{key}.pt2"
         try:
-            opened = os.open(found, os.O_RDONLY | os.O_NOFOLLOW)
+            # (O_NONBLOCK: a FIFO planted there would block the open.)
+            opened = os.open(found, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
         except FileNotFoundError:
             return None
         except OSError as error:  # a directory this process may not read, a link: a miss
             logger.warning("shapecache: the shared package %s cannot be read (%s)", found, error)
-            _unloadable.add(key)  # (a link is replaced by the package published)
+            if error.errno == errno.ELOOP:
+                _unloadable.add(key)  # a link: replaced by the package published
             return None
         try:
-            # Checked and loaded through the same descriptor: a file swapped in meanwhile is not read.
-            if (why := _untrusted(os.fstat(opened))) is not None:
-                logger.warning("shapecache: the shared package %s is not loaded: %s; the graph is compiled here and "
-                               "published in its place", found, why)
-                _unloadable.add(key)
-                return None
-            try:
-                package = compile_process.load(f"/proc/self/fd/{opened}" if os.path.isdir("/proc/self/fd") else str(found))
-            except compile_process.Failed as failure:
-                logger.warning("shapecache: the shared package %s does not load (%s); the graph is compiled and the "
-                               "package published again", found, failure)
-                _unloadable.add(key)
-                return None
-        finally:
-            os.close(opened)
-        if (difference := _answers_otherwise(package, traced)) is not None:
-            logger.warning("shapecache: the shared package %s does not answer as the model it was found for (%s): it "
-                           "was built from other weights or changed since; the graph is compiled and the package "
-                           "published again", found, difference)
+            with os.fdopen(opened, "rb") as package_file:
+                if (why := _untrusted(os.fstat(opened)) or _not_built_for(key, package_file)) is not None:
+                    logger.warning("shapecache: the shared package %s is not loaded: %s; the graph is compiled here "
+                                   "and published in its place", found, why)
+                    _unloadable.add(key)
+                    return None
+                package = compile_process.load(package_file)
+        except compile_process.Failed as failure:
+            logger.warning("shapecache: the shared package %s does not load (%s); the graph is compiled and the "
+                           "package published again", found, failure)
             _unloadable.add(key)
             return None
         disk_cache.note_shared_package_loaded()
         return CompiledGraph(package, [], package.constant_bytes, package=str(found))
+
+    @staticmethod
+    def stamped(options: dict, key: str) -> dict:
+        """Inductor's `options` for the package of `key`: its metadata names the key (lookup)."""
+        return {**options, "aot_inductor.metadata": {KEY_METADATA: key}}
 
     def publish(self, key: str, compiled: CompiledGraph, saved: compile_process.SavedProgram, options: dict,
                 owner) -> None:
@@ -144,46 +151,30 @@ class PackageStore:
 
 
 def _untrusted(status: os.stat_result) -> str | None:
-    """Why a package file with `status` may hold what another user wrote; None where only this
-    process's user (or root) could have."""
+    """Why a package file with `status` may hold what another user wrote, or be another name of
+    a package of this user's; None where only this process's user (or root) wrote it here."""
     if not stat.S_ISREG(status.st_mode):
         return "it is not a regular file"
-    if status.st_uid != os.getuid():
-        return f"it belongs to user id {status.st_uid}, not to this process's {os.getuid()}"
+    if status.st_uid != os.geteuid():
+        return f"it belongs to user id {status.st_uid}, not to this process's {os.geteuid()}"
     if status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"users other than its owner may write it (mode {stat.S_IMODE(status.st_mode):o})"
+    if status.st_nlink != 1:
+        return f"it has {status.st_nlink} names (hard links)"
     return None
 
 
-def _answers_otherwise(package, traced) -> str | None:
-    """What differs between `package`'s outputs on the call's tensors and those of `traced`'s
-    graph, run on the live weights; None where they agree within a compiler's rounding (a
-    thousandth of the output's largest value), or where the graph draws random numbers, which
-    no two runs agree on."""
-    # The graph is run below: one that writes what it reads would write the model's tensors. No
-    # package is made of such a graph (the compiler's process refuses it), so none is this one's.
-    signature = traced.program.run_decompositions(decomp_table={}).graph_signature  # functional, as there
-    if signature.buffers_to_mutate or signature.user_inputs_to_mutate:
-        return "the graph writes the tensors it reads, which no package is made of"
-    seeded = torch.Tag.nondeterministic_seeded
-    if any(seeded in getattr(node.target, "tags", ()) for node in traced.graph.graph.nodes):
-        return None
-    with torch.no_grad():
-        expected = tree_leaves(traced.graph(*traced.tensors))
-        got = tree_leaves(package(*traced.tensors))
-    if len(got) != len(expected):
-        return f"{len(got)} outputs where the model has {len(expected)}"
-    for position, (a, b) in enumerate(zip(got, expected, strict=True)):
-        if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
-            return f"output {position} is not the model's shape or type"
-        if not (a.is_floating_point() or a.is_complex()):
-            if not torch.equal(a, b):
-                return f"output {position} differs"
-            continue
-        error = (a - b).abs().max().item() if a.numel() else 0.0
-        scale = b.abs().max().item() if b.numel() else 0.0
-        if not error <= 1e-3 * (1.0 + scale):  # (not <=: a NaN differs)
-            return f"output {position} differs by up to {error:.3g}, its largest value being {scale:.3g}"
+def _not_built_for(key: str, package_file) -> str | None:
+    """Why the package in `package_file` is not `key`'s: its metadata names another key, or
+    none; None where it names `key`. Raises compile_process.Failed where it is no package."""
+    try:
+        with zipfile.ZipFile(package_file) as archive:
+            names = [n for n in archive.namelist() if n.endswith("_metadata.json")]
+            built_for = {json.loads(archive.read(n)).get(KEY_METADATA) for n in names}
+    except (OSError, ValueError, zipfile.BadZipFile) as error:  # (json's errors are ValueErrors)
+        raise compile_process.Failed(described(error)) from error
+    if built_for != {key}:
+        return "it was built for another program or other weights (its metadata names another key)"
     return None
 
 
@@ -286,7 +277,8 @@ class _Publication(_background.Publication):
 
     def __init__(self, saved: str, key: str, options: dict, store: PackageStore, owner):
         self.saved, self.key, self.options, self.store, self.owner = saved, key, options, store, owner
-        self.threads = torch.get_num_threads()  # as the key has it
+        self.threads = torch.get_num_threads()  # as the key has them
+        self.default_dtype = torch.get_default_dtype()
 
     def run(self) -> None:
         target = self.store.directory
@@ -294,7 +286,8 @@ class _Publication(_background.Publication):
             if compile_process.PROCESS.failed:  # packages crash this machine's processes: none is made
                 return
             if self.key in _unloadable or not (target / f"{self.key}.pt2").is_file():
-                copy_in(self.key, compile_process.compile_saved(self.saved, self.options, self.threads), target)
+                copy_in(self.key, compile_process.compile_saved(self.saved, PackageStore.stamped(self.options, self.key),
+                                                                self.threads, self.default_dtype), target)
         except NotForThisGraph:
             pass  # the graph writes what it reads: it is compiled in each process
         except _background.Exiting:
