@@ -199,7 +199,7 @@ def test_a_package_is_loaded_only_where_it_is_this_users_own_and_was_built_for_i
 
     package.chmod(0o666)
     refused("is not loaded: users other than its owner may write it (mode 666)")
-    package.chmod(0o644)
+    package.chmod(0o600)
     (tmp_path / "elsewhere.pt2").write_bytes(own)
     package.unlink()
     package.symlink_to(tmp_path / "elsewhere.pt2")
@@ -221,7 +221,7 @@ def test_a_package_is_loaded_only_where_it_is_this_users_own_and_was_built_for_i
     assert difference < 1e-5 and not loaded
     assert any("it was built for another program or other weights (its metadata names another key)" in m
                for m in logged), logged
-    assert package.read_bytes() != other.read_bytes() and package.stat().st_mode & 0o777 == 0o644
+    assert package.read_bytes() != other.read_bytes() and package.stat().st_mode & 0o777 == 0o600
     assert served_by_a_new_cache(x, caplog, seed=0)[:2] == (pytest.approx(0, abs=1e-5), True)  # and read from now on
 
 
@@ -238,7 +238,12 @@ def test_a_background_build_publishes_the_package_its_compiler_made(shared, monk
         assert sc.stats(cached)["hits"] == 1
 
 
-def test_publishers_of_one_key_leave_one_whole_file(shared, tmp_path):
+def test_publishers_of_one_key_leave_one_whole_file_their_owners_alone(shared, tmp_path):
+    # ... and the copies a publisher killed mid-copy left over an hour ago are removed.
+    shared.mkdir(parents=True)
+    (shared / ".k.abandoned.tmp").write_bytes(b"half a package")
+    os.utime(shared / ".k.abandoned.tmp", (time.time() - 7200, time.time() - 7200))
+    (shared / ".k.copying.tmp").write_bytes(b"another process's copy in progress")
     made = []
     for i in range(4):
         package = tmp_path / f"package{i}.pt2"
@@ -251,8 +256,8 @@ def test_publishers_of_one_key_leave_one_whole_file(shared, tmp_path):
         thread.join()
     content = (shared / "k.pt2").read_bytes()
     assert content in {p.read_bytes() for p in made}
-    assert sorted(os.listdir(shared)) == ["k.pt2"]  # no temporary file left
-    assert oct((shared / "k.pt2").stat().st_mode & 0o777) == "0o644"
+    assert sorted(os.listdir(shared)) == [".k.copying.tmp", "k.pt2"]  # none of theirs left, the abandoned one gone
+    assert oct((shared / "k.pt2").stat().st_mode & 0o777) == "0o600"  # it holds a copy of the weights
 
 
 def test_without_a_shared_directory_nothing_is_published(monkeypatch, tmp_path):

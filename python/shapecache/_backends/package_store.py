@@ -46,6 +46,7 @@ import platform
 import shutil
 import stat
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -171,7 +172,7 @@ def _not_built_for(key: str, package_file) -> str | None:
         with zipfile.ZipFile(package_file) as archive:
             names = [n for n in archive.namelist() if n.endswith("_metadata.json")]
             built_for = {json.loads(archive.read(n)).get(KEY_METADATA) for n in names}
-    except (OSError, ValueError, zipfile.BadZipFile) as error:  # (json's errors are ValueErrors)
+    except Exception as error:  # noqa: BLE001  (a damaged archive: zipfile's and json's failures share no base class)
         raise compile_process.Failed(described(error)) from error
     if built_for != {key}:
         return "it was built for another program or other weights (its metadata names another key)"
@@ -251,24 +252,53 @@ _INSTRUCTION_SETS = ("sse", "ssse", "avx", "amx", "fma", "f16c", "bmi", "popcnt"
 
 def copy_in(key: str, package: str, target: Path) -> None:
     """Copies the package at `package` into `target` as `key`'s, unless a package of `key` that
-    loaded is there already. A failure (a full disk, a directory that cannot be written) is
+    loaded is there already: under a temporary name, written to disk (fsync) before it is
+    renamed into place, so that a reader, or a crash, sees the whole file or none. The file is
+    its owner's alone (0600): it holds a copy of the weights, and only a package of this user's
+    is read (PackageStore.lookup). A failure (a full disk, a directory that cannot be written) is
     logged, never raised: the entry is built either way."""
     try:
         if key not in _unloadable and (target / f"{key}.pt2").is_file():
             return  # another process's: replacing it could fail a reader on a network file system
         target.mkdir(parents=True, exist_ok=True)
-        descriptor, temporary = tempfile.mkstemp(dir=target, prefix=f".{key}.", suffix=".tmp")
-        os.close(descriptor)
+        _remove_abandoned_copies(target)
+        descriptor, temporary = tempfile.mkstemp(dir=target, prefix=f".{key}.", suffix=_COPYING)  # (0600)
         try:
-            shutil.copyfile(package, temporary)
-            os.chmod(temporary, 0o644)  # (mkstemp's file is its owner's alone) readable by every replica's user
+            with os.fdopen(descriptor, "wb") as copy, open(package, "rb") as source:
+                shutil.copyfileobj(source, copy)
+                copy.flush()
+                os.fsync(copy.fileno())
             os.replace(temporary, target / f"{key}.pt2")
             _unloadable.discard(key)
+            with contextlib.suppress(OSError):  # the rename itself, on a file system that needs it
+                directory = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fsync(directory)
+                finally:
+                    os.close(directory)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(temporary)
     except OSError as error:
         logger.warning("shapecache: a package could not be shared through %s (%s)", target, error)
+
+
+_COPYING = ".tmp"  # the suffix of a package being copied in
+_ABANDONED_AFTER_S = 3600  # how old a copy is before it counts as a killed publisher's
+_swept_directories: set[Path] = set()
+
+
+def _remove_abandoned_copies(target: Path) -> None:
+    """Removes, once per directory and process, the temporary copies that publishers killed
+    mid-copy (SIGKILL, as Ray stops a replica) left in `target` over an hour ago: each holds up
+    to a copy of the weights. (The hour spares a copy still being written elsewhere.)"""
+    if target in _swept_directories:
+        return
+    _swept_directories.add(target)
+    for path in target.glob(f".*{_COPYING}"):
+        with contextlib.suppress(OSError):
+            if time.time() - path.lstat().st_mtime > _ABANDONED_AFTER_S:
+                path.unlink()
 
 
 class _Publication(_background.Publication):
