@@ -126,8 +126,12 @@ def test_the_shared_directory_sets_the_caches_and_skips_torn_lines(tmp_path, mon
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     assert cache_dir() == env["TORCHINDUCTOR_CACHE_DIR"]
-    with open(tmp_path / "fleet" / NetReplica.sizes_file(), "a") as f:
-        f.write('{"size": [8, 8], "at": 1}\n{"size": [8,\n{"other": 1}\n{"size": [12, 8], "at": 2}\n')
+    with open(tmp_path / "fleet" / NetReplica.sizes_file(), "ab") as f:
+        f.write(b'{"size": [8, 8], "at": 1}\n{"size": [8,\n{"other": 1}\n{"size": [12, 8], "at": 2}\n')
+        # What another process may have written: no line of it stops a replica, none is a size.
+        f.write(b'{"size": [Infinity, 8]}\n{"size": [1e400, 8]}\n' + b"[" * 100_000 + b"\n\xff\xfe\n"
+                b'{"size": [-5, 3]}\n{"size": [0, 0]}\n{"size": [1234567890123456789012, 8]}\n'
+                b'{"size": [true, 8]}\n{"size": []}\n{"size": "8x8"}\n')
     assert shared.hot_sizes(NetReplica.sizes_file()) == [(12, 8), (8, 8)]  # equal counts: larger first
     monkeypatch.setenv("SHAPECACHE_SHARED_DIR", str(tmp_path / "fleet"))
     assert SharedDir.from_option().path == shared.path

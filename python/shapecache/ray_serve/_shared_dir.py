@@ -97,18 +97,44 @@ class SharedDir:
 
     def hot_sizes(self, name: str, limit: int | None = None) -> list[tuple[int, ...]]:
         """The sizes the fleet built, most often built first (then the larger first): the
-        sizes a new replica builds before it reports ready."""
+        sizes a new replica builds before it reports ready. The record is other processes'
+        writing: a line that is not a size a request could have had (torn, foreign, not JSON,
+        not UTF-8, numbers out of range, a side not in 1..MAX_SIDE) is skipped, and the count
+        of those is logged; no line can keep a replica from starting."""
         counts: collections.Counter = collections.Counter()
+        skipped = 0
         try:
-            with open(self.path / name) as f:
+            with open(self.path / name, "rb") as f:
                 for line in f:
-                    try:
-                        size = tuple(int(d) for d in json.loads(line)["size"])
-                    except (ValueError, KeyError, TypeError):
-                        continue  # a torn or foreign line
-                    counts[size] += 1
+                    if (size := _size_of(line)) is None:
+                        skipped += 1
+                    else:
+                        counts[size] += 1
         except FileNotFoundError:
             return []
+        if skipped:
+            logger.warning("shapecache: %d lines of %s are not sizes and were skipped", skipped, self.path / name)
         ranked = sorted(counts, key=lambda s: (-counts[s], -math.prod(s), s))
         return ranked if limit is None else ranked[:limit]
+
+
+MAX_SIDE = 1 << 16  # the largest side of a size the record keeps
+_MAX_DIMENSIONS = 8
+
+
+def _size_of(line: bytes) -> tuple[int, ...] | None:
+    """The size a line of the record holds; None where it holds none a request could have had."""
+    try:
+        size = json.loads(line.decode("utf-8"), parse_constant=_no_constant)["size"]
+        if not isinstance(size, list) or not 0 < len(size) <= _MAX_DIMENSIONS:
+            return None
+        if not all(type(side) is int and 1 <= side <= MAX_SIDE for side in size):
+            return None
+        return tuple(size)
+    except (ValueError, KeyError, TypeError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+        return None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a size")
 
