@@ -148,6 +148,21 @@ def test_bad_options_are_named(tmp_path, given, match):
         NetReplica(**given)
 
 
+def test_a_size_no_request_could_have_is_no_size_and_is_refused_where_given():
+    from shapecache.ray_serve._request_size import check_size, request_size
+
+    assert request_size({"height": 768, "width": 512}, ("height", "width")) == (768, 512)
+    for kwargs in ({"size": -1}, {"size": 0}, {"size": 1 << 17}, {"size": tuple(range(1, 100_001))}, {"size": ()},
+                   {"size": True}):
+        assert request_size(kwargs, ("size",)) is None, kwargs
+    assert request_size({"height": 0, "width": 8}, ("height", "width")) is None
+    assert check_size((768.0, 512), 2) == (768, 512)
+    for size, keys in (((float("inf"), 8), 2), ((float("nan"), 8), 2), ((-5, 3), 2), ((0, 0), 2), ((10**22, 8), 2),
+                       (tuple(range(1, 20)), 1), ((8, 8, 8), 2), ("8x8", 1)):
+        with pytest.raises(TypeError, match=r"size=.*: expected .*each from 1 to 65536"):
+            check_size(size, keys)
+
+
 def test_a_replica_of_an_uncached_object_or_bad_size_keys_is_refused():
     class Plain(CachedReplica):
         pass

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from shapecache._backends import SHARED_DIR_VARIABLE, shared_packages_directory
+from shapecache.ray_serve._request_size import MAX_DIMENSIONS, MAX_SIDE
 
 logger = logging.getLogger("shapecache")
 
@@ -118,15 +119,13 @@ class SharedDir:
         return ranked if limit is None else ranked[:limit]
 
 
-MAX_SIDE = 1 << 16  # the largest side of a size the record keeps
-_MAX_DIMENSIONS = 8
 
 
 def _size_of(line: bytes) -> tuple[int, ...] | None:
     """The size a line of the record holds; None where it holds none a request could have had."""
     try:
         size = json.loads(line.decode("utf-8"), parse_constant=_no_constant)["size"]
-        if not isinstance(size, list) or not 0 < len(size) <= _MAX_DIMENSIONS:
+        if not isinstance(size, list) or not 0 < len(size) <= MAX_DIMENSIONS:
             return None
         if not all(type(side) is int and 1 <= side <= MAX_SIDE for side in size):
             return None
