@@ -20,7 +20,10 @@ import sys
 import tempfile
 import time
 
+from shapecache.scenarios import why_it_failed
+
 MODES = ("torch.compile", "inline", "background")
+MODELS = ("toy", "mid")
 
 
 def build_model(name: str):
@@ -79,6 +82,9 @@ def main() -> None:
     parser.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    for given, known, option in ((args.models, MODELS, "--models"), (args.modes, MODES, "--modes")):
+        if unknown := [name for name in given.split(",") if name not in known]:
+            parser.error(f"{option}: {', '.join(unknown)} not among {', '.join(known)}")
     if args.child:
         print(json.dumps(run_mode(args.child[0], args.child[1], sizes)))
         return
@@ -86,6 +92,7 @@ def main() -> None:
 
     print(f"CPU, torch {torch.__version__}, {os.cpu_count()} cores; freezing on, grad off; each mode in a process of "
           "its own with an empty inductor cache")
+    failed = []
     for model_name in args.models.split(","):
         results = {}
         for mode in args.modes.split(","):
@@ -95,7 +102,8 @@ def main() -> None:
                 done = subprocess.run([sys.executable, __file__, "--child", mode, model_name, "--sizes", args.sizes],
                                       capture_output=True, text=True, env=environment)
             if done.returncode != 0:
-                print(f"{model_name} {mode}: failed: {done.stderr.strip().splitlines()[-1:]}")
+                print(f"{model_name} {mode}: failed: {why_it_failed(done)}", flush=True)
+                failed.append(f"{model_name} {mode}")
                 continue
             results[mode] = json.loads(done.stdout.strip().splitlines()[-1])
         if not results:
@@ -112,6 +120,9 @@ def main() -> None:
             print(f"  {mode:<14} " + " | ".join(cells))
         for k, steps in enumerate(results.get("background", {}).get("steps", [])):
             print(f"  background build {k + 1}: " + ", ".join(f"{step} {s:.2f} s" for step, s in steps.items()))
+
+    if failed:
+        sys.exit(f"\nmodes that did not run: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
