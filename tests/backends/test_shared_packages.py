@@ -3,6 +3,7 @@
 another process compiled loads that package instead of compiling it, and never one built from
 other weights."""
 
+import json
 import logging
 import os
 import subprocess
@@ -17,7 +18,7 @@ import torch
 
 import shapecache as sc
 from shapecache import _background
-from shapecache._backends import compile_process, package_store
+from shapecache._backends import compile_process, package_store, package_trust
 from shapecache._backends.disk_cache import disk_cache_counts
 
 pytestmark = pytest.mark.slow
@@ -147,7 +148,15 @@ def test_a_package_that_does_not_load_costs_a_warning_and_is_compiled_and_replac
         sc.cached(conv_net(), backend="compile", compile_options=FROZEN)(x)
     assert published(300)
     [name] = packages(shared)
-    (shared / name).write_bytes(b"PK\x03\x04 cut short")  # as a full disk would leave it
+    # A sealed package of its key whose library does not load here (another host's C++ runtime)
+    unloadable = shared.parent / "unloadable.pt2"
+    with zipfile.ZipFile(unloadable, "w") as archive:
+        archive.writestr("p/data/aotinductor/model/w_metadata.json",
+                         json.dumps({"shapecache_key": name.removesuffix(".pt2")}))
+        archive.writestr("p/data/aotinductor/model/w.wrapper.so", b"\x7fELF cut short")
+    with open(unloadable, "r+b") as f:
+        package_trust.seal(f, None)
+    os.replace(unloadable, shared / name)
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="shapecache"):
         loaded = loaded_count()
         cached = sc.cached(conv_net(), backend="compile", compile_options=FROZEN)
@@ -216,6 +225,28 @@ def test_a_package_is_loaded_only_where_it_is_this_users_own_and_was_built_for_i
     assert store.lookup(key) is not None  # its own package, as published
     # Model 1's package in model 0's place (a misplaced file, a tool that renamed it): the key
     # is right, the weights are not. Model 0's answer is its own, and its package is put back.
+    # Its own package with its weights zeroed in place, the archive otherwise whole.
+    zeroed = tmp_path / "zeroed.pt2"
+    with zipfile.ZipFile(package) as source, zipfile.ZipFile(zeroed, "w") as target:
+        for info in source.infolist():
+            data = source.read(info)
+            target.writestr(info, bytes(len(data)) if info.filename.endswith("_weights.blob") else data)
+        target.comment = source.comment
+    package.write_bytes(zeroed.read_bytes())
+    refused("its bytes are not those it was sealed with (changed or damaged since it was published)")
+    package.write_bytes(own)
+    # A directory another user may write: nothing in it is loaded, nor published to it.
+    shared.chmod(0o775)
+    refused_directory = "are not loaded: users other than its owner may write the directory (mode 775"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="shapecache"):
+        assert store.lookup(key) is None
+        assert package_store.PackageStore(shared).lookup(key) is None  # warned of once
+    assert [r.getMessage() for r in caplog.records if refused_directory in r.getMessage()] != []
+    assert len(caplog.records) == 1, caplog.text
+    shared.chmod(0o755)
+    # Model 1's package in model 0's place (a misplaced file, a tool that renamed it): the key
+    # is right, the weights are not. Model 0's answer is its own, and its package is put back.
     package.write_bytes(other.read_bytes())
     difference, loaded, logged = served_by_a_new_cache(x, caplog, seed=0)
     assert difference < 1e-5 and not loaded
@@ -223,6 +254,50 @@ def test_a_package_is_loaded_only_where_it_is_this_users_own_and_was_built_for_i
                for m in logged), logged
     assert package.read_bytes() != other.read_bytes() and package.stat().st_mode & 0o777 == 0o600
     assert served_by_a_new_cache(x, caplog, seed=0)[:2] == (pytest.approx(0, abs=1e-5), True)  # and read from now on
+
+
+def test_with_a_deployment_secret_a_package_is_loaded_only_when_sealed_under_it(shared, caplog, tmp_path,
+                                                                                monkeypatch):
+    # Where the operator shares the directory between users on purpose: the owner and mode
+    # checks give way to a seal under the deployment's secret, and nothing else is loaded.
+    x = torch.randn(1, 4, 12, 12)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"a deployment's secret, 32 bytes.")
+    secret.chmod(0o600)
+    monkeypatch.setenv("SHAPECACHE_SHARED_SECRET_FILE", str(secret))
+    assert served_by_a_new_cache(x, caplog)[:2] == (pytest.approx(0, abs=1e-5), False)
+    [name] = packages(shared)
+    package, key = shared / name, name.removesuffix(".pt2")
+    shared.chmod(0o777)
+    package.chmod(0o666)
+    assert package_store.PackageStore(shared).lookup(key) is not None
+
+    def refused(because: str) -> None:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="shapecache"):
+            assert package_store.PackageStore(shared).lookup(key) is None
+        assert any(because in r.getMessage() and name in r.getMessage() for r in caplog.records), caplog.text
+
+    other = tmp_path / "other"
+    other.write_bytes(b"another deployment's secret here")
+    other.chmod(0o400)
+    monkeypatch.setenv("SHAPECACHE_SHARED_SECRET_FILE", str(other))
+    refused("its bytes are not those it was sealed with")
+    monkeypatch.delenv("SHAPECACHE_SHARED_SECRET_FILE")
+    shared.chmod(0o755)
+    package.chmod(0o600)
+    refused("it is sealed with a secret this process is not given")
+    digest_sealed = package.read_bytes()[:-package_trust.SEAL_BYTES] + b"x" * package_trust.SEAL_BYTES
+    package.write_bytes(digest_sealed)
+    monkeypatch.setenv("SHAPECACHE_SHARED_SECRET_FILE", str(secret))
+    refused("it carries no seal")
+    secret.chmod(0o640)  # a secret others can read proves nothing: nothing is shared
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="shapecache"):
+        store = package_store.PackageStore.from_environment()
+        with pytest.raises(package_store.Bypass, match=r"may be read or written by users other than its owner "
+                                                       r"\(mode 640\); expected mode 600 or 400"):
+            store.key(None, {})
 
 
 def test_a_background_build_publishes_the_package_its_compiler_made(shared, monkeypatch):
@@ -247,7 +322,8 @@ def test_publishers_of_one_key_leave_one_whole_file_their_owners_alone(shared, t
     made = []
     for i in range(4):
         package = tmp_path / f"package{i}.pt2"
-        package.write_bytes(bytes([i]) * (4 << 20))
+        with zipfile.ZipFile(package, "w") as archive:
+            archive.writestr("member", bytes([i]) * (4 << 20))
         made.append(package)
     threads = [threading.Thread(target=package_store.copy_in, args=("k", str(p), shared)) for p in made]
     for thread in threads:
@@ -255,7 +331,9 @@ def test_publishers_of_one_key_leave_one_whole_file_their_owners_alone(shared, t
     for thread in threads:
         thread.join()
     content = (shared / "k.pt2").read_bytes()
-    assert content in {p.read_bytes() for p in made}
+    assert content[:-package_trust.SEAL_BYTES - 2] in {p.read_bytes()[:-2] for p in made}  # one whole, sealed
+    with open(shared / "k.pt2", "rb") as f:
+        assert package_trust.unsealed(f, None) is None
     assert sorted(os.listdir(shared)) == [".k.copying.tmp", "k.pt2"]  # none of theirs left, the abandoned one gone
     assert oct((shared / "k.pt2").stat().st_mode & 0o777) == "0o600"  # it holds a copy of the weights
 

@@ -18,14 +18,15 @@ inductor's options and configuration, torch's version and build, the default dty
 count, and the host (_host). A model whose weights changed makes another key. A key that cannot
 be made is a ``Bypass``: the build goes on unstored.
 
-A package is trusted only as far as it can be told whose it is: ``lookup`` loads a regular file
-of this process's user, writable by no one else and with no other name, whose metadata names
-its key (each is compiled with the key in ``aot_inductor.metadata``): never another user's
-library, nor a package of other weights copied to a key's name. The checks and the load go
-through one open descriptor.
+A package is trusted only as far as it can be told who wrote it (package_trust.py): ``lookup``
+loads a package from a directory and file that only this process's user can write, or, with a
+deployment secret, one sealed under it; whose seal matches every byte (a package changed since
+it was published is refused); and whose metadata names its key (each is compiled with the key
+in ``aot_inductor.metadata``): never another user's library, nor a package of other weights
+copied to a key's name. The checks and the load go through one open descriptor.
 
-A package is copied in under a temporary name and renamed into place, so readers see a whole
-file or none; one of its key that is there already is kept, unless it failed those checks or
+A package is copied in under a temporary name, sealed and renamed into place, so readers see a
+whole file or none; one of its key that is there already is kept, unless it failed those checks or
 did not load here. One that does not load here (a
 library built against another host's C++ runtime, a noexec temporary directory) costs a
 warning, and the build compiles it, then publishes over it. A directory that cannot be read or
@@ -53,18 +54,19 @@ from pathlib import Path
 import torch
 
 from shapecache import _background
-from shapecache._backends import compile_process, disk_cache
+from shapecache._backends import compile_process, disk_cache, package_trust
 from shapecache._backends.compilers import CompiledGraph, NotForThisGraph
 from shapecache._backends.entry import described
 
 logger = logging.getLogger("shapecache")
 
 ENVIRONMENT = "SHAPECACHE_SHARED_DIR"
-FORMAT = 2  # in every key: packages of another layout are another key
+FORMAT = 3  # in every key: packages of another layout (3: sealed) are another key
 KEY_METADATA = "shapecache_key"  # the package's metadata entry that names the key it was built for
 
 _unloadable: set[str] = set()  # keys whose file in the directory did not load here: published over
 _unwritable: set[Path] = set()  # directories found not writable (warned of once)
+_warned_directories: set[Path] = set()  # directories whose packages are not loaded (warned of once)
 
 
 def directory_in(shared: Path) -> Path:
@@ -81,6 +83,11 @@ class PackageStore:
 
     def __init__(self, directory: Path):
         self.directory = directory
+        self.unusable = ""  # why the deployment's secret cannot be used: nothing is shared
+        try:
+            self.secret = package_trust.secret()  # None: packages are trusted by owner (package_trust.py)
+        except package_trust.SecretUnusable as unusable:
+            self.secret, self.unusable = None, str(unusable)
 
     @classmethod
     def from_environment(cls) -> PackageStore | None:
@@ -89,7 +96,10 @@ class PackageStore:
         return cls(directory_in(Path(shared).expanduser())) if shared else None
 
     def key(self, saved: compile_process.SavedProgram, options: dict) -> str:
-        """The key of `saved` compiled with inductor `options`. Raises Bypass."""
+        """The key of `saved` compiled with inductor `options`. Raises Bypass, also where the
+        deployment's secret is set but cannot be used."""
+        if self.unusable:
+            raise Bypass(self.unusable)
         try:
             return key(saved.path(), options)
         except Exception as error:  # noqa: BLE001  (a shared directory is never worth a build)
@@ -100,27 +110,41 @@ class PackageStore:
         logger.warning("shapecache: a graph is not shared (%s)", bypass)
 
     def lookup(self, key: str) -> CompiledGraph | None:
-        """The package of `key`, loaded, where it can be trusted: a file of this process's user
-        that no one else may write and that has no other name (what another user put there
-        would run its own code here: its library is loaded), and that was built for this key
-        (its metadata names the key: a package of another program or other weights, copied or
-        renamed to this key's name, is not). Checked and loaded through one open descriptor, so
-        a file swapped in meanwhile is never read. None where the directory has none, or one
-        that fails (with a warning: it is published over)."""
+        """The package of `key`, loaded, where it can be trusted (package_trust.py: its directory
+        and file only this process's user can write, or a seal under the deployment's secret),
+        is as it was sealed, and was built for this key (its metadata names the key: a package
+        of another program or other weights, copied or renamed to this key's name, is not).
+        Checked and loaded through one open descriptor, opened in the directory checked, so a
+        file swapped in meanwhile is never read. None where the directory has none, or one that
+        fails (with a warning: it is published over)."""
         found = self.directory / f"{key}.pt2"
         try:
-            # (O_NONBLOCK: a FIFO planted there would block the open.)
-            opened = os.open(found, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+            directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
         except FileNotFoundError:
             return None
-        except OSError as error:  # a directory this process may not read, a link: a miss
+        except OSError as error:
+            self._warn_once(f"the shared packages in {self.directory} cannot be read ({error})")
+            return None
+        try:
+            if (why := package_trust.untrusted_directory(os.fstat(directory), self.secret)) is not None:
+                self._warn_once(f"the shared packages in {self.directory} are not loaded: {why}")
+                return None
+            # (O_NONBLOCK: a FIFO planted there would block the open.)
+            opened = os.open(found.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY, dir_fd=directory)
+        except FileNotFoundError:
+            return None
+        except OSError as error:  # a file this process may not read, a link: a miss
             logger.warning("shapecache: the shared package %s cannot be read (%s)", found, error)
             if error.errno == errno.ELOOP:
                 _unloadable.add(key)  # a link: replaced by the package published
             return None
+        finally:
+            os.close(directory)
         try:
             with os.fdopen(opened, "rb") as package_file:
-                if (why := _untrusted(os.fstat(opened)) or _not_built_for(key, package_file)) is not None:
+                why = (package_trust.untrusted_file(os.fstat(opened), self.secret)
+                       or _unsealed(package_file, self.secret) or _not_built_for(key, package_file))
+                if why is not None:
                     logger.warning("shapecache: the shared package %s is not loaded: %s; the graph is compiled here "
                                    "and published in its place", found, why)
                     _unloadable.add(key)
@@ -134,6 +158,11 @@ class PackageStore:
         disk_cache.note_shared_package_loaded()
         return CompiledGraph(package, [], package.constant_bytes, package=str(found))
 
+    def _warn_once(self, message: str) -> None:
+        if self.directory not in _warned_directories:
+            _warned_directories.add(self.directory)
+            logger.warning("shapecache: %s", message)
+
     @staticmethod
     def stamped(options: dict, key: str) -> dict:
         """Inductor's `options` for the package of `key`: its metadata names the key (lookup)."""
@@ -146,23 +175,18 @@ class PackageStore:
         build waits (``sc.wait`` on `owner`, the cached function, waits for it). Dropped where
         the directory cannot be written or the workers have enough waiting."""
         if compiled.package is not None:
-            copy_in(key, compiled.package, self.directory)
-        elif _writable(self.directory):
+            if _writable(self.directory, self.secret):
+                copy_in(key, compiled.package, self.directory, self.secret)
+        elif _writable(self.directory, self.secret):
             _background.publish_later(torch.device("cpu"), _Publication(saved.hand_over(), key, options, self, owner))
 
 
-def _untrusted(status: os.stat_result) -> str | None:
-    """Why a package file with `status` may hold what another user wrote, or be another name of
-    a package of this user's; None where only this process's user (or root) wrote it here."""
-    if not stat.S_ISREG(status.st_mode):
-        return "it is not a regular file"
-    if status.st_uid != os.geteuid():
-        return f"it belongs to user id {status.st_uid}, not to this process's {os.geteuid()}"
-    if status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"users other than its owner may write it (mode {stat.S_IMODE(status.st_mode):o})"
-    if status.st_nlink != 1:
-        return f"it has {status.st_nlink} names (hard links)"
-    return None
+def _unsealed(package_file, secret: bytes | None) -> str | None:
+    """Why the package in `package_file` is not as its publisher sealed it (package_trust.unsealed)."""
+    try:
+        return package_trust.unsealed(package_file, secret)
+    except (OSError, ValueError) as error:
+        return f"its seal cannot be read ({error})"
 
 
 def _not_built_for(key: str, package_file) -> str | None:
@@ -250,23 +274,23 @@ _INSTRUCTION_SETS = ("sse", "ssse", "avx", "amx", "fma", "f16c", "bmi", "popcnt"
                      "dotprod", "atomics", "neon")
 
 
-def copy_in(key: str, package: str, target: Path) -> None:
+def copy_in(key: str, package: str, target: Path, secret: bytes | None = None) -> None:
     """Copies the package at `package` into `target` as `key`'s, unless a package of `key` that
-    loaded is there already: under a temporary name, written to disk (fsync) before it is
-    renamed into place, so that a reader, or a crash, sees the whole file or none. The file is
-    its owner's alone (0600): it holds a copy of the weights, and only a package of this user's
-    is read (PackageStore.lookup). A failure (a full disk, a directory that cannot be written) is
-    logged, never raised: the entry is built either way."""
+    loaded is there already: under a temporary name, sealed (under `secret` where given,
+    package_trust.seal), written to disk (fsync) before it is renamed into place, so that a
+    reader, or a crash, sees the whole file or none. The file is its owner's alone (0600): it
+    holds a copy of the weights. A failure (a full disk, a directory that cannot be written, a
+    package that is no zip archive) is logged, never raised: the entry is built either way."""
     try:
         if key not in _unloadable and (target / f"{key}.pt2").is_file():
             return  # another process's: replacing it could fail a reader on a network file system
-        target.mkdir(parents=True, exist_ok=True)
+        target.mkdir(mode=0o755, parents=True, exist_ok=True)  # (never writable by others, whatever the umask)
         _remove_abandoned_copies(target)
         descriptor, temporary = tempfile.mkstemp(dir=target, prefix=f".{key}.", suffix=_COPYING)  # (0600)
         try:
-            with os.fdopen(descriptor, "wb") as copy, open(package, "rb") as source:
+            with os.fdopen(descriptor, "w+b") as copy, open(package, "rb") as source:
                 shutil.copyfileobj(source, copy)
-                copy.flush()
+                package_trust.seal(copy, secret)
                 os.fsync(copy.fileno())
             os.replace(temporary, target / f"{key}.pt2")
             _unloadable.discard(key)
@@ -279,7 +303,7 @@ def copy_in(key: str, package: str, target: Path) -> None:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(temporary)
-    except OSError as error:
+    except (OSError, ValueError) as error:
         logger.warning("shapecache: a package could not be shared through %s (%s)", target, error)
 
 
@@ -317,7 +341,8 @@ class _Publication(_background.Publication):
                 return
             if self.key in _unloadable or not (target / f"{self.key}.pt2").is_file():
                 copy_in(self.key, compile_process.compile_saved(self.saved, PackageStore.stamped(self.options, self.key),
-                                                                self.threads, self.default_dtype), target)
+                                                                self.threads, self.default_dtype), target,
+                        self.store.secret)
         except NotForThisGraph:
             pass  # the graph writes what it reads: it is compiled in each process
         except _background.Exiting:
@@ -331,14 +356,17 @@ class _Publication(_background.Publication):
         shutil.rmtree(self.saved, ignore_errors=True)
 
 
-def _writable(target: Path) -> bool:
+def _writable(target: Path, secret: bytes | None) -> bool:
     """Whether packages can be published to `target` (made where missing): checked before the
-    compile a publication costs; a directory that cannot be written is logged once."""
+    compile a publication costs. A directory that cannot be written, or whose packages no
+    process would load (package_trust.untrusted_directory), is logged once."""
     try:
-        target.mkdir(parents=True, exist_ok=True)
-        if os.access(target, os.W_OK | os.X_OK):
-            return True
-        error = "not writable"
+        target.mkdir(mode=0o755, parents=True, exist_ok=True)
+        error = package_trust.untrusted_directory(target.stat(), secret)
+        if error is None:
+            if os.access(target, os.W_OK | os.X_OK):
+                return True
+            error = "not writable"
     except OSError as failure:
         error = str(failure)
     if target not in _unwritable:
