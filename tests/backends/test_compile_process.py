@@ -270,28 +270,38 @@ def test_the_build_directories_of_processes_that_ended_are_removed_and_others_ke
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads processes' states from /proc")
-def test_a_compiler_that_stays_stopped_is_killed_and_its_graph_compiled_here(monkeypatch):
+@pytest.mark.parametrize("how", ["stopped", "past its deadline"])
+def test_a_compiler_that_stays_stopped_or_runs_past_its_deadline_is_killed_and_its_graph_compiled_here(
+        monkeypatch, how):
     # A compiler stopped by SIGSTOP (a frozen cgroup, a debugger) would never end its build:
-    # after STOPPED_LIMIT_S it is killed, and the build compiles in the serving process.
+    # after STOPPED_LIMIT_S it is killed, and the build compiles in the serving process. So is
+    # one that runs past its deadline (here the user's ceiling: no compile is measured yet).
     from shapecache import _background
     from shapecache._backends import compile_process
 
     monkeypatch.setenv("SHAPECACHE_BACKGROUND_COMPILER", "process")
     monkeypatch.setattr(compile_process, "STOPPED_LIMIT_S", 2.0)
+    if how == "stopped":
+        why = r"it was stopped \(SIGSTOP.*\) for 2 s, and was killed"
+    else:
+        monkeypatch.setenv("SHAPECACHE_COMPILE_DEADLINE_S", "1.5")
+        monkeypatch.setitem(compile_process._compiler, "slowest", 0.0)
+        why = r"its compile ran 1.5 s, its deadline \(SHAPECACHE_COMPILE_DEADLINE_S or 8 times the slowest .*\), and " \
+              r"was killed"
     net = conv_net()
     x = torch.randn(1, 4, 10, 10)
     with torch.no_grad():
         expected = net(x)
         cached = sc.cached(net, backend="compile", build="background", compile_options=FROZEN)
         try:
-            with pytest.warns(RuntimeWarning, match=r"process was stopped \(SIGSTOP.*\) for 2 s, and was killed\); it "
-                                                    r"compiles in the serving process"):
+            with pytest.warns(RuntimeWarning, match=rf"gave no reply: {why}\); it compiles in the serving process"):
                 cached(x)
                 deadline = time.monotonic() + 120
                 while not _background._processes and time.monotonic() < deadline:  # the worker traces, then starts it
                     time.sleep(0.01)
                 [compiler] = list(_background._processes)
-                os.kill(compiler.pid, signal.SIGSTOP)
+                if how == "stopped":
+                    os.kill(compiler.pid, signal.SIGSTOP)
                 assert sc.wait(cached, timeout=300)
             torch.testing.assert_close(cached(x), expected, rtol=1e-5, atol=1e-5)
             st = sc.stats(cached)
@@ -300,6 +310,25 @@ def test_a_compiler_that_stays_stopped_is_killed_and_its_graph_compiled_here(mon
     assert compiler.returncode == -signal.SIGKILL
     assert st["hits"] == 1 and [e["backend"] for e in st["entries"]] == ["compile"]
     assert not compile_process.PROCESS.failed  # one build's failure: the route stays open
+
+
+def test_a_compiles_deadline_follows_the_slowest_compile_measured_within_the_users_ceiling(monkeypatch):
+    from shapecache._backends import compile_process
+
+    monkeypatch.delenv("SHAPECACHE_COMPILE_DEADLINE_S", raising=False)
+    monkeypatch.setitem(compile_process._compiler, "slowest", 0.0)
+    assert compile_process.deadline_seconds() == 3600  # none measured: the ceiling
+    monkeypatch.setitem(compile_process._compiler, "slowest", 5.0)
+    assert compile_process.deadline_seconds() == 300  # the floor
+    monkeypatch.setitem(compile_process._compiler, "slowest", 100.0)
+    assert compile_process.deadline_seconds() == 800
+    monkeypatch.setenv("SHAPECACHE_COMPILE_DEADLINE_S", "600")
+    assert compile_process.deadline_seconds() == 600
+    for value in ("soon", "0", "-1", "nan", "inf"):
+        monkeypatch.setenv("SHAPECACHE_COMPILE_DEADLINE_S", value)
+        with pytest.raises(ValueError, match=rf"SHAPECACHE_COMPILE_DEADLINE_S='{value}': expected a positive number "
+                                             r"of seconds a compile in the compiler's process may take \(default 3600\)"):
+            sc.cached(conv_net(), backend="compile", build="background")
 
 
 class MakesAFactoryTensor(torch.nn.Module):

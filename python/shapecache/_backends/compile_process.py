@@ -61,7 +61,8 @@ import zipfile
 import torch
 
 from shapecache import _background
-from shapecache._backends.compilers import CompiledGraph, CompilerFailed, NotForThisGraph, idle_seconds
+from shapecache._backends.compilers import (DEADLINE_VARIABLE, CompiledGraph, CompilerFailed, NotForThisGraph,
+                                            deadline_ceiling, idle_seconds)
 from shapecache._backends.entry import described
 
 # The package keeps the constants in a file beside the library, which the loader reads into
@@ -242,6 +243,8 @@ def load(package) -> Package:
 
 
 STOPPED_LIMIT_S = 120.0  # how long the compiler's process may stay stopped before its build fails
+DEADLINE_FLOOR_S = 300.0  # a compile's deadline is never shorter (deadline_seconds)
+DEADLINE_FACTOR = 8.0  # times the slowest compile measured: the deadline of the next
 BUILDS_PER_PROCESS = 64  # builds a compiler's process takes before it is ended (what each leaves mapped)
 _COMPILER_PREFIX = "shapecache-compiler-"  # then the process's id: a compiler's private directory
 _REPLY_LIMIT = 4000  # characters of a failure's text a reply carries
@@ -264,7 +267,7 @@ class CompilerProcess:
     def __init__(self, directory: str):
         self.directory = directory
         self.builds = 0
-        self.stopped = False
+        self.gave_up = ""  # why the last request was given up while the process ran (it is then killed)
         self.started_at = time.time()
         replies, self._replies_write = os.pipe()
         # -P: the working directory is not put first on its sys.path, so a module there (a
@@ -289,12 +292,12 @@ class CompilerProcess:
         self._unread = b""
         self._let_go = False
 
-    def request(self, **request) -> dict | None:
+    def request(self, deadline_s: float, **request) -> dict | None:
         """The reply to `request`; None where the process ended without one, or answered what
         is not one (it is then ended with what it started: see `process.returncode`), or stayed
-        stopped STOPPED_LIMIT_S seconds (``stopped``: killed by this). A process that runs,
-        however long, is waited for."""
-        self.stopped = False
+        stopped STOPPED_LIMIT_S seconds, or ran `deadline_s` seconds (not counting the time it
+        was stopped) without replying (``gave_up`` says which: the caller kills it)."""
+        self.gave_up = ""
         self.builds += 1
         request["id"] = self.builds
         try:
@@ -303,7 +306,7 @@ class CompilerProcess:
         except (BrokenPipeError, ValueError):  # it ended (idle) as the request was sent
             self.end()
             return None
-        line = self._reply_line()
+        line = self._reply_line(deadline_s)
         try:
             reply = json.loads(line) if line is not None else None
             if not isinstance(reply, dict) or reply.get("id") != request["id"]:
@@ -314,12 +317,13 @@ class CompilerProcess:
         self._log(reply)
         return reply
 
-    def _reply_line(self) -> bytes | None:
-        """The next line of the replies' pipe; None where the process ended first (or stayed
-        stopped: then killed, ``stopped``)."""
+    def _reply_line(self, deadline_s: float) -> bytes | None:
+        """The next line of the replies' pipe; None where the process ended first, or stayed
+        stopped too long, or ran past `deadline_s` (``gave_up`` says which)."""
         waiting = select.poll()  # (not select.select: a descriptor past 1024 in a busy server)
         waiting.register(self._replies, select.POLLIN)
         stopped_since = None
+        running_s, last = 0.0, time.monotonic()
         while b"\n" not in self._unread:
             if waiting.poll(1000):
                 chunk = os.read(self._replies, 1 << 16)
@@ -329,13 +333,21 @@ class CompilerProcess:
                 continue
             if self.process.poll() is not None:  # ended (a writer it left, its own children, may live on)
                 return None
+            now = time.monotonic()
             if not _stopped(self.process.pid):
                 stopped_since = None
+                running_s += now - last
+                if running_s >= deadline_s:
+                    self.gave_up = (f"its compile ran {deadline_s:g} s, its deadline ({DEADLINE_VARIABLE} or "
+                                    f"{DEADLINE_FACTOR:.0f} times the slowest compile before it), and was killed")
+                    return None
             elif stopped_since is None:
-                stopped_since = time.monotonic()
-            elif time.monotonic() - stopped_since >= STOPPED_LIMIT_S:
-                self.stopped = True
+                stopped_since = now
+            elif now - stopped_since >= STOPPED_LIMIT_S:
+                self.gave_up = (f"it was stopped (SIGSTOP, a frozen cgroup, a debugger) for {STOPPED_LIMIT_S:.0f} s, "
+                                "and was killed")
                 return None
+            last = now
         line, _, self._unread = self._unread.partition(b"\n")
         return line
 
@@ -384,7 +396,18 @@ class CompilerProcess:
             return 0
 
 
-_compiler: dict = {"process": None, "lock": threading.Lock(), "directory": None}  # this process's
+_compiler: dict = {"process": None, "lock": threading.Lock(), "directory": None,  # this process's
+             "slowest": 0.0}  # the slowest compile measured (seconds; a forked child keeps it)
+
+
+def deadline_seconds() -> float:
+    """How long the next compile in the compiler's process may run (stopped time not counted)
+    before it is killed and its build compiles in the serving process: DEADLINE_FACTOR times
+    the slowest compile this process measured, at least DEADLINE_FLOOR_S (a compiler may run
+    beside builds and requests that take the CPU), and at most the user's ceiling
+    (compilers.deadline_ceiling), which is the deadline until a compile is measured."""
+    ceiling, slowest = deadline_ceiling(), _compiler["slowest"]
+    return ceiling if slowest == 0 else min(ceiling, max(DEADLINE_FLOOR_S, DEADLINE_FACTOR * slowest))
 
 
 def _forget_parents_compiler() -> None:
@@ -451,18 +474,20 @@ def _run_compiler(saved: str, package: str, options: dict, threads: int, default
                 except OSError as error:  # no Python to start here (an embedded interpreter): not tried again
                     PROCESS.failed = f"the compiler's process could not start: {error}"
                     raise Failed(PROCESS.failed) from error
-            reply = compiler.request(saved=saved, package=package, options=options, threads=threads,
-                                     default_dtype=str(default_dtype).removeprefix("torch."))
+            started = time.monotonic()
+            reply = compiler.request(deadline_seconds(), saved=saved, package=package, options=options,
+                                     threads=threads, default_dtype=str(default_dtype).removeprefix("torch."))
             if reply is not None:
+                if "error" not in reply and "unsuitable" not in reply:
+                    _compiler["slowest"] = max(_compiler["slowest"], time.monotonic() - started)
                 if compiler.builds >= BUILDS_PER_PROCESS:  # a new one for the next build
                     _compiler["process"] = None
                     compiler.end()
                 break
             _compiler["process"] = None
-            if compiler.stopped:
+            if compiler.gave_up:  # this build's failure only: the route stays open
                 compiler.end()
-                raise Failed(f"the compiler's process was stopped (SIGSTOP, a frozen cgroup, a debugger) for "
-                             f"{STOPPED_LIMIT_S:.0f} s, and was killed")
+                raise Failed(f"the compiler's process gave no reply: {compiler.gave_up}")
             compiler.end()  # what a crash left running goes too; raises Exiting where exit stopped it
             status = compiler.process.returncode
             if status == 0 and not ended_idle:

@@ -81,34 +81,48 @@ def handles(compile_options: dict) -> bool:
 def background_compiler() -> str:
     """Where background builds of frozen graphs compile, as ``SHAPECACHE_BACKGROUND_COMPILER``
     says: "process" (unset, the default) or "thread"; anything else is a ValueError naming the
-    variable (checked when a cached object is made, with the process's idle time)."""
+    variable (checked when a cached object is made, with the process's idle time and deadline)."""
     value = os.environ.get(BACKGROUND_COMPILER, "").strip().lower() or "process"
     if value not in ("process", "thread"):
         raise ValueError(f"{BACKGROUND_COMPILER}={os.environ[BACKGROUND_COMPILER]!r}: expected 'process' (a background "
                          "build compiles in a process of its own) or 'thread' (in the serving process)")
     if value == "process":
         idle_seconds()
+        deadline_ceiling()
     return value
 
 
 IDLE_VARIABLE = "SHAPECACHE_COMPILER_IDLE_S"  # seconds the compiler's process waits for its next build
 IDLE_S = 300.0  # its default
+DEADLINE_VARIABLE = "SHAPECACHE_COMPILE_DEADLINE_S"  # the most seconds one compile in that process may take
+DEADLINE_S = 3600.0  # its default
 
 
 def idle_seconds() -> float:
     """How long the compiler's process waits for its next build before it ends (IDLE_VARIABLE;
     checked with ``background_compiler``). Raises ValueError naming the variable for a value
     that is not a positive number of seconds."""
-    text = os.environ.get(IDLE_VARIABLE, "").strip()
+    return _seconds(IDLE_VARIABLE, IDLE_S, "the compiler's process waits for its next build")
+
+
+def deadline_ceiling() -> float:
+    """The most seconds a compile in the compiler's process may take before it is killed
+    (DEADLINE_VARIABLE; the deadline itself follows the compiles measured: compile_process.
+    deadline_seconds). Raises ValueError as idle_seconds does."""
+    return _seconds(DEADLINE_VARIABLE, DEADLINE_S, "a compile in the compiler's process may take")
+
+
+def _seconds(variable: str, default: float, meaning: str) -> float:
+    text = os.environ.get(variable, "").strip()
     if not text:
-        return IDLE_S
+        return default
     try:
         seconds = float(text)
     except ValueError:
         seconds = -1.0
     if not 0 < seconds < float("inf"):
-        raise ValueError(f"{IDLE_VARIABLE}={os.environ[IDLE_VARIABLE]!r}: expected a positive number of seconds the "
-                         f"compiler's process waits for its next build (default {IDLE_S:.0f})")
+        raise ValueError(f"{variable}={os.environ[variable]!r}: expected a positive number of seconds {meaning} "
+                         f"(default {default:.0f})")
     return seconds
 
 
