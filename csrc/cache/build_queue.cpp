@@ -51,7 +51,17 @@ BuildJob BuildJob::of_call(const Call& call) {
   job.kwargs = copy_containers(call.entry_kwargs).cast<py::dict>();
   job.tensors = call.tensor_tuple();
   job.modes = CallModes::of_this_thread(call.device.type());
+  job.context = py::reinterpret_steal<py::object>(PyContext_CopyCurrent());
+  if (!job.context) throw py::error_already_set();
   return job;
+}
+
+EnteredContext::EnteredContext(const py::object& context) : context_(context) {
+  if (PyContext_Enter(context_.ptr()) != 0) throw py::error_already_set();
+}
+
+EnteredContext::~EnteredContext() {
+  if (PyContext_Exit(context_.ptr()) != 0) PyErr_Clear();  // only fails where another context was entered since
 }
 
 BuildQueue& BuildQueue::instance() {

@@ -66,6 +66,11 @@ struct BuildJob {
   // The caller's grad, inference and autocast modes, which the key holds: the build runs
   // under them on the worker's thread, whose own modes are its defaults.
   CallModes modes;
+  // A copy of the caller's context (contextvars.copy_context()): what the call ran under that
+  // Python keeps per context, not per process. Torch's configuration modules (inductor's,
+  // dynamo's) keep the settings a thread makes in context variables, so a worker's thread,
+  // which starts with an empty context, would build under their defaults, not the caller's.
+  py::object context;
   // Whether a worker may start it: once the call that queued it has returned (or at once, for
   // queue_build). Started while its call runs, the build would compete with that call for the
   // cores, and would read state the call has not finished updating (BatchNorm's statistics).
@@ -74,6 +79,20 @@ struct BuildJob {
   // A job for `call`'s bucket: its key, device, arguments, owner, tensors and modes, as above.
   // Who runs it, for which function, generation and readiness are the queuer's to fill.
   static BuildJob of_call(const Call& call);
+};
+
+// Enters a job's context (BuildJob::context) on this thread for its lifetime, as
+// `context.run` would; left on every way out. A context is entered by one thread at a time:
+// each job holds a copy of its own. Needs the GIL.
+class EnteredContext {
+ public:
+  explicit EnteredContext(const py::object& context);
+  ~EnteredContext();
+  EnteredContext(const EnteredContext&) = delete;
+  EnteredContext& operator=(const EnteredContext&) = delete;
+
+ private:
+  py::object context_;
 };
 
 class BuildQueue {

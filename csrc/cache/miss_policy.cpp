@@ -202,6 +202,7 @@ void MissPolicy::run_queued(BuildJob& job) {
     args = with_owner(owner, job.args);
   }
   InBackgroundBuild in_background;
+  EnteredContext context(job.context);
   CallModesScope modes(job.modes);
   ++counters_.background_builds;
   std::string failure;

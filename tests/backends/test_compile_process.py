@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import warnings
 
@@ -87,6 +88,34 @@ def test_a_frozen_background_build_compiles_where_it_is_told_and_answers_as_the_
     # The entry gone, neither the build's files nor the extracted package are left behind.
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(("shapecache-build-", "aotinductor_"))] == []
     assert not (tmp_path / "imported").exists()
+
+
+def test_a_background_build_compiles_under_the_inductor_configuration_of_the_call_that_queued_it():
+    # Inductor keeps a thread's settings in context variables: the build worker's thread runs
+    # each job in a copy of its caller's context, not in its own, which holds the defaults. A
+    # pass set around the call runs in the build (and, being code, keeps it in this process).
+    from torch._inductor import config as inductor_config
+
+    ran = []
+
+    def note(graph):
+        ran.append(threading.current_thread().name)
+
+    net = conv_net()
+    x = torch.randn(1, 4, 9, 9)
+    with torch.no_grad():
+        expected = net(x)
+        with inductor_config.patch(post_grad_custom_post_pass=note):
+            cached = sc.cached(net, backend="compile", build="background", compile_options=FROZEN)
+            cached(x)
+        try:
+            assert sc.wait(cached, timeout=300)
+            torch.testing.assert_close(cached(x), expected, rtol=1e-5, atol=1e-5)
+            assert [e["backend"] for e in sc.stats(cached)["entries"]] == ["compile"]
+        finally:
+            sc.uncached(net)
+    assert ran and threading.current_thread().name not in ran, ran  # in the worker, under the caller's setting
+    assert inductor_config.post_grad_custom_post_pass is None  # and the caller's context is as it was
 
 
 def test_an_inline_build_and_an_unfrozen_one_compile_in_the_serving_process():

@@ -97,6 +97,25 @@ def test_a_custom_graph_pass_keeps_the_graph_in_this_process_and_out_of_the_stor
     assert "torch._inductor.config.post_grad_custom_post_pass" in route.why
 
 
+def test_inductors_configuration_as_set_here_goes_with_the_options_and_code_in_it_keeps_the_graph_here():
+    # The compiler's process and a package compiled later compile under what this context set
+    # (in code, or by TORCHINDUCTOR_* variables): it goes with the options they are given.
+    from torch._inductor import config as inductor_config
+
+    with torch.no_grad():
+        trace = traced()
+        assert "cpp.simdlen" not in compilers.choose_route(trace, FROZEN, True, "f").options
+        with inductor_config.patch({"cpp.simdlen": 256, "max_autotune_gemm": True}):
+            route = compilers.choose_route(trace, FROZEN, True, "f")
+        assert route.options == {"cpp.simdlen": 256, "max_autotune_gemm": True, "freezing": True}
+        assert [c.name for c in route.compilers] == ["process", "inductor"]
+        with inductor_config.patch(inductor_choices_class=lambda: None):
+            route = compilers.choose_route(trace, FROZEN, True, "f")
+        assert [c.name for c in route.compilers] == ["inductor"]
+        assert route.why == "inductor's configuration holds code of this process's " \
+                            "(torch._inductor.config.inductor_choices_class)"
+
+
 def test_a_route_whose_compiler_gave_up_in_this_process_compiles_here(monkeypatch):
     monkeypatch.setattr(compile_process.PROCESS, "failed", "the compiler's process ended by signal 11")
     with torch.no_grad():

@@ -63,6 +63,7 @@ import torch
 from shapecache import _background
 from shapecache._backends.compilers import (DEADLINE_VARIABLE, CompiledGraph, CompilerFailed, NotForThisGraph,
                                             deadline_ceiling, idle_seconds)
+from shapecache._backends.compile_settings import CompileSettings
 from shapecache._backends.entry import described
 
 # The package keeps the constants in a file beside the library, which the loader reads into
@@ -206,20 +207,18 @@ def _remove_dead(prefix: str, paths: list[str]) -> None:
             pass
 
 
-def compile_saved(directory: str, options: dict, threads: int | None = None,
-                  default_dtype: torch.dtype | None = None) -> str:
+def compile_saved(directory: str, options: dict, settings: CompileSettings | None = None) -> str:
     """The program saved in `directory` (save) compiled by AOTInductor in the compiler's process
     into a package in that directory, whose path this returns. Raises Failed where that process
     failed (where it could not start or crashed twice, the route is not tried again in this
     process: PROCESS.failed), NotForThisGraph where the graph writes what it reads,
-    _background.Exiting where the interpreter is exiting. `threads`: the thread count the kernels
-    are generated for, `default_dtype` the one factory operations make (default: this process's)."""
+    _background.Exiting where the interpreter is exiting. `settings`: torch's, which that
+    process compiles under (compile_settings.py; default: this thread's now)."""
     package = os.path.join(directory, "package.pt2")
     # Freezing as this process has it (its options or inductor's config, which that process
     # does not share).
     _run_compiler(os.path.join(directory, PROGRAM), package, {**options, "freezing": True},
-                  torch.get_num_threads() if threads is None else threads,
-                  torch.get_default_dtype() if default_dtype is None else default_dtype)
+                  settings or CompileSettings.of_this_thread())
     return package
 
 
@@ -454,7 +453,7 @@ def resident_bytes() -> int:
     return compiler.resident_bytes() if compiler is not None and compiler.process.returncode is None else 0
 
 
-def _run_compiler(saved: str, package: str, options: dict, threads: int, default_dtype: torch.dtype) -> None:
+def _run_compiler(saved: str, package: str, options: dict, settings: CompileSettings) -> None:
     """Has the compiler's process compile the program saved at `saved` into `package`, starting
     one where none runs. A process that ends without replying is started anew for the build
     once; ended again, this build fails, and where that end was a crash (or the process could
@@ -476,7 +475,7 @@ def _run_compiler(saved: str, package: str, options: dict, threads: int, default
                     raise Failed(PROCESS.failed) from error
             started = time.monotonic()
             reply = compiler.request(deadline_seconds(), saved=saved, package=package, options=options,
-                                     threads=threads, default_dtype=str(default_dtype).removeprefix("torch."))
+                                     settings=settings.as_json())
             if reply is not None:
                 if "error" not in reply and "unsuitable" not in reply:
                     _compiler["slowest"] = max(_compiler["slowest"], time.monotonic() - started)
@@ -591,8 +590,7 @@ def _serve(directory: str, replies_fd: int, idle_s: float) -> None:
             os._exit(0)
         waited = idle_s
         _building["directory"] = os.path.dirname(request["saved"])
-        torch.set_num_threads(request["threads"])
-        torch.set_default_dtype(getattr(torch, request["default_dtype"]))  # factory ops' dtype, as the serving process's
+        CompileSettings.from_json(request["settings"]).apply()  # the serving process's
         began = time.time()
         seconds: dict = {}
         try:

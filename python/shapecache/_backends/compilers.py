@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
+from shapecache._backends.entry import described
+
 if TYPE_CHECKING:
     from shapecache._backends.compile_process import SavedProgram
     from shapecache._backends.package_store import PackageStore
@@ -153,8 +155,9 @@ def choose_route(traced: Trace, compile_options: dict, in_background: bool, name
       they keep no version counter, so a frozen copy would miss an update in place.
     - A graph may be a package where it is a frozen graph (freezing on, grad off) of one
       CPU device, without autocast (export records no casts), whose options are JSON (the
-      compiler's process reads them so), without a custom graph pass in inductor's
-      configuration (code of this process's), in a process whose packages work.
+      compiler's process reads them so), without code in inductor's configuration (a custom
+      graph pass, a choices class: code of this process's), in a process whose packages work.
+      Its options then hold what the build's context set in inductor's configuration.
     - Such a graph compiles in a process of its own where the build is in the background and
       ``SHAPECACHE_BACKGROUND_COMPILER`` is not "thread"; in this process otherwise, and
       whenever the process compiler fails.
@@ -178,6 +181,9 @@ def choose_route(traced: Trace, compile_options: dict, in_background: bool, name
         why = compile_process.PROCESS.failed
     if why:
         return Route(options, (INDUCTOR,), None, why)
+    # What this context set in inductor's configuration goes with the options: a compiler in
+    # another process, or a package compiled later, compiles under it too.
+    options = {**configured(), **options}
     compilers = (INDUCTOR,)
     if not in_background:
         why = "the build is inline"
@@ -205,15 +211,31 @@ def _not_a_package(traced: Trace, options: dict) -> str:
         json.dumps(options)
     except (TypeError, ValueError):
         return "inductor's options are not JSON, which the compiler's process reads"
-    passes = [name for name in _GRAPH_PASSES if getattr(inductor_config, name, None)]
-    if passes:  # code of this process's, which neither the compiler's process nor a package key has
-        return f"a custom graph pass is set (torch._inductor.config.{passes[0]})"
+    code = [name for name in _CODE_SETTINGS if getattr(inductor_config, name, None)]
+    if code:  # code of this process's, which neither the compiler's process nor a package key has
+        return f"inductor's configuration holds code of this process's (torch._inductor.config.{code[0]})"
+    try:
+        json.dumps(configured())
+    except (TypeError, ValueError, RuntimeError) as error:  # (RuntimeError: torch's, for a setting it cannot save)
+        return f"inductor's configuration cannot reach the compiler's process ({described(error)})"
     return ""
 
 
+def configured() -> dict:
+    """Inductor's settings that this thread's context holds at other than their defaults (set
+    in code, or by TORCHINDUCTOR_* variables), named as ``inductor_configs`` names them, less
+    those that hold code (_CODE_SETTINGS) or do not change the code (torch's own selection for
+    its FX graph cache key, ``save_config_portable``)."""
+    from torch._inductor import config as inductor_config
+
+    return {name: value for name, value in inductor_config.save_config_portable().items()
+            if not inductor_config._is_default(name)}
+
+
 # Inductor's settings that hold code (torch: _save_config_ignore), which cannot reach another process.
-_GRAPH_PASSES = ("pre_grad_custom_pass", "joint_custom_pre_pass", "joint_custom_post_pass", "post_grad_custom_pre_pass",
-                 "post_grad_custom_post_pass", "custom_partitioner_fn", "_pre_fusion_custom_pass")
+_CODE_SETTINGS = ("pre_grad_custom_pass", "joint_custom_pre_pass", "joint_custom_post_pass", "post_grad_custom_pre_pass",
+                  "post_grad_custom_post_pass", "custom_partitioner_fn", "_pre_fusion_custom_pass",
+                  "inductor_choices_class")
 
 
 def compile_on(route: Route, traced: Trace, saved: SavedProgram, owner: Callable) -> CompiledGraph:

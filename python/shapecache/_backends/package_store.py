@@ -14,8 +14,9 @@ process, the saved program is handed to the build workers as a publication
 The key is what makes the package's code and constants: the saved program (its graph and its
 weights, read from the file, less what differs between two saves of one program: the call's
 example inputs, the save's serialization id, and the source paths in the nodes' stack traces),
-inductor's options and configuration, torch's version and build, the default dtype, the thread
-count, and the host (_host). A model whose weights changed makes another key. A key that cannot
+inductor's options and configuration, torch's version and build, the settings torch compiles
+under (compile_settings.py: the default dtype, the thread count, determinism, the matmul
+precisions), and the host (_host). A model whose weights changed makes another key. A key that cannot
 be made is a ``Bypass``: the build goes on unstored.
 
 A package is trusted only as far as it can be told who wrote it (package_trust.py): ``lookup``
@@ -55,6 +56,7 @@ import torch
 
 from shapecache import _background
 from shapecache._backends import compile_process, disk_cache, package_trust
+from shapecache._backends.compile_settings import CompileSettings
 from shapecache._backends.compilers import CompiledGraph, NotForThisGraph
 from shapecache._backends.entry import described
 
@@ -208,7 +210,7 @@ def key(saved: str, options: dict) -> str:
     Raises OSError, zipfile.BadZipFile or ValueError where the saved program cannot be read."""
     digest = hashlib.sha256()
     setting = {"format": FORMAT, "torch": torch.__version__, "torch build": torch.version.git_version,
-               "default dtype": str(torch.get_default_dtype()), "threads": torch.get_num_threads(),
+               "settings": CompileSettings.of_this_thread().as_json(),
                "host": _host(), "options": {**options, "freezing": True}, "inductor": _inductor_config()}
     digest.update(json.dumps(setting, sort_keys=True, default=repr).encode())
     with zipfile.ZipFile(os.path.join(saved, compile_process.PROGRAM)) as archive:
@@ -331,8 +333,7 @@ class _Publication(_background.Publication):
 
     def __init__(self, saved: str, key: str, options: dict, store: PackageStore, owner):
         self.saved, self.key, self.options, self.store, self.owner = saved, key, options, store, owner
-        self.threads = torch.get_num_threads()  # as the key has them
-        self.default_dtype = torch.get_default_dtype()
+        self.settings = CompileSettings.of_this_thread()  # as the key has them
 
     def run(self) -> None:
         target = self.store.directory
@@ -341,8 +342,7 @@ class _Publication(_background.Publication):
                 return
             if self.key in _unloadable or not (target / f"{self.key}.pt2").is_file():
                 copy_in(self.key, compile_process.compile_saved(self.saved, PackageStore.stamped(self.options, self.key),
-                                                                self.threads, self.default_dtype), target,
-                        self.store.secret)
+                                                                self.settings), target, self.store.secret)
         except NotForThisGraph:
             pass  # the graph writes what it reads: it is compiled in each process
         except _background.Exiting:
