@@ -128,6 +128,19 @@ def test_no_size_or_no_fresh_stats_is_left_to_the_default_policy():
     assert placement.rank((64, 64), missing, NOW)[0] == ["b"]
 
 
+def test_stats_stamped_in_the_future_are_stale_and_a_time_that_is_none_is_no_stats():
+    # A replica whose clock runs ahead, or stats another process wrote (published_at=inf), is
+    # not trusted for ever; a clock a little ahead (another node's) still counts.
+    ahead = [replica("a", [(64, 64)], at=NOW + 3600), replica("b", bytes=50 * MiB)]
+    assert Placement(stats_max_age_s=60).rank((64, 64), ahead, NOW)[0] == ["b"]
+    assert replica("a", at=NOW + 5).fresh(NOW, 60)
+    published = routing_stats([(64, 64)], {"bytes": 0, "budget": None, "entries": [{}], "pending_builds": 0}, NOW)
+    for when in (float("inf"), float("-inf"), float("nan"), "inf"):
+        published[FORMAT_KEY]["published_at"] = when
+        state = ReplicaState.from_routing_stats("a", published)
+        assert state.published_at is None and state.sizes == frozenset() and not state.fresh(NOW, 60)
+
+
 def test_stale_stats_are_not_trusted_for_the_sizes_they_list():
     replicas = [replica("a", [(64, 64)], at=NOW - 120), replica("b", bytes=50 * MiB)]
     assert Placement(stats_max_age_s=60).rank((64, 64), replicas, NOW)[0] == ["b"]

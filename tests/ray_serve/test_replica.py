@@ -14,6 +14,7 @@ import torch
 import shapecache as sc
 from shapecache.ray_serve import CachedReplica, SharedDir
 from shapecache.ray_serve._placement import ReplicaState
+from shapecache.ray_serve._replica import PREWARM_LIMIT
 from shapecache.testing.models import SmallConvNet
 
 
@@ -110,6 +111,13 @@ def test_prewarm_stops_when_the_budget_is_full_and_keeps_to_the_limit(tmp_path):
     assert len(full.prewarmed) == 3  # the third evicted the first: stop
     limited = NetReplica(shared_dir=tmp_path, max_entries=4, prewarm_limit=1)
     assert limited.prewarmed == [(16, 16)]  # built most often
+    # A record of many sizes: a replica not told a limit builds PREWARM_LIMIT of them, and
+    # every one where told None.
+    many = [(8, 8 + i) for i in range(PREWARM_LIMIT + 3)]
+    SharedDir(tmp_path).record_sizes(many, NetReplica.sizes_file())
+    assert len(NetReplica(shared_dir=tmp_path, max_entries=100).prewarmed) == PREWARM_LIMIT
+    every = set(many) | {(8, 8), (8, 12), (12, 8), (16, 16)}
+    assert len(NetReplica(shared_dir=tmp_path, max_entries=100, prewarm_limit=None).prewarmed) == len(every)
 
 
 def test_the_shared_directory_sets_the_caches_and_skips_torn_lines(tmp_path, monkeypatch):

@@ -57,6 +57,12 @@ HOME_GRACE_S = 30.0
 FORMAT_VERSION = 1
 
 
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"{value} is not a time")
+    return value
+
+
 @dataclass(frozen=True)
 class ReplicaState:
     """One replica as the router sees it: its id, what it last published and whether it can
@@ -87,14 +93,16 @@ class ReplicaState:
                 budget=None if budget is None else int(budget),
                 entries=int(ours["entries"]),
                 pending_builds=int(ours["pending_builds"]),
-                published_at=float(ours["published_at"]),
+                published_at=_finite(float(ours["published_at"])),
                 full=full,
             )
         except (KeyError, TypeError, ValueError, OverflowError):
             return cls(replica_id, full=full)
 
     def fresh(self, now: float, max_age_s: float) -> bool:
-        return self.published_at is not None and now - self.published_at <= max_age_s
+        """Whether it published within `max_age_s` of `now`, before or after (the clocks of two
+        nodes differ): stats stamped further ahead are a clock gone wrong, and stale."""
+        return self.published_at is not None and abs(now - self.published_at) <= max_age_s
 
     def bytes_free(self) -> float:
         return math.inf if self.budget is None else self.budget - self.bytes

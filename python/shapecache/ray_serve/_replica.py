@@ -31,6 +31,12 @@ from shapecache.ray_serve._shared_dir import SharedDir
 logger = logging.getLogger("shapecache")
 
 
+# Sizes a replica builds before it reports ready, where its constructor is not told: each is a
+# build (seconds to minutes) before the replica serves its first request, and a record of
+# the fleet's sizes may hold hundreds.
+PREWARM_LIMIT = 8
+
+
 class CachedReplica:
     """Base class of a Ray Serve deployment that serves one cached object::
 
@@ -58,11 +64,12 @@ class CachedReplica:
 
     size_keys: ClassVar[tuple[str, ...]] = PIPELINE_SIZE_KEYS
 
-    def __init__(self, cached, *, shared_dir=None, prewarm_limit: int | None = None):
+    def __init__(self, cached, *, shared_dir=None, prewarm_limit: int | None = PREWARM_LIMIT):
         """`cached`: what ``sc.wrap`` or ``sc.cached`` returned. `shared_dir` (default:
         SHAPECACHE_SHARED_DIR, when set): the directory replicas share; the fleet's hot sizes
-        recorded there are built now, most built first, up to `prewarm_limit` sizes, stopping
-        at the first eviction (the budget is full)."""
+        recorded there are built now, most built first, up to `prewarm_limit` sizes (default
+        PREWARM_LIMIT; None: every recorded size), stopping at the first eviction (the budget
+        is full). Ray Serve routes nothing to the replica until they are built."""
         check_size_keys(self.size_keys)
         try:
             sc.stats(cached)
