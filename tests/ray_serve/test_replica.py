@@ -5,6 +5,7 @@ The replica class imports nothing of Ray; Ray Serve only calls its methods."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -120,7 +121,7 @@ def test_prewarm_stops_when_the_budget_is_full_and_keeps_to_the_limit(tmp_path):
     assert len(NetReplica(shared_dir=tmp_path, max_entries=100, prewarm_limit=None).prewarmed) == len(every)
 
 
-def test_the_shared_directory_sets_the_caches_and_skips_torn_lines(tmp_path, monkeypatch):
+def test_the_shared_directory_sets_the_caches_and_skips_torn_lines(tmp_path, monkeypatch, caplog):
     for name in ("TORCHINDUCTOR_CACHE_DIR", "SHAPECACHE_TUNING_DB", "SHAPECACHE_SHARED_DIR"):
         monkeypatch.setenv(name, "")  # recorded, so that what apply() sets is undone after the test
         monkeypatch.delenv(name)
@@ -134,6 +135,12 @@ def test_the_shared_directory_sets_the_caches_and_skips_torn_lines(tmp_path, mon
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     assert cache_dir() == env["TORCHINDUCTOR_CACHE_DIR"]
+    (tmp_path / "fleet").chmod(0o777)  # inductor's cache in it would run anyone's code: said so
+    with caplog.at_level(logging.WARNING, logger="shapecache"):
+        shared.apply()
+    assert any("users other than its owner may write the directory (mode 777" in r.getMessage()
+               and "whoever can write there runs code in every replica" in r.getMessage() for r in caplog.records)
+    (tmp_path / "fleet").chmod(0o755)
     with open(tmp_path / "fleet" / NetReplica.sizes_file(), "ab") as f:
         f.write(b'{"size": [8, 8], "at": 1}\n{"size": [8,\n{"other": 1}\n{"size": [12, 8], "at": 2}\n')
         # What another process may have written: no line of it stops a replica, none is a size.

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from shapecache._backends import SHARED_DIR_VARIABLE, shared_packages_directory
+from shapecache._backends.package_trust import untrusted_directory
 from shapecache.ray_serve._request_size import MAX_DIMENSIONS, MAX_SIDE
 
 logger = logging.getLogger("shapecache")
@@ -77,11 +78,18 @@ class SharedDir:
 
     def apply(self) -> None:
         """Points this process's caches here. Inductor reads TORCHINDUCTOR_CACHE_DIR whenever it
-        opens its cache; one that is set to another directory is left alone, with a warning."""
+        opens its cache; one that is set to another directory is left alone, with a warning.
+        A directory other users may write is warned of: shapecache's packages in it are checked
+        (package_trust.py), but inductor loads what its cache holds (pickles, libraries)
+        without asking who wrote it."""
         for name, value in self.environment().items():
             current = os.environ.setdefault(name, value)
             if current != value and name not in REMOTE_CACHE_VARIABLES:
                 logger.warning("shapecache: %s=%s is set, so it is not shared through %s", name, current, self.path)
+        if (why := untrusted_directory(self.path.stat(), None)) is not None:
+            logger.warning("shapecache: %s: %s. Inductor's cache in it (inductor/) is loaded without a check, so "
+                           "whoever can write there runs code in every replica; shapecache's packages are loaded "
+                           "only as package_trust allows", self.path, why)
 
     def record_sizes(self, sizes, name: str) -> None:
         """Appends the sizes a replica built to the fleet's record `name` (one per replica class,
