@@ -104,10 +104,14 @@ def test_inductors_configuration_as_set_here_goes_with_the_options_and_code_in_i
 
     with torch.no_grad():
         trace = traced()
-        assert "cpp.simdlen" not in compilers.choose_route(trace, FROZEN, True, "f").options
+        plain = compilers.choose_route(trace, FROZEN, True, "f").options
+        assert "cpp.simdlen" not in plain and plain["freezing"] is True
         with inductor_config.patch({"cpp.simdlen": 256, "max_autotune_gemm": True}):
             route = compilers.choose_route(trace, FROZEN, True, "f")
-        assert route.options == {"cpp.simdlen": 256, "max_autotune_gemm": True, "freezing": True}
+        assert route.options == {**plain, "cpp.simdlen": 256, "max_autotune_gemm": True}
+        # Set to the value a new process has (as torch's own compiles leave some): not sent.
+        with inductor_config.patch(comprehensive_padding=inductor_config.comprehensive_padding):
+            assert compilers.choose_route(trace, FROZEN, True, "f").options == plain
         assert [c.name for c in route.compilers] == ["process", "inductor"]
         with inductor_config.patch(inductor_choices_class=lambda: None):
             route = compilers.choose_route(trace, FROZEN, True, "f")

@@ -222,14 +222,35 @@ def _not_a_package(traced: Trace, options: dict) -> str:
 
 
 def configured() -> dict:
-    """Inductor's settings that this thread's context holds at other than their defaults (set
-    in code, or by TORCHINDUCTOR_* variables), named as ``inductor_configs`` names them, less
-    those that hold code (_CODE_SETTINGS) or do not change the code (torch's own selection for
-    its FX graph cache key, ``save_config_portable``)."""
+    """Inductor's settings that this thread's context holds at other values than a new process
+    would (set in code; a TORCHINDUCTOR_* variable is the new process's value too), named as
+    ``inductor_configs`` names them, less those that hold code (_CODE_SETTINGS) or do not
+    change the code (torch's own selection for its FX graph cache key, ``save_config_portable``).
+    By value: a setting set back to its default (as torch's own compiles leave some) is not."""
     from torch._inductor import config as inductor_config
 
     return {name: value for name, value in inductor_config.save_config_portable().items()
-            if not inductor_config._is_default(name)}
+            if value != _new_process_value(inductor_config, name)}
+
+
+def _new_process_value(config, name: str):
+    """What `name` of torch's configuration module `config` holds in a new process of this
+    environment: the value its variable forces or sets, else its default (torch 2.13's
+    utils/_config_module.py, _ConfigEntry; a field this torch lacks counts as unset)."""
+    from torch.utils import _config_module
+
+    entry = getattr(config, "_config", {}).get(name)
+    if entry is None:
+        return _UNKNOWN
+    unset = getattr(_config_module, "_UNSET_SENTINEL", _UNKNOWN)
+    for source in ("env_value_force", "env_value_default"):
+        value = getattr(entry, source, unset)
+        if value is not unset:
+            return value
+    return getattr(entry, "default", _UNKNOWN)
+
+
+_UNKNOWN = object()
 
 
 # Inductor's settings that hold code (torch: _save_config_ignore), which cannot reach another process.
