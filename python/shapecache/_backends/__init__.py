@@ -33,6 +33,7 @@ from shapecache._backends.graph_pool import release_device_memory
 from shapecache._backends.guards import record as guard_record
 from shapecache._backends.package_store import ENVIRONMENT as SHARED_DIR_VARIABLE
 from shapecache._backends.package_store import directory_in as shared_packages_directory
+from shapecache._backends.package_trust import untrusted_directory as untrusted_shared_directory
 from shapecache._background import forked_mid_build
 from shapecache._extension import _C
 
@@ -43,7 +44,7 @@ GRAPH_BACKENDS = ("cuda_graph", "compile+cuda_graph")
 __all__ = ["BACKENDS", "BUILDERS", "GRAPH_BACKENDS", "SHARED_DIR_VARIABLE", "BuildContext", "Builder", "BuiltEntry",
            "background_compiler", "builds_in_background", "check_available", "compiler_resident_bytes",
            "disk_cache_counts", "disk_cache_state", "dynamo_entry_point", "guard_record", "make_builder",
-           "release_device_memory", "resolve_backend", "shared_packages_directory"]
+           "release_device_memory", "resolve_backend", "shared_packages_directory", "untrusted_shared_directory"]
 
 def check_available(backend: str) -> None:
     """Raises ValueError when `backend` cannot run here at all."""

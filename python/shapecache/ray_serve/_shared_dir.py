@@ -34,8 +34,7 @@ import os
 import time
 from pathlib import Path
 
-from shapecache._backends import SHARED_DIR_VARIABLE, shared_packages_directory
-from shapecache._backends.package_trust import untrusted_directory
+from shapecache._backends import SHARED_DIR_VARIABLE, shared_packages_directory, untrusted_shared_directory
 from shapecache.ray_serve._request_size import MAX_DIMENSIONS, MAX_SIDE
 
 logger = logging.getLogger("shapecache")
@@ -86,7 +85,7 @@ class SharedDir:
             current = os.environ.setdefault(name, value)
             if current != value and name not in REMOTE_CACHE_VARIABLES:
                 logger.warning("shapecache: %s=%s is set, so it is not shared through %s", name, current, self.path)
-        if (why := untrusted_directory(self.path.stat(), None)) is not None:
+        if (why := untrusted_shared_directory(self.path.stat(), None)) is not None:
             logger.warning("shapecache: %s: %s. Inductor's cache in it (inductor/) is loaded without a check, so "
                            "whoever can write there runs code in every replica; shapecache's packages are loaded "
                            "only as package_trust allows", self.path, why)
