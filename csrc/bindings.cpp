@@ -25,6 +25,7 @@
 #include "cache/shape_cache.h"
 #include "cache/shape_dispatcher.h"
 #include "cache/state_guard.h"
+#include "cache/trace_gate.h"
 #include "core/bucket_policy.h"
 #include "core/budgeted_lru.h"
 #include "core/pool_generations.h"
@@ -204,6 +205,17 @@ void bind_cache(py::module_& m) {
         "Drops every waiting background build (at interpreter exit); the running ones end as they do.");
   m.def("forget_parents_builds", [] { return BuildQueue::instance().forget_parents_builds().size(); },
         "In a forked child: drops the builds its parent had queued or was running.");
+  m.def("close_trace_gate", [](double timeout_s) { return TraceGate::instance().close(timeout_s); },
+        py::arg("timeout_s"),
+        "Keeps runs of user code on other threads from starting, waiting up to `timeout_s` for those in progress; "
+        "True where none is left (trace_gate.h). Open it again with open_trace_gate, whatever it returned.");
+  m.def("open_trace_gate", [] { TraceGate::instance().open(); }, "Lets runs of user code start again.");
+  m.def("runs_elsewhere", [] {
+        auto seen = TraceGate::instance().runs_elsewhere();
+        return py::make_tuple(seen.started, seen.in_progress);
+      },
+        "(started, in progress): the runs of user code shapecache made on other threads.");
+  m.def("trace_gate_after_fork", &TraceGate::after_fork, "In a forked child: a new gate, open.");
   m.def("devices_with_ready_builds", [] { return device_list(BuildQueue::instance().ready_devices()); },
         "The devices whose workers have builds that may start.");
   m.def("make_all_builds_ready", [] { return device_list(BuildQueue::instance().make_all_ready()); },

@@ -403,6 +403,7 @@ def _forget_parents_work() -> None:
         gc.unfreeze()
     _build_changes.update(builds=0, previous=None, set=None, froze=False)
     _C.forget_parents_builds()
+    _C.trace_gate_after_fork()
     for call in _after_fork_calls:
         call()
 

@@ -1,5 +1,6 @@
 """backend="compile": one torch.compile'd graph per bucket, none of them silently eager."""
 
+import threading
 import warnings
 
 import pytest
@@ -224,15 +225,22 @@ def test_a_byte_budget_bounds_the_cache_and_the_process():
 WORKING_MEMORY: list = []  # a serving thread's working memory, freed during the trace below
 
 
+def _free_working_memory():
+    WORKING_MEMORY.clear()
+
+
 class FreesDuringTrace(torch.nn.Module):
-    """Passes its input on; seeing the trace's fake tensors, frees WORKING_MEMORY, as another
-    thread would during a build."""
+    """Passes its input on; seeing the trace's fake tensors, has another thread free
+    WORKING_MEMORY, and waits for it. (The trace itself never reads the list: what the traced
+    code writes into state it reads is put back after the trace.)"""
 
     def forward(self, x):
         from torch._subclasses.fake_tensor import FakeTensor
 
         if isinstance(x, FakeTensor):
-            WORKING_MEMORY.clear()
+            freeing = threading.Thread(target=_free_working_memory)
+            freeing.start()
+            freeing.join()
         return x
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import itertools
 import subprocess
 import sys
 import threading
@@ -1025,6 +1026,62 @@ def test_a_helper_that_counts_in_a_global_makes_the_call_run_uncached_and_counts
         for _ in range(4):
             torch.testing.assert_close(run(x), model(x) * 2, **CLOSE)
     assert helpers.STATS.calls == 4  # the trace's own write was put back
+    assert sc.stats(run)["builds"] == 0
+
+
+TALLY = """
+import types
+STATS = types.SimpleNamespace(calls=0)
+COUNTS = {"calls": 0}
+SEEN = []
+def tallied(kind, y):
+    if kind == "attribute":
+        STATS.calls += 1
+    elif kind == "dict item":
+        COUNTS["calls"] += 1
+    else:
+        SEEN.append(1)
+    return y * 2
+def tally(kind):
+    return {"attribute": STATS.calls, "dict item": COUNTS["calls"], "list": len(SEEN)}[kind]
+"""
+_tallies = itertools.count()
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(threads=st.integers(2, 4), sizes=st.integers(1, 4), build=st.sampled_from(["inline", "background"]),
+       kind=st.sampled_from(["attribute", "dict item", "list"]))
+def test_what_the_code_of_a_cached_call_writes_counts_every_call_under_threads_as_the_plain_calls_do(
+        threads, sizes, build, kind):
+    # Differential: threads call a cached model whose helper counts its calls in a global, a
+    # dict or a list, while its buckets are traced (inline or in the background); the count
+    # equals the calls made, as the plain calls leave it. Each trace of such a function runs
+    # alone (trace.py: _apart_from_other_threads), and its own write is put back.
+    helpers = a_user_module(f"shapecache_test_tally_{next(_tallies)}", TALLY)
+    model = torch.nn.Linear(6, 6).eval()
+    run = sc.cached(lambda x: helpers.tallied(kind, model(x)), backend="compile", build=build)
+    made = [0] * threads
+    errors: list = []
+
+    def call(i):
+        try:
+            with torch.no_grad():
+                for n in range(24):
+                    run(torch.randn(1 + (n + i) % sizes, 6))
+                    made[i] += 1
+        except BaseException as error:  # noqa: BLE001  (reported by the test)
+            errors.append(error)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the call writes state: it runs uncached, said once
+        workers = [threading.Thread(target=call, args=(i,)) for i in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=300)
+        assert sc.wait(run, timeout=300)
+    assert not errors, errors
+    assert helpers.tally(kind) == sum(made) == 24 * threads
     assert sc.stats(run)["builds"] == 0
 
 

@@ -36,8 +36,31 @@ import types
 import warnings
 
 # Top-level packages whose code is not recorded.
+def _torchs_requirements() -> frozenset:
+    """The modules of the packages torch requires, and those require, as installed (networkx,
+    jinja2, filelock, fsspec, sympy...): part of torch's machinery, whose module-level tables
+    fill lazily as a first trace uses them. Named as their distributions are, which is their
+    import name for each of torch's."""
+    import importlib.metadata
+    import re
+
+    found, waiting = set(), ["torch"]
+    while waiting:
+        name = waiting.pop().lower().replace("-", "_")
+        if name in found:
+            continue
+        found.add(name)
+        try:
+            requirements = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        waiting.extend(re.split(r"[ ;<>=!~\[(]", r, maxsplit=1)[0] for r in requirements if "extra ==" not in r)
+    return frozenset(found)
+
+
 LIBRARIES = frozenset(sys.stdlib_module_names) | frozenset(
-    {"torch", "functorch", "shapecache", "sympy", "mpmath", "numpy", "triton", "optree", "typing_extensions"})
+    {"torch", "functorch", "shapecache", "sympy", "mpmath", "numpy", "triton", "optree", "typing_extensions"}
+) | _torchs_requirements()
 
 _MONITORING = getattr(sys, "monitoring", None)
 _TOOL_IDS = (3, 4)  # sys.monitoring's ids that no tool named by Python claims
@@ -100,6 +123,9 @@ class Recorded:
         self.globals: dict = {}
         self._seen: set = set()
         self._before: list = []  # (path, dict, key, the value it held)
+        # The dicts and lists those reads held (a helper's table, a list it appends to), with
+        # their items then: the call may write into them without replacing any read.
+        self._containers: dict[int, tuple] = {}  # id -> (path, container, its items)
 
     def saw(self, code, module_globals: dict) -> None:
         self._seen.add(code)
@@ -116,11 +142,20 @@ class Recorded:
         for name, attributes in global_reads(code).items():
             value = module_globals.get(name, _ABSENT)
             self._before.append((f"{module_name}.{name}", module_globals, name, value))
+            self._container(f"{module_name}.{name}", value)
             state = getattr(value, "__dict__", None)
             if isinstance(state, dict) and not isinstance(value, type):
                 for attribute in attributes - {None}:
                     self._before.append((f"{module_name}.{name}.{attribute}", state, attribute,
                                          state.get(attribute, _ABSENT)))
+                    self._container(f"{module_name}.{name}.{attribute}", state.get(attribute))
+
+    def _container(self, path: str, value) -> None:
+        """Keeps `value`'s items where it is a dict or list of at most _CONTAINER_ITEMS items."""
+        if isinstance(value, (dict, list)) and len(value) <= _CONTAINER_ITEMS and id(value) not in self._containers:
+            from shapecache._backends.trace_copies import snapshot
+
+            self._containers[id(value)] = (path, value, snapshot(value))
 
     def seen(self, code) -> bool:
         return code in self._seen
@@ -129,19 +164,39 @@ class Recorded:
         """What the reads held when the code first started (globals, attributes of globals)."""
         return [value for _, _, _, value in self._before if value is not _ABSENT]
 
-    def put_back(self) -> list[str]:
+    def put_back(self, only_fake: bool = False) -> list[str]:
         """Puts back each read whose value the call replaced (a trace leaves nothing of the
         user's changed); names them. A write another thread made meanwhile cannot be told
-        from the call's, and is undone with it."""
+        from the call's, and is undone with it (trace._apart_from_other_threads keeps them
+        apart, or says it could not: then `only_fake`, and only the fake tensors the call left
+        are put back)."""
+        from shapecache._backends.trace_copies import is_fake_tensor, put_back_shared, snapshot
+
         written = []
         for path, state, key, value in self._before:
             if state.get(key, _ABSENT) is not value:
                 written.append(path)
+                if only_fake and not is_fake_tensor(state.get(key)):
+                    continue
                 if value is _ABSENT:
                     state.pop(key, None)
                 else:
                     state[key] = value
+        changed = [(path, container, before) for path, container, before in self._containers.values()
+                   if items_changed(before, snapshot(container))]
+        written.extend(path for path, _, _ in changed)
+        put_back_shared([(container, before) for _, container, before in changed], None, only_fake=only_fake)
         return written
+
+
+_CONTAINER_ITEMS = 4096  # a dict or list a read holds is kept (Recorded._container) up to this many items
+
+
+def items_changed(before, after) -> bool:
+    """Whether a dict's or list's items `after` are other objects than `before`."""
+    if isinstance(after, dict):
+        return after.keys() != before.keys() or any(after[k] is not before[k] for k in after)
+    return len(after) != len(before) or any(a is not b for a, b in zip(after, before, strict=True))
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ import functools
 import gc
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shapecache import _background
+from shapecache._extension import _C
 from shapecache._backends import called_code, guards, tracing_threads
 from shapecache._backends.entry import described
 from shapecache._backends.trace_copies import DetachedTrees, LiveTensors, put_back_shared, snapshot
@@ -55,6 +57,66 @@ class WritesState(Exception):
     not write again on later calls (export puts it back after tracing, so it is checked at the
     end of the traced call itself)."""
 
+
+
+# How long a trace that runs alone waits for the runs of user code in progress on other
+# threads to end, before it traces beside them (_apart_from_other_threads).
+DRAIN_S = 10.0
+# Functions traced alone once, whose trace wrote no Python state: later traces of them run
+# beside other threads.
+_writes_nothing: weakref.WeakSet = weakref.WeakSet()
+
+
+class _Apart:
+    """Whether a trace ran apart from the runs of user code on other threads (trace_gate.h),
+    and (``wrote``, set by the trace) whether it wrote Python state the live model shares."""
+
+    def __init__(self, alone: bool):
+        self.alone = alone
+        self.wrote = True
+        self._before = None if alone else _C.runs_elsewhere()
+
+    def others_ran(self) -> bool:
+        """Whether another thread ran user code (through shapecache) during the trace: it may
+        have written what the trace wrote."""
+        if self.alone:
+            return False
+        started, in_progress = _C.runs_elsewhere()
+        return started != self._before[0] or in_progress > 0 or self._before[1] > 0
+
+
+@contextlib.contextmanager
+def _apart_from_other_threads(function):
+    """Yields an _Apart for a trace of `function`. Its first trace in this process runs alone,
+    and so does every later one where a trace of it wrote Python state the live model shares
+    (a counter): no other thread starts a run of user code through shapecache until the
+    trace's writes are put back (it waits up to DRAIN_S for those in progress), so what the
+    trace wrote is undone exactly. A function whose trace wrote nothing is traced beside the
+    other threads, which are counted instead (the put-back then leaves a write alone where
+    another thread ran meanwhile)."""
+    try:
+        alone = function not in _writes_nothing
+    except TypeError:  # (not weakly referenceable: always alone)
+        alone = True
+    closed = alone and _C.close_trace_gate(DRAIN_S)
+    apart = _Apart(closed)
+    try:
+        yield apart
+    finally:
+        if alone:
+            _C.open_trace_gate()
+        with contextlib.suppress(TypeError):
+            if apart.wrote:
+                _writes_nothing.discard(function)
+            elif closed:
+                _writes_nothing.add(function)
+
+
+def _changed(shared: list, written: list | None) -> bool:
+    """Whether the trace changed any of the shared containers: their items as the traced call
+    ended (`written`; where it did not end, now) against those before it."""
+    return any(called_code.items_changed(before, written[i] if written is not None else snapshot(container))
+               for i, (container, before) in enumerate(shared))
 
 
 @dataclass
@@ -106,16 +168,32 @@ def trace_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, ro
     # live module and calls `module.to()` on it): its parameters and buffers are put back.
     live_tensors = LiveTensors(roots)  # under the build lock: no other trace is leaving fakes in them
     called = None
-    try:
-        with called_code.recording_calls() as called, _quiet_export():  # the globals the traced code reads
-            program = torch.export.export(module, tensors, strict=False)
-        graph = program.module()
-    except Exception as error:  # noqa: BLE001  (export's failures share no base class)
-        raise ExportFailed(described(error)) from error
-    finally:
-        put_back_shared(module.trace.shared, module.trace.written)
-        replaced = live_tensors.put_back()
-        globals_written = called.put_back() if called is not None else []
+    interrupted = False
+    with _apart_from_other_threads(function) as apart:
+        try:
+            with called_code.recording_calls() as called, _quiet_export():  # the globals the traced code reads
+                program = torch.export.export(module, tensors, strict=False)
+            graph = program.module()
+        except Exception as error:  # noqa: BLE001  (export's failures share no base class)
+            raise ExportFailed(described(error)) from error
+        except BaseException:  # KeyboardInterrupt: it reaches the caller as the call's own
+            interrupted = True
+            raise
+        finally:
+            # What the trace wrote is put back, unless that could undo another thread's write,
+            # or the trace was the call (interrupted, its exception is the caller's): then only
+            # the fake tensors it left go.
+            keep = interrupted or apart.others_ran()
+            apart.wrote = _changed(module.trace.shared, module.trace.written)
+            put_back_shared(module.trace.shared, module.trace.written, only_fake=keep)
+            replaced = live_tensors.put_back()
+            globals_written = called.put_back(only_fake=keep) if called is not None else []
+            apart.wrote = bool(apart.wrote or globals_written or replaced or module.trace.state_written)
+            kept = keep and not interrupted and apart.wrote
+    if kept:
+        raise WritesState(f"{module.trace.state_written or ', '.join(globals_written[:3]) or 'Python state'}, and "
+                          "another thread ran the model's code during the trace, so what the trace wrote is left as "
+                          "it is (undoing it could undo that thread's write)")
     if globals_written:
         raise WritesState(f"{', '.join(globals_written[:3])} (read by the code it calls)")
     if replaced:

@@ -86,16 +86,14 @@ class LiveTensors:
 
     def put_back(self) -> list[str]:
         """Puts back each item the trace replaced with a fake tensor; names them."""
-        from torch._subclasses.fake_tensor import is_fake
-
         changed = []
         for path, d, before in self._dicts:
-            for key in [k for k, v in d.items() if v is not before.get(k) and isinstance(v, torch.Tensor) and is_fake(v)]:
+            for key in [k for k, v in d.items() if v is not before.get(k) and is_fake_tensor(v)]:
                 changed.append(f"{path}.{key}")
                 old = before.get(key, _ABSENT)
                 if old is _ABSENT:
                     d.pop(key, None)
-                elif not (isinstance(old, torch.Tensor) and is_fake(old)):  # never a fake one back
+                elif not is_fake_tensor(old):  # never a fake one back
                     d[key] = old
         return changed
 
@@ -106,7 +104,7 @@ def snapshot(container):
     return dict(container) if isinstance(container, dict) else list(container)
 
 
-def put_back_shared(shared: list, written: list | None) -> None:
+def put_back_shared(shared: list, written: list | None, only_fake: bool = False) -> None:
     """Puts back what the trace wrote into the dicts and lists the copies share with the live
     model (a helper's lazy cache and its "last length", a list the model appends to): every
     key the trace changed, together, so that none is left out of step with its neighbours.
@@ -114,9 +112,11 @@ def put_back_shared(shared: list, written: list | None) -> None:
     call ended (None where it did not end: then what changed by now counts as the trace's).
     A value changed again since the traced call ended is another thread's, and is kept; a
     write another thread made during the trace itself cannot be told from the trace's, and is
-    undone with it. The trace's writes are reported by the guard over the Python state, and
+    undone with it (trace._apart_from_other_threads keeps them apart, or says it could not:
+    then `only_fake`). The trace's writes are reported by the guard over the Python state, and
     the bucket then runs uncached. No container is emptied on the way: another thread may read
-    it meanwhile."""
+    it meanwhile. `only_fake`: only the fake tensors the trace left are put back (the rest of
+    its writes stay, as the plain call's would)."""
     for i, (container, before) in enumerate(shared):
         after = written[i] if written is not None else snapshot(container)
         if isinstance(container, dict):
@@ -124,11 +124,21 @@ def put_back_shared(shared: list, written: list | None) -> None:
                 old, traced = before.get(key, _ABSENT), after.get(key, _ABSENT)
                 if old is traced or container.get(key, _ABSENT) is not traced:
                     continue  # not the trace's change, or changed again since
+                if only_fake and not is_fake_tensor(traced):
+                    continue
                 if old is _ABSENT:
                     container.pop(key, None)
                 else:
                     container[key] = old
         elif (len(after) != len(before) or any(a is not b for a, b in zip(after, before, strict=True))) and (
-                len(container) == len(after) and all(a is b for a, b in zip(container, after, strict=True))):
+                len(container) == len(after) and all(a is b for a, b in zip(container, after, strict=True))) and (
+                not only_fake or any(is_fake_tensor(item) for item in after)):
             container[:] = before
+
+
+def is_fake_tensor(value) -> bool:
+    """Whether `value` is a fake tensor (a trace's, which nothing outside it may keep)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return isinstance(value, torch.Tensor) and is_fake(value)
 
