@@ -25,6 +25,7 @@
 #include "cache/shape_cache.h"
 #include "cache/shape_dispatcher.h"
 #include "cache/state_guard.h"
+#include "cache/python_call.h"
 #include "cache/trace_gate.h"
 #include "core/bucket_policy.h"
 #include "core/budgeted_lru.h"
@@ -216,6 +217,12 @@ void bind_cache(py::module_& m) {
       },
         "(started, in progress): the runs of user code shapecache made on other threads.");
   m.def("trace_gate_after_fork", &TraceGate::after_fork, "In a forked child: a new gate, open.");
+  m.def("run_user_code", [](const py::object& function, const py::tuple& args, const py::dict& kwargs) {
+        return call_python(function, args, kwargs);
+      },
+        py::arg("function"), py::arg("args"), py::arg("kwargs"),
+        "function(*args, **kwargs), counted as a run of user code (trace_gate.h): what a builder runs of the "
+        "user's code goes through here, as the cache's own runs do.");
   m.def("devices_with_ready_builds", [] { return device_list(BuildQueue::instance().ready_devices()); },
         "The devices whose workers have builds that may start.");
   m.def("make_all_builds_ready", [] { return device_list(BuildQueue::instance().make_all_ready()); },

@@ -1055,8 +1055,10 @@ def test_what_the_code_of_a_cached_call_writes_counts_every_call_under_threads_a
         threads, sizes, build, kind):
     # Differential: threads call a cached model whose helper counts its calls in a global, a
     # dict or a list, while its buckets are traced (inline or in the background); the count
-    # equals the calls made, as the plain calls leave it. Each trace of such a function runs
-    # alone (trace.py: _apart_from_other_threads), and its own write is put back.
+    # is the calls made, as the plain calls leave it. No write is ever lost: the first trace
+    # runs beside the other threads, and where one ran the model's code meanwhile, its own
+    # write is left as it is (one more), with a warning saying so; every later trace of the
+    # function runs alone (trace.py: _apart_from_other_threads), and is put back exactly.
     helpers = a_user_module(f"shapecache_test_tally_{next(_tallies)}", TALLY)
     model = torch.nn.Linear(6, 6).eval()
     run = sc.cached(lambda x: helpers.tallied(kind, model(x)), backend="compile", build=build)
@@ -1072,8 +1074,8 @@ def test_what_the_code_of_a_cached_call_writes_counts_every_call_under_threads_a
         except BaseException as error:  # noqa: BLE001  (reported by the test)
             errors.append(error)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the call writes state: it runs uncached, said once
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always", RuntimeWarning)  # the call writes state: it runs uncached, said so
         workers = [threading.Thread(target=call, args=(i,)) for i in range(threads)]
         for worker in workers:
             worker.start()
@@ -1081,7 +1083,10 @@ def test_what_the_code_of_a_cached_call_writes_counts_every_call_under_threads_a
             worker.join(timeout=300)
         assert sc.wait(run, timeout=300)
     assert not errors, errors
-    assert helpers.tally(kind) == sum(made) == 24 * threads
+    left = [w for w in warned if "another thread ran the model's code during the trace" in str(w.message)]
+    assert sum(made) == 24 * threads
+    assert helpers.tally(kind) == sum(made) + min(len(left), 1), [str(w.message) for w in left]
+    assert len(left) <= 1  # the first trace only
     assert sc.stats(run)["builds"] == 0
 
 

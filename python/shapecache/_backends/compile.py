@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 
 from shapecache._backends import compilers, exported, guards, trace
 from shapecache._backends.entry import BuildContext, Builder, BuiltEntry, described, not_built, register
+from shapecache._extension import _C
 from shapecache._host_memory import memory_ranges, resident_bytes, resident_bytes_of, return_free_memory
 
 
@@ -66,7 +67,7 @@ class CompiledBuilder(Builder):
                 if not run_call:
                     return not_built(function, args, kwargs, f"torch.export could not capture it as one graph ({failure}), "
                                      "and Dynamo compiles only by running the call again", run_call=False)
-                function(*args, **kwargs)  # a call that fails by itself raises its own error here, and builds nothing
+                _C.run_user_code(function, tuple(args), dict(kwargs))  # a call that fails by itself raises its own error here
                 _warn_once(function, context, args, f"torch.export could not capture it as one graph ({failure}); its "
                            "buckets are compiled by Dynamo, whose compiled code stays in memory after eviction")
             except trace.ReadsUnguardedState as read:

@@ -67,7 +67,7 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
     # The globals the call's code reads are guarded (guards.py); Dynamo guards its own.
     recording = contextlib.nullcontext({}) if compiled else called_code.recording_calls()
     with torch.cuda.device(device), torch.cuda.stream(side), recording as called:
-        output = runnable(*args, **kwargs)
+        output = _C.run_user_code(runnable, tuple(args), dict(kwargs))
     caller.wait_stream(side)
     for t in tree_leaves(output):
         if isinstance(t, torch.Tensor):
@@ -85,7 +85,7 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
         # eager runs on the caller's stream would cache a second set of the call's temporaries
         # beside the warm-up's, outside any budget. (Timed device-wide: the stream is the same.)
         with torch.cuda.device(device), torch.cuda.stream(side):
-            eager_seconds = min(_timing.timings(lambda: runnable(*args, **kwargs), device, repeats=2))
+            eager_seconds = min(_timing.timings(lambda: _C.run_user_code(runnable, tuple(args), dict(kwargs)), device, repeats=2))
 
     # What the warm-up and the eager timing cached on the side stream goes back to the device,
     # as torch.cuda.graph does before each capture: a graph's private pool takes no blocks

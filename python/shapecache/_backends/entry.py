@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from shapecache._extension import _C
+
 
 @dataclass(frozen=True)
 class BuiltEntry:
@@ -68,7 +70,7 @@ class Builder:
 
 def not_built(function, args, kwargs, reason: str, *, run_call: bool = True) -> BuiltEntry:
     """No entry, and why (the bucket then runs uncached); inline, the plain call's result."""
-    output = function(*args, **kwargs) if run_call else None
+    output = _C.run_user_code(function, tuple(args), dict(kwargs)) if run_call else None
     return BuiltEntry(runner=None, bytes=0, output=output, backend="uncached", failure=reason, ran_call=run_call)
 
 

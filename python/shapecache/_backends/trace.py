@@ -62,9 +62,8 @@ class WritesState(Exception):
 # How long a trace that runs alone waits for the runs of user code in progress on other
 # threads to end, before it traces beside them (_apart_from_other_threads).
 DRAIN_S = 10.0
-# Functions traced alone once, whose trace wrote no Python state: later traces of them run
-# beside other threads.
-_writes_nothing: weakref.WeakSet = weakref.WeakSet()
+# Functions whose trace wrote Python state the live model shares: their later traces run alone.
+_writes_state: weakref.WeakSet = weakref.WeakSet()
 
 
 class _Apart:
@@ -73,7 +72,7 @@ class _Apart:
 
     def __init__(self, alone: bool):
         self.alone = alone
-        self.wrote = True
+        self.wrote = False
         self._before = None if alone else _C.runs_elsewhere()
 
     def others_ran(self) -> bool:
@@ -87,17 +86,22 @@ class _Apart:
 
 @contextlib.contextmanager
 def _apart_from_other_threads(function):
-    """Yields an _Apart for a trace of `function`. Its first trace in this process runs alone,
-    and so does every later one where a trace of it wrote Python state the live model shares
-    (a counter): no other thread starts a run of user code through shapecache until the
-    trace's writes are put back (it waits up to DRAIN_S for those in progress), so what the
-    trace wrote is undone exactly. A function whose trace wrote nothing is traced beside the
-    other threads, which are counted instead (the put-back then leaves a write alone where
-    another thread ran meanwhile)."""
+    """Yields an _Apart for a trace of `function`.
+
+    A trace of a function whose earlier trace wrote Python state the live model shares (a
+    counter in a global, a list a helper appends to) runs alone: no other thread starts a run
+    of user code through shapecache until the trace's writes are put back (it waits up to
+    DRAIN_S for those in progress), so what it wrote is undone exactly.
+
+    Any other trace runs beside the other threads, which are counted: most functions write no
+    such state, and keeping their callers waiting for a trace (seconds for a UNet) would stall
+    every request served meanwhile. Where such a trace wrote state while another thread ran the
+    model's code, the write cannot be told from that thread's: it is left as it is, never
+    undone over that thread's, and said in a warning (the bucket runs uncached)."""
     try:
-        alone = function not in _writes_nothing
-    except TypeError:  # (not weakly referenceable: always alone)
-        alone = True
+        alone = function in _writes_state
+    except TypeError:  # (not weakly referenceable)
+        alone = False
     closed = alone and _C.close_trace_gate(DRAIN_S)
     apart = _Apart(closed)
     try:
@@ -105,11 +109,9 @@ def _apart_from_other_threads(function):
     finally:
         if alone:
             _C.open_trace_gate()
-        with contextlib.suppress(TypeError):
-            if apart.wrote:
-                _writes_nothing.discard(function)
-            elif closed:
-                _writes_nothing.add(function)
+        if apart.wrote:
+            with contextlib.suppress(TypeError):
+                _writes_state.add(function)
 
 
 def _changed(shared: list, written: list | None) -> bool:
