@@ -90,23 +90,41 @@ def test_a_frozen_background_build_compiles_where_it_is_told_and_answers_as_the_
     assert not (tmp_path / "imported").exists()
 
 
-def test_a_background_build_compiles_under_the_inductor_configuration_of_the_call_that_queued_it():
-    # Inductor keeps a thread's settings in context variables: the build worker's thread runs
-    # each job in a copy of its caller's context, not in its own, which holds the defaults. A
-    # pass set around the call runs in the build (and, being code, keeps it in this process).
+@pytest.mark.parametrize("build", ["inline", "background", "background, shared directory"])
+def test_a_build_compiles_under_the_inductor_configuration_of_the_call_that_asked_for_it(build, monkeypatch, tmp_path):
+    # Differential: a custom graph pass set around the call (here one that doubles the output)
+    # gives the answer torch.compile gives under it, inline, in the background (inductor keeps
+    # a thread's settings in context variables: the worker runs each job in a copy of its
+    # caller's context), and where packages would be shared (the pass is code: the build
+    # stays in this process, and nothing is published).
     from torch._inductor import config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
     ran = []
 
-    def note(graph):
-        ran.append(threading.current_thread().name)
+    class Doubles(CustomGraphPass):
+        def __call__(self, graph):
+            ran.append(threading.current_thread().name)
+            output = next(node for node in graph.nodes if node.op == "output")
+            result, *rest = output.args[0]
+            with graph.inserting_before(output):
+                doubled = graph.call_function(torch.ops.aten.mul.Tensor, (result, 2.0))
+            output.args = ((doubled, *rest),)
 
+        def uuid(self):
+            return "shapecache-test-doubles-1"
+
+    if build.endswith("shared directory"):
+        monkeypatch.setenv("SHAPECACHE_SHARED_DIR", str(tmp_path / "shared"))
     net = conv_net()
     x = torch.randn(1, 4, 9, 9)
     with torch.no_grad():
-        expected = net(x)
-        with inductor_config.patch(post_grad_custom_post_pass=note):
-            cached = sc.cached(net, backend="compile", build="background", compile_options=FROZEN)
+        expected = 2 * net(x)
+        with inductor_config.patch(post_grad_custom_post_pass=Doubles()):
+            if build == "inline":
+                torch.testing.assert_close(torch.compile(net)(x), expected, rtol=1e-5, atol=1e-5)  # the anchor
+                ran.clear()
+            cached = sc.cached(net, backend="compile", build=build.partition(",")[0], compile_options=FROZEN)
             cached(x)
         try:
             assert sc.wait(cached, timeout=300)
@@ -114,8 +132,11 @@ def test_a_background_build_compiles_under_the_inductor_configuration_of_the_cal
             assert [e["backend"] for e in sc.stats(cached)["entries"]] == ["compile"]
         finally:
             sc.uncached(net)
-    assert ran and threading.current_thread().name not in ran, ran  # in the worker, under the caller's setting
+    assert ran, build
+    if build != "inline":
+        assert threading.current_thread().name not in ran  # in the worker, under the caller's setting
     assert inductor_config.post_grad_custom_post_pass is None  # and the caller's context is as it was
+    assert not (tmp_path / "shared" / "packages").exists() or not list((tmp_path / "shared" / "packages").iterdir())
 
 
 def test_an_inline_build_and_an_unfrozen_one_compile_in_the_serving_process():
