@@ -35,6 +35,7 @@ import threading
 import types
 import warnings
 
+
 # Top-level packages whose code is not recorded.
 def _torchs_requirements() -> frozenset:
     """The modules of the packages torch requires, and those require, as installed (networkx,

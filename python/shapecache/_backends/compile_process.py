@@ -61,9 +61,15 @@ import zipfile
 import torch
 
 from shapecache import _background
-from shapecache._backends.compilers import (DEADLINE_VARIABLE, CompiledGraph, CompilerFailed, NotForThisGraph,
-                                            deadline_ceiling, idle_seconds)
 from shapecache._backends.compile_settings import CompileSettings
+from shapecache._backends.compilers import (
+    DEADLINE_VARIABLE,
+    CompiledGraph,
+    CompilerFailed,
+    NotForThisGraph,
+    deadline_ceiling,
+    idle_seconds,
+)
 from shapecache._backends.entry import described
 
 # The package keeps the constants in a file beside the library, which the loader reads into

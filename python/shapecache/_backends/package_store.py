@@ -46,7 +46,6 @@ import logging
 import os
 import platform
 import shutil
-import stat
 import tempfile
 import time
 import zipfile

@@ -34,10 +34,10 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shapecache import _background
-from shapecache._extension import _C
 from shapecache._backends import called_code, guards, tracing_threads
 from shapecache._backends.entry import described
 from shapecache._backends.trace_copies import DetachedTrees, LiveTensors, put_back_shared, snapshot
+from shapecache._extension import _C
 
 tracing_threads.install()  # a trace here must not capture other threads' module calls
 
