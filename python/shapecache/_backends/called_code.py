@@ -36,7 +36,6 @@ import types
 import warnings
 
 
-# Top-level packages whose code is not recorded.
 def _torchs_requirements() -> frozenset:
     """The modules of the packages torch requires, and those require, as installed (networkx,
     jinja2, filelock, fsspec, sympy...): part of torch's machinery, whose module-level tables
@@ -59,6 +58,7 @@ def _torchs_requirements() -> frozenset:
     return frozenset(found)
 
 
+# Top-level packages whose code is not recorded.
 LIBRARIES = frozenset(sys.stdlib_module_names) | frozenset(
     {"torch", "functorch", "shapecache", "sympy", "mpmath", "numpy", "triton", "optree", "typing_extensions"}
 ) | _torchs_requirements()
