@@ -24,9 +24,11 @@ TraceGate& TraceGate::instance() {
 }
 
 void TraceGate::after_fork() {
-  gate = new TraceGate();  // the parent's is left: its mutex may be held by a thread the child lacks
-  runs_here = 0;
-  started_here = 0;
+  // The parent's is left: its mutex may be held by a thread the child lacks. The child's one
+  // thread keeps the Runs it is inside (a fork from user code), which it will leave.
+  gate = new TraceGate();
+  gate->in_progress_ = runs_here;
+  gate->started_ = started_here;
 }
 
 TraceGate::Run::Run() {
@@ -47,10 +49,13 @@ TraceGate::Run::Run() {
     }
   }
   // The mutex is never held while the GIL is waited for: let go of the GIL, wait, count, and
-  // let go of the mutex before the GIL is taken again.
+  // let go of the mutex before the GIL is taken again. The wait is bounded: a lock of the
+  // user's that the closer's trace waits for, held here around this call, would otherwise
+  // never be let go of. Past the bound the Run goes on, counted: the closer sees it
+  // (runs_elsewhere) and leaves what its trace wrote as it is.
   pybind11::gil_scoped_release no_gil;
   std::unique_lock<std::mutex> lock(g.mutex_);
-  g.changed_.wait(lock, open_to_me);
+  g.changed_.wait_for(lock, std::chrono::duration<double>(kLongestWaitS), open_to_me);
   count();
 }
 
@@ -74,7 +79,13 @@ bool TraceGate::close(double timeout_s) {
     return false;  // another trace holds it: this one is not alone, and leaves the gate to it
   }
   closed_by_ = me;
-  return changed_.wait_until(lock, deadline, [&] { return in_progress_ == 0; });
+  if (changed_.wait_until(lock, deadline, [&] { return in_progress_ == 0; })) return true;
+  // Not alone after all: the gate opens again at once (the trace counts runs instead), so
+  // that no thread waits for a trace that gained nothing by it.
+  closed_by_ = std::thread::id{};
+  lock.unlock();
+  changed_.notify_all();
+  return false;
 }
 
 void TraceGate::open() {

@@ -10,8 +10,8 @@
 // - Every run of user code from C++ (an uncached call, an eager entry, the call after an
 //   inline build: python_call.h) is a `Run`, counted here.
 // - A trace that must be alone `close`s the gate: no Run starts on another thread until it
-//   `open`s it, and `close` waits (the GIL released) for the Runs in progress on other
-//   threads to end, up to a bound. A thread already inside a Run passes the gate (it holds a
+//   `open`s it (or for kLongestWaitS), and `close` waits (the GIL released) for the Runs in
+//   progress on other threads to end, up to a bound. A thread already inside a Run passes the gate (it holds a
 //   Run the closer waits for), and a thread inside a Run cannot close it (it would wait for
 //   itself, or for another thread's Run that waits for it): its trace is not alone.
 // - A trace that is not alone reads `runs_elsewhere` before and after: a count that moved,
@@ -51,10 +51,14 @@ class TraceGate {
   // Closes the gate for this thread, waiting up to `timeout_s` for the Runs in progress on
   // other threads to end; true where they did (this thread's trace is alone until `open`).
   // False at once on a thread inside a Run; false after waiting for another closer's `open`
-  // too long. Closed (by this thread) whenever it returns true, and also after a timeout
-  // waiting for Runs, so that no new Run starts meanwhile: `open` either way.
+  // too long, or for the Runs in progress too long (the gate is then open again). Closed (by
+  // this thread) only where it returns true; `open` is harmless either way.
   bool close(double timeout_s);
   void open();  // by the thread that closed it; nothing otherwise
+
+  // The longest a Run waits at a closed gate before it goes on (counted, so the closer
+  // sees it): a wait for longer is a lock cycle through the user's code, not a trace.
+  static constexpr double kLongestWaitS = 60.0;
 
   // Runs started on other threads so far, and in progress on them now.
   struct Elsewhere {

@@ -1029,6 +1029,30 @@ def test_a_helper_that_counts_in_a_global_makes_the_call_run_uncached_and_counts
     assert sc.stats(run)["builds"] == 0
 
 
+MEMO = """
+BACKENDS = {}
+def backend_of(tensor):
+    # As einops does: a table of the tensor types seen, filled on first use.
+    return BACKENDS.setdefault(type(tensor), "torch")
+def doubled(y):
+    backend_of(y)
+    return y * 2
+"""
+
+
+def test_a_librarys_memo_of_the_fake_tensor_type_is_put_back_and_the_call_is_still_compiled():
+    helpers = a_user_module("shapecache_test_memo", MEMO)
+    model = torch.nn.Linear(6, 6).eval()
+    run = sc.cached(lambda x: helpers.doubled(model(x)), backend="compile")
+    x = torch.randn(2, 6)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "writes state": the graph is kept
+        torch.testing.assert_close(run(x), model(x) * 2, **CLOSE)
+        torch.testing.assert_close(run(x), model(x) * 2, **CLOSE)
+    assert sc.stats(run)["builds"] == 1 and sc.stats(run)["hits"] == 1
+    assert list(helpers.BACKENDS) == []  # the trace's FakeTensor key went; the graph's calls write nothing
+
+
 TALLY = """
 import types
 STATS = types.SimpleNamespace(calls=0)

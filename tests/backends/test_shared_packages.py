@@ -214,6 +214,9 @@ def test_a_package_is_loaded_only_where_it_is_this_users_own_and_was_built_for_i
     package.symlink_to(tmp_path / "elsewhere.pt2")
     refused("cannot be read")
     package.unlink()
+    package.mkdir()  # a directory under the package's name
+    refused("is not loaded: it is not a regular file")
+    package.rmdir()
     os.link(other, package)  # another package of this user's, under this key's name too
     refused("it has 2 names (hard links)")
     package.unlink()

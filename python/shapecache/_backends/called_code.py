@@ -153,7 +153,9 @@ class Recorded:
 
     def _container(self, path: str, value) -> None:
         """Keeps `value`'s items where it is a dict or list of at most _CONTAINER_ITEMS items."""
-        if isinstance(value, (dict, list)) and len(value) <= _CONTAINER_ITEMS and id(value) not in self._containers:
+        if not isinstance(value, (dict, list)) or id(value) in self._containers:
+            return
+        if (dict.__len__(value) if isinstance(value, dict) else list.__len__(value)) <= _CONTAINER_ITEMS:
             from shapecache._backends.trace_copies import snapshot
 
             self._containers[id(value)] = (path, value, snapshot(value))
@@ -165,39 +167,43 @@ class Recorded:
         """What the reads held when the code first started (globals, attributes of globals)."""
         return [value for _, _, _, value in self._before if value is not _ABSENT]
 
-    def put_back(self, only_fake: bool = False) -> list[str]:
-        """Puts back each read whose value the call replaced (a trace leaves nothing of the
-        user's changed); names them. A write another thread made meanwhile cannot be told
-        from the call's, and is undone with it (trace._apart_from_other_threads keeps them
-        apart, or says it could not: then `only_fake`, and only the fake tensors the call left
-        are put back)."""
-        from shapecache._backends.trace_copies import is_fake_tensor, put_back_shared, snapshot
+    def put_back(self, keep_writes: bool = False) -> list[str]:
+        """Puts back each read whose value the call replaced, and what it wrote into the dicts
+        and lists the reads held (a trace leaves nothing of the user's changed); names them,
+        less the trace's own leftovers (trace_copies.is_leftover: a library's memo of the fake
+        tensor type it saw), which are put back unnamed. A write another thread made meanwhile
+        cannot be told from the call's, and is undone with it (trace._apart_from_other_threads
+        keeps them apart, or says it could not: then `keep_writes`, and what the call wrote
+        stays, but for an object or container that holds a leftover, put back whole)."""
+        from shapecache._backends.trace_copies import changed_items, is_leftover, put_back_shared, snapshot
 
-        written = []
+        written, replaced = [], {}
         for path, state, key, value in self._before:
-            if state.get(key, _ABSENT) is not value:
-                written.append(path)
-                if only_fake and not is_fake_tensor(state.get(key)):
-                    continue
+            now = state.get(key, _ABSENT)
+            if now is not value:
+                replaced.setdefault(id(state), []).append((path, state, key, value, now))
+        for changes in replaced.values():
+            leftover = any(is_leftover(key, now) for _, _, key, _, now in changes)
+            written.extend(path for path, _, key, _, now in changes if not is_leftover(key, now))
+            if keep_writes and not leftover:
+                continue
+            for _, state, key, value, _ in changes:
                 if value is _ABSENT:
                     state.pop(key, None)
                 else:
                     state[key] = value
-        changed = [(path, container, before) for path, container, before in self._containers.values()
-                   if items_changed(before, snapshot(container))]
-        written.extend(path for path, _, _ in changed)
-        put_back_shared([(container, before) for _, container, before in changed], None, only_fake=only_fake)
+        containers = []
+        for path, container, before in self._containers.values():
+            changes = changed_items(before, snapshot(container))
+            if changes:
+                containers.append((container, before))
+                if not all(is_leftover(key, value) for key, value in changes):
+                    written.append(path)
+        put_back_shared(containers, None, keep_writes=keep_writes)
         return written
 
 
 _CONTAINER_ITEMS = 4096  # a dict or list a read holds is kept (Recorded._container) up to this many items
-
-
-def items_changed(before, after) -> bool:
-    """Whether a dict's or list's items `after` are other objects than `before`."""
-    if isinstance(after, dict):
-        return after.keys() != before.keys() or any(after[k] is not before[k] for k in after)
-    return len(after) != len(before) or any(a is not b for a, b in zip(after, before, strict=True))
 
 
 @contextlib.contextmanager

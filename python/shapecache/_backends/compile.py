@@ -106,7 +106,7 @@ def _build_with_dynamo(function, context, args, kwargs, device, roots) -> BuiltE
     compiled = _dynamo_compiled(copy)
     try:
         with _held_bytes(device) as held:
-            output = runner(*args, **kwargs)
+            output = _C.run_user_code(runner, tuple(args), dict(kwargs))
     except Exception as error:  # noqa: BLE001
         return not_built(function, args, kwargs, f"torch.compile failed: {described(error)}")
     if not compiled():

@@ -273,6 +273,7 @@ class CompilerProcess:
         self.directory = directory
         self.builds = 0
         self.gave_up = ""  # why the last request was given up while the process ran (it is then killed)
+        self.ran_past_deadline = False  # whether that was its deadline (not a stop)
         self.started_at = time.time()
         replies, self._replies_write = os.pipe()
         # -P: the working directory is not put first on its sys.path, so a module there (a
@@ -302,7 +303,7 @@ class CompilerProcess:
         is not one (it is then ended with what it started: see `process.returncode`), or stayed
         stopped STOPPED_LIMIT_S seconds, or ran `deadline_s` seconds (not counting the time it
         was stopped) without replying (``gave_up`` says which: the caller kills it)."""
-        self.gave_up = ""
+        self.gave_up, self.ran_past_deadline = "", False
         self.builds += 1
         request["id"] = self.builds
         try:
@@ -343,6 +344,7 @@ class CompilerProcess:
                 stopped_since = None
                 running_s += now - last
                 if running_s >= deadline_s:
+                    self.ran_past_deadline = True
                     self.gave_up = (f"its compile ran {deadline_s:g} s, its deadline ({DEADLINE_VARIABLE} or "
                                     f"{DEADLINE_FACTOR:.0f} times the slowest compile before it), and was killed")
                     return None
@@ -408,9 +410,11 @@ _compiler: dict = {"process": None, "lock": threading.Lock(), "directory": None,
 def deadline_seconds() -> float:
     """How long the next compile in the compiler's process may run (stopped time not counted)
     before it is killed and its build compiles in the serving process: DEADLINE_FACTOR times
-    the slowest compile this process measured, at least DEADLINE_FLOOR_S (a compiler may run
-    beside builds and requests that take the CPU), and at most the user's ceiling
-    (compilers.deadline_ceiling), which is the deadline until a compile is measured."""
+    the slowest compile this process measured (a compile killed at its deadline counts as
+    that long: a larger graph than those before gets a longer one), at least
+    DEADLINE_FLOOR_S (a compiler may run beside builds and requests that take the CPU), and
+    at most the user's ceiling (compilers.deadline_ceiling), which is the deadline until a
+    compile is measured."""
     ceiling, slowest = deadline_ceiling(), _compiler["slowest"]
     return ceiling if slowest == 0 else min(ceiling, max(DEADLINE_FLOOR_S, DEADLINE_FACTOR * slowest))
 
@@ -479,8 +483,8 @@ def _run_compiler(saved: str, package: str, options: dict, settings: CompileSett
                 except OSError as error:  # no Python to start here (an embedded interpreter): not tried again
                     PROCESS.failed = f"the compiler's process could not start: {error}"
                     raise Failed(PROCESS.failed) from error
-            started = time.monotonic()
-            reply = compiler.request(deadline_seconds(), saved=saved, package=package, options=options,
+            started, deadline_s = time.monotonic(), deadline_seconds()
+            reply = compiler.request(deadline_s, saved=saved, package=package, options=options,
                                      settings=settings.as_json())
             if reply is not None:
                 if "error" not in reply and "unsuitable" not in reply:
@@ -492,6 +496,8 @@ def _run_compiler(saved: str, package: str, options: dict, settings: CompileSett
             _compiler["process"] = None
             if compiler.gave_up:  # this build's failure only: the route stays open
                 compiler.end()
+                if compiler.ran_past_deadline:  # a larger graph than those measured: the next gets longer
+                    _compiler["slowest"] = max(_compiler["slowest"], deadline_s)
                 raise Failed(f"the compiler's process gave no reply: {compiler.gave_up}")
             compiler.end()  # what a crash left running goes too; raises Exiting where exit stopped it
             status = compiler.process.returncode

@@ -24,7 +24,7 @@ loads a package from a directory and file that only this process's user can writ
 deployment secret, one sealed under it; whose seal matches every byte (a package changed since
 it was published is refused); and whose metadata names its key (each is compiled with the key
 in ``aot_inductor.metadata``): never another user's library, nor a package of other weights
-copied to a key's name. The checks and the load go through one open descriptor.
+copied to a key's name. The checks and the load read a private copy of the file opened.
 
 A package is copied in under a temporary name, sealed and renamed into place, so readers see a
 whole file or none; one of its key that is there already is kept, unless it failed those checks or
@@ -115,9 +115,10 @@ class PackageStore:
         and file only this process's user can write, or a seal under the deployment's secret),
         is as it was sealed, and was built for this key (its metadata names the key: a package
         of another program or other weights, copied or renamed to this key's name, is not).
-        Checked and loaded through one open descriptor, opened in the directory checked, so a
-        file swapped in meanwhile is never read. None where the directory has none, or one that
-        fails (with a warning: it is published over)."""
+        The file is opened in the directory checked, then copied to a file of this process's
+        own, which the seal, the metadata and the load read: a file swapped in or rewritten
+        meanwhile is never what is loaded. None where the directory has none, or one that fails
+        (with a warning: it is published over)."""
         found = self.directory / f"{key}.pt2"
         try:
             directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
@@ -141,21 +142,35 @@ class PackageStore:
             return None
         finally:
             os.close(directory)
+        copy = None
         try:
-            with os.fdopen(opened, "rb") as package_file:
-                why = (package_trust.untrusted_file(os.fstat(opened), self.secret)
-                       or _unsealed(package_file, self.secret) or _not_built_for(key, package_file))
-                if why is not None:
-                    logger.warning("shapecache: the shared package %s is not loaded: %s; the graph is compiled here "
-                                   "and published in its place", found, why)
-                    _unloadable.add(key)
-                    return None
-                package = compile_process.load(package_file)
+            why = package_trust.untrusted_file(os.fstat(opened), self.secret)
+            if why is None:
+                # The checks and the load read a private copy, made from the descriptor opened
+                # in the directory checked: a file that its writer (another user, with a
+                # secret) changes meanwhile is never what is loaded.
+                copy = _private_copy(opened)
+                with open(copy, "rb") as package_file:
+                    why = _unsealed(package_file, self.secret) or _not_built_for(key, package_file)
+            if why is not None:
+                logger.warning("shapecache: the shared package %s is not loaded: %s; the graph is compiled here "
+                               "and published in its place", found, why)
+                _unloadable.add(key)
+                return None
+            package = compile_process.load(copy)
+        except OSError as error:  # a file that cannot be read or copied (a full disk): a miss
+            logger.warning("shapecache: the shared package %s cannot be read (%s)", found, error)
+            return None
         except compile_process.Failed as failure:
             logger.warning("shapecache: the shared package %s does not load (%s); the graph is compiled and the "
                            "package published again", found, failure)
             _unloadable.add(key)
             return None
+        finally:
+            os.close(opened)
+            if copy is not None:
+                with contextlib.suppress(OSError):
+                    os.remove(copy)
         disk_cache.note_shared_package_loaded()
         return CompiledGraph(package, [], package.constant_bytes, package=str(found))
 
@@ -180,6 +195,21 @@ class PackageStore:
                 copy_in(key, compiled.package, self.directory, self.secret)
         elif _writable(self.directory, self.secret):
             _background.publish_later(torch.device("cpu"), _Publication(saved.hand_over(), key, options, self, owner))
+
+
+def _private_copy(opened: int) -> str:
+    """A copy of the file open as `opened`, in a file of this process's own (0600, in the
+    temporary directory), whose path this returns; the caller removes it. Raises OSError."""
+    descriptor, path = tempfile.mkstemp(prefix="shapecache-package-", suffix=".pt2")
+    try:
+        with os.fdopen(descriptor, "wb") as copy:
+            os.lseek(opened, 0, os.SEEK_SET)
+            while chunk := os.read(opened, 1 << 20):
+                copy.write(chunk)
+    except BaseException:
+        os.remove(path)
+        raise
+    return path
 
 
 def _unsealed(package_file, secret: bytes | None) -> str | None:
@@ -279,15 +309,18 @@ def copy_in(key: str, package: str, target: Path, secret: bytes | None = None) -
     """Copies the package at `package` into `target` as `key`'s, unless a package of `key` that
     loaded is there already: under a temporary name, sealed (under `secret` where given,
     package_trust.seal), written to disk (fsync) before it is renamed into place, so that a
-    reader, or a crash, sees the whole file or none. The file is its owner's alone (0600): it
-    holds a copy of the weights. A failure (a full disk, a directory that cannot be written, a
-    package that is no zip archive) is logged, never raised: the entry is built either way."""
+    reader, or a crash, sees the whole file or none. The file is its owner's alone (0600; with a
+    `secret`, its group's too: 0640): it holds a copy of the weights. A failure (a full disk, a
+    directory that cannot be written, a package that is no zip archive) is logged, never
+    raised: the entry is built either way."""
     try:
         if key not in _unloadable and (target / f"{key}.pt2").is_file():
             return  # another process's: replacing it could fail a reader on a network file system
         target.mkdir(mode=0o755, parents=True, exist_ok=True)  # (never writable by others, whatever the umask)
         _remove_abandoned_copies(target)
         descriptor, temporary = tempfile.mkstemp(dir=target, prefix=f".{key}.", suffix=_COPYING)  # (0600)
+        if secret is not None:  # shared between users on purpose: its group reads it too
+            os.fchmod(descriptor, 0o640)
         try:
             with os.fdopen(descriptor, "w+b") as copy, open(package, "rb") as source:
                 shutil.copyfileobj(source, copy)

@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from shapecache import _background
 from shapecache._backends import called_code, guards, tracing_threads
 from shapecache._backends.entry import described
-from shapecache._backends.trace_copies import DetachedTrees, LiveTensors, put_back_shared, snapshot
+from shapecache._backends.trace_copies import DetachedTrees, LiveTensors, changed_items, is_leftover, put_back_shared, snapshot
 from shapecache._extension import _C
 
 tracing_threads.install()  # a trace here must not capture other threads' module calls
@@ -73,13 +73,12 @@ class _Apart:
     def __init__(self, alone: bool):
         self.alone = alone
         self.wrote = False
-        self._before = None if alone else _C.runs_elsewhere()
+        self._before = _C.runs_elsewhere()
 
     def others_ran(self) -> bool:
         """Whether another thread ran user code (through shapecache) during the trace: it may
-        have written what the trace wrote."""
-        if self.alone:
-            return False
+        have written what the trace wrote. (Alone, none did, unless one waited at the gate
+        past its bound: trace_gate.h.)"""
         started, in_progress = _C.runs_elsewhere()
         return started != self._before[0] or in_progress > 0 or self._before[1] > 0
 
@@ -102,23 +101,25 @@ def _apart_from_other_threads(function):
         alone = function in _writes_state
     except TypeError:  # (not weakly referenceable)
         alone = False
-    closed = alone and _C.close_trace_gate(DRAIN_S)
-    apart = _Apart(closed)
-    try:
+    apart = None
+    try:  # (the close inside: a KeyboardInterrupt as it returns must not leave the gate closed)
+        apart = _Apart(alone and _C.close_trace_gate(DRAIN_S))
         yield apart
     finally:
         if alone:
-            _C.open_trace_gate()
-        if apart.wrote:
+            _C.open_trace_gate()  # (nothing where this thread did not close it)
+        if apart is not None and apart.wrote:
             with contextlib.suppress(TypeError):
                 _writes_state.add(function)
 
 
 def _changed(shared: list, written: list | None) -> bool:
-    """Whether the trace changed any of the shared containers: their items as the traced call
-    ended (`written`; where it did not end, now) against those before it."""
-    return any(called_code.items_changed(before, written[i] if written is not None else snapshot(container))
-               for i, (container, before) in enumerate(shared))
+    """Whether the trace wrote into any of the shared containers, less its own leftovers
+    (trace_copies.is_leftover): their items as the traced call ended (`written`; where it did
+    not end, now) against those before it."""
+    return any(not is_leftover(key, value)
+               for i, (container, before) in enumerate(shared)
+               for key, value in changed_items(before, written[i] if written is not None else snapshot(container)))
 
 
 @dataclass
@@ -187,9 +188,9 @@ def trace_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, ro
             # the fake tensors it left go.
             keep = interrupted or apart.others_ran()
             apart.wrote = _changed(module.trace.shared, module.trace.written)
-            put_back_shared(module.trace.shared, module.trace.written, only_fake=keep)
+            put_back_shared(module.trace.shared, module.trace.written, keep_writes=keep)
             replaced = live_tensors.put_back()
-            globals_written = called.put_back(only_fake=keep) if called is not None else []
+            globals_written = called.put_back(keep_writes=keep) if called is not None else []
             apart.wrote = bool(apart.wrote or globals_written or replaced or module.trace.state_written)
             kept = keep and not interrupted and apart.wrote
     if kept:

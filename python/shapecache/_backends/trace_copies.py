@@ -100,11 +100,35 @@ class LiveTensors:
 
 
 def snapshot(container):
-    """The items of a dict or list, as a plain dict or list (a defaultdict's factory is not needed)."""
-    return dict(container) if isinstance(container, dict) else list(container)
+    """The items of a dict or list as they are stored, as a plain dict or list: not through
+    the container's own methods, which a subclass may override (transformers' ``ACT2FN`` makes a
+    new module on each lookup)."""
+    return dict.copy(container) if isinstance(container, dict) else list.copy(container)
 
 
-def put_back_shared(shared: list, written: list | None, only_fake: bool = False) -> None:
+def changed_items(before, after) -> list:
+    """What changed between two snapshots of one container: (key, value now) of each key of a
+    dict added, replaced or removed (_ABSENT), or (None, item) of each item of a list that is
+    new; empty where nothing did."""
+    if isinstance(after, dict):
+        return [(key, after.get(key, _ABSENT)) for key in [*before, *(k for k in after if k not in before)]
+                if before.get(key, _ABSENT) is not after.get(key, _ABSENT)]
+    if len(after) == len(before) and all(a is b for a, b in zip(after, before, strict=True)):
+        return []
+    held = {id(item) for item in before}
+    return [(None, item) for item in after if id(item) not in held] or [(None, _ABSENT)]
+
+
+def is_leftover(key, value) -> bool:
+    """Whether a change a trace made is its own leftover rather than the call's write: a fake
+    tensor, or an entry keyed by a fake tensor's type (a library's memo of the tensor types it
+    has seen, as einops' backend table)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return is_fake_tensor(value) or (isinstance(key, type) and issubclass(key, FakeTensor))
+
+
+def put_back_shared(shared: list, written: list | None, keep_writes: bool = False) -> None:
     """Puts back what the trace wrote into the dicts and lists the copies share with the live
     model (a helper's lazy cache and its "last length", a list the model appends to): every
     key the trace changed, together, so that none is left out of step with its neighbours.
@@ -113,26 +137,26 @@ def put_back_shared(shared: list, written: list | None, only_fake: bool = False)
     A value changed again since the traced call ended is another thread's, and is kept; a
     write another thread made during the trace itself cannot be told from the trace's, and is
     undone with it (trace._apart_from_other_threads keeps them apart, or says it could not:
-    then `only_fake`). The trace's writes are reported by the guard over the Python state, and
-    the bucket then runs uncached. No container is emptied on the way: another thread may read
-    it meanwhile. `only_fake`: only the fake tensors the trace left are put back (the rest of
-    its writes stay, as the plain call's would)."""
+    then `keep_writes`). The trace's writes are reported by the guard over the Python state,
+    and the bucket then runs uncached. No container is emptied on the way: another thread may
+    read it meanwhile. `keep_writes`: the trace's writes stay (as the plain call's would),
+    except in a container that holds a leftover of the trace (is_leftover), which is put back
+    whole, so that nothing is left out of step with a value put back."""
     for i, (container, before) in enumerate(shared):
         after = written[i] if written is not None else snapshot(container)
+        if keep_writes and not any(is_leftover(key, value) for key, value in changed_items(before, after)):
+            continue
         if isinstance(container, dict):
             for key in [*before, *(k for k in after if k not in before)]:
                 old, traced = before.get(key, _ABSENT), after.get(key, _ABSENT)
-                if old is traced or container.get(key, _ABSENT) is not traced:
+                if old is traced or dict.get(container, key, _ABSENT) is not traced:
                     continue  # not the trace's change, or changed again since
-                if only_fake and not is_fake_tensor(traced):
-                    continue
                 if old is _ABSENT:
                     container.pop(key, None)
                 else:
                     container[key] = old
-        elif (len(after) != len(before) or any(a is not b for a, b in zip(after, before, strict=True))) and (
-                len(container) == len(after) and all(a is b for a, b in zip(container, after, strict=True))) and (
-                not only_fake or any(is_fake_tensor(item) for item in after)):
+        elif changed_items(before, after) and len(container) == len(after) and all(
+                a is b for a, b in zip(container, after, strict=True)):
             container[:] = before
 
 
