@@ -364,6 +364,24 @@ def test_a_compiler_that_stays_stopped_or_runs_past_its_deadline_is_killed_and_i
         assert compile_process._compiler["slowest"] == 1.5
 
 
+def test_the_compilers_process_skips_the_users_site_directory_unless_this_process_imports_from_it(monkeypatch,
+                                                                                                  tmp_path):
+    # Its usercustomize would run in the compiler's process at start-up; where torch itself
+    # is installed there (pip --user), the process needs it.
+    import site
+
+    from shapecache._backends import compile_process
+
+    monkeypatch.setattr(site, "ENABLE_USER_SITE", True)
+    monkeypatch.setattr(site, "getusersitepackages", lambda: str(tmp_path / "user-site"))
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not p.startswith(str(tmp_path))])
+    assert compile_process._without_user_site() == ["-s"]
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path / "user-site")])
+    assert compile_process._without_user_site() == []
+    monkeypatch.setattr(site, "ENABLE_USER_SITE", False)
+    assert compile_process._without_user_site() == ["-s"]
+
+
 def test_a_compiles_deadline_follows_the_slowest_compile_measured_within_the_users_ceiling(monkeypatch):
     from shapecache._backends import compile_process
 

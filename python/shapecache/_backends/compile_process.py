@@ -278,8 +278,10 @@ class CompilerProcess:
         replies, self._replies_write = os.pipe()
         # -P: the working directory is not put first on its sys.path, so a module there (a
         # json.py beside the user's script) is never imported in place of the library's own.
-        command = [sys.executable, "-P", "-m", "shapecache._backends.compile_process", directory,
-                   str(self._replies_write), str(idle_seconds())]
+        # -s: nor is the user's site directory (its usercustomize runs at start-up), unless
+        # this process imports from it (torch installed with pip --user).
+        command = [sys.executable, "-P", *_without_user_site(), "-m", "shapecache._backends.compile_process",
+                   directory, str(self._replies_write), str(idle_seconds())]
         # A process group of its own, not a session: the terminal's Ctrl-C is not sent to it,
         # and it shares the scheduler's group (autogroup: one per session) with the serving
         # process, inside which its lower priority counts; in a group of its own it would
@@ -401,6 +403,16 @@ class CompilerProcess:
                 return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         except (OSError, IndexError, ValueError):
             return 0
+
+
+def _without_user_site() -> list[str]:
+    """["-s"] where this process imports nothing from the user's site directory; else []."""
+    import site
+
+    user_site = site.getusersitepackages() if site.ENABLE_USER_SITE else None
+    if user_site and any(os.path.abspath(p).startswith(os.path.abspath(user_site)) for p in sys.path if p):
+        return []
+    return ["-s"]
 
 
 _compiler: dict = {"process": None, "lock": threading.Lock(), "directory": None,  # this process's
