@@ -8,6 +8,7 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -30,6 +31,36 @@ class NetReplica(CachedReplica):
     def __call__(self, size):
         with torch.inference_mode(), self.serving(size):
             return self.cached(torch.ones(1, 3, *size))
+
+
+def test_a_subclass_keeps_its_own_attributes_and_a_class_made_in_a_function_its_sizes_record(tmp_path):
+    # A subclass with a lock of its own named _lock, held around serving(): the base class's
+    # state is its own (name-mangled), so the first request does not wait on itself.
+    def make():
+        class Locked(NetReplica):
+            def __init__(self, **options):
+                self._lock = threading.Lock()
+                self._serving = "the subclass's"
+                super().__init__(**options)
+
+            def __call__(self, size):
+                with self._lock:
+                    return super().__call__(size)
+
+        return Locked
+
+    locked_class = make()
+    replica = locked_class(shared_dir=tmp_path)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (replica(size=(8, 8)), done.set()))
+    worker.start()
+    worker.join(30)
+    assert done.is_set() and replica._serving == "the subclass's"
+    assert held(replica) == {(8, 8)}
+    # The record's name is the class's name, which a replica unpickling the class agrees on
+    # (its qualified name holds "make.<locals>", a driver's and a replica's may differ).
+    assert locked_class.sizes_file() == "sizes.Locked.jsonl"
+    assert (tmp_path / "sizes.Locked.jsonl").is_file()
 
 
 def held(replica) -> set:

@@ -79,26 +79,26 @@ class CachedReplica:
         if prewarm_limit is not None:
             _checks.positive_int("prewarm_limit", prewarm_limit, "or None for every hot size")
         self.cached = cached
-        self._is_pipeline = "components" in sc.stats(cached)
-        self._lock = threading.Lock()
-        self._entries_of: dict[tuple, frozenset] = {}  # size -> the entry ids its last call used
-        self._serving: collections.Counter = collections.Counter()  # sizes being served now
+        self.__is_pipeline = "components" in sc.stats(cached)
+        self.__lock = threading.Lock()
+        self.__entries_of: dict[tuple, frozenset] = {}  # size -> the entry ids its last call used
+        self.__serving: collections.Counter = collections.Counter()  # sizes being served now
         self.shared_dir = SharedDir.from_option(shared_dir)
         # The fleet's record of this class's sizes: deployments of other classes sharing the
         # directory keep records of their own.
-        self._sizes_file = self.sizes_file()
-        self._warming = False  # sizes built while pre-warming are not recorded as the fleet's demand
+        self.__sizes_file = self.sizes_file()
+        self.__warming = False  # sizes built while pre-warming are not recorded as the fleet's demand
         self.prewarmed: list[tuple] = []
         self.prewarm_seconds = 0.0
         if self.shared_dir is not None:
             self.shared_dir.apply()
-            self._prewarm(self.shared_dir.hot_sizes(self._sizes_file, prewarm_limit))
+            self.__prewarm(self.shared_dir.hot_sizes(self.__sizes_file, prewarm_limit))
 
     @classmethod
     def sizes_file(cls) -> str:
         """The name, in the shared directory, of the record of the sizes this class's replicas
         built on request."""
-        return f"sizes.{cls.__qualname__}.jsonl"
+        return f"sizes.{cls.__name__}.jsonl"  # (not __qualname__: a class made in a function is named so too)
 
     def __call__(self, *args, **kwargs):
         return self.serve(*args, **kwargs)
@@ -119,11 +119,11 @@ class CachedReplica:
         calls inside used, and records a size whose calls built an entry in the shared
         directory."""
         size = check_size(size, len(self.size_keys))
-        with self._using(size) as built:
+        with self.__using(size) as built:
             yield
-        if built and self.shared_dir is not None and not self._warming:
+        if built and self.shared_dir is not None and not self.__warming:
             try:
-                self.shared_dir.record_sizes([size], self._sizes_file)
+                self.shared_dir.record_sizes([size], self.__sizes_file)
             except OSError as error:  # the request was served: a record it could not write costs a warning
                 logger.warning("shapecache: could not record size %s in %s: %s", size, self.shared_dir.path, error)
 
@@ -132,17 +132,17 @@ class CachedReplica:
         with ``sc.prewarm``; other replicas with a call that passes only the size keywords,
         ``self(**dict(zip(size_keys, size)))`` (or ``size=...`` for one key): override this
         where a request needs more."""
-        if self._is_pipeline:
+        if self.__is_pipeline:
             sc.prewarm(self.cached, [size], progress=False)
         else:
             self(**dict(zip(self.size_keys, size if len(self.size_keys) > 1 else (size,), strict=True)))
 
     def sizes_held(self) -> set[tuple]:
         """The sizes whose entries this replica holds, and those it is serving now."""
-        with self._lock:  # a call ending meanwhile records its entries before or after this snapshot
+        with self.__lock:  # a call ending meanwhile records its entries before or after this snapshot
             alive = {entry["id"] for entry in sc.stats(self.cached)["entries"]}
-            self._entries_of = {s: ids for s, ids in self._entries_of.items() if ids <= alive}
-            return set(self._entries_of) | set(self._serving)
+            self.__entries_of = {s: ids for s, ids in self.__entries_of.items() if ids <= alive}
+            return set(self.__entries_of) | set(self.__serving)
 
     def record_routing_stats(self) -> dict:
         """What the router reads (Ray Serve calls this every routing-stats period)."""
@@ -150,11 +150,11 @@ class CachedReplica:
         return routing_stats(held, sc.stats(self.cached), time.time())
 
     @contextlib.contextmanager
-    def _using(self, size: tuple):
+    def __using(self, size: tuple):
         """Marks `size` as being served; afterwards, records the entries the call used. Yields
         a list that is true afterwards when the call built an entry."""
-        with self._lock:  # first: the size is held from the moment its call starts
-            self._serving[size] += 1
+        with self.__lock:  # first: the size is held from the moment its call starts
+            self.__serving[size] += 1
         built: list = []
         served = entries_served()  # what the calls on this thread serve: no scan of every entry
         try:
@@ -163,24 +163,24 @@ class CachedReplica:
         finally:
             built.extend(served.built)
             used = frozenset(served.used) | frozenset(served.built)
-            with self._lock:
-                self._serving[size] -= 1
-                if not self._serving[size]:
-                    del self._serving[size]
+            with self.__lock:
+                self.__serving[size] -= 1
+                if not self.__serving[size]:
+                    del self.__serving[size]
                 if used:
-                    self._entries_of[size] = used
+                    self.__entries_of[size] = used
 
-    def _prewarm(self, sizes: list[tuple]) -> None:
+    def __prewarm(self, sizes: list[tuple]) -> None:
         """Builds `sizes`, largest first (a pool sized by the first build fits the rest)."""
         if len(self.size_keys) > 1:
             sizes = [s for s in sizes if len(s) == len(self.size_keys)]
         start = time.perf_counter()
         evictions = sc.stats(self.cached)["evictions"]
-        self._warming = True
+        self.__warming = True
         try:
             for size in sorted(sizes, key=lambda s: -math.prod(s)):
                 try:
-                    with self._using(size):
+                    with self.__using(size):
                         self.warm_up(size)
                 except Exception as error:  # noqa: BLE001 - a replica that cannot pre-warm still serves
                     logger.warning("shapecache: pre-warming size %s failed (%s: %s); override warm_up where a "
@@ -192,7 +192,7 @@ class CachedReplica:
                                 len(self.prewarmed), len(sizes))
                     break
         finally:
-            self._warming = False
+            self.__warming = False
         self.prewarm_seconds = time.perf_counter() - start
         if sizes:
             logger.info("shapecache: pre-warmed %d hot sizes from %s in %.1f s", len(self.prewarmed),
