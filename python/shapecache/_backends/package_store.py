@@ -66,8 +66,7 @@ FORMAT = 3  # in every key: packages of another layout (3: sealed) are another k
 KEY_METADATA = "shapecache_key"  # the package's metadata entry that names the key it was built for
 
 _unloadable: set[str] = set()  # keys whose file in the directory did not load here: published over
-_unwritable: set[Path] = set()  # directories found not writable (warned of once)
-_warned_directories: set[Path] = set()  # directories whose packages are not loaded (warned of once)
+_warned: set[tuple] = set()  # (directory, "read" or "write"): what was warned of about a directory, once
 
 
 def directory_in(shared: Path) -> Path:
@@ -125,11 +124,11 @@ class PackageStore:
         except FileNotFoundError:
             return None
         except OSError as error:
-            self._warn_once(f"the shared packages in {self.directory} cannot be read ({error})")
+            _warn_once(self.directory, "read", f"the shared packages in {self.directory} cannot be read ({error})")
             return None
         try:
             if (why := package_trust.untrusted_directory(os.fstat(directory), self.secret)) is not None:
-                self._warn_once(f"the shared packages in {self.directory} are not loaded: {why}")
+                _warn_once(self.directory, "read", f"the shared packages in {self.directory} are not loaded: {why}")
                 return None
             # (O_NONBLOCK: a FIFO planted there would block the open.)
             opened = os.open(found.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY, dir_fd=directory)
@@ -174,11 +173,6 @@ class PackageStore:
         disk_cache.note_shared_package_loaded()
         return CompiledGraph(package, [], package.constant_bytes, package=str(found))
 
-    def _warn_once(self, message: str) -> None:
-        if self.directory not in _warned_directories:
-            _warned_directories.add(self.directory)
-            logger.warning("shapecache: %s", message)
-
     @staticmethod
     def stamped(options: dict, key: str) -> dict:
         """Inductor's `options` for the package of `key`: its metadata names the key (lookup)."""
@@ -202,10 +196,8 @@ def _private_copy(opened: int) -> str:
     temporary directory), whose path this returns; the caller removes it. Raises OSError."""
     descriptor, path = tempfile.mkstemp(prefix="shapecache-package-", suffix=".pt2")
     try:
-        with os.fdopen(descriptor, "wb") as copy:
-            os.lseek(opened, 0, os.SEEK_SET)
-            while chunk := os.read(opened, 1 << 20):
-                copy.write(chunk)
+        with os.fdopen(descriptor, "wb") as copy, open(opened, "rb", closefd=False) as source:
+            shutil.copyfileobj(source, copy)
     except BaseException:
         os.remove(path)
         raise
@@ -401,7 +393,12 @@ def _writable(target: Path, secret: bytes | None) -> bool:
             error = "not writable"
     except OSError as failure:
         error = str(failure)
-    if target not in _unwritable:
-        _unwritable.add(target)
-        logger.warning("shapecache: packages could not be shared through %s (%s)", target, error)
+    _warn_once(target, "write", f"packages could not be shared through {target} ({error})")
     return False
+
+
+def _warn_once(directory: Path, what: str, message: str) -> None:
+    """Logs `message` about `what` ("read", "write") of `directory`, the first time only."""
+    if (directory, what) not in _warned:
+        _warned.add((directory, what))
+        logger.warning("shapecache: %s", message)

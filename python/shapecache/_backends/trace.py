@@ -67,11 +67,10 @@ _writes_state: weakref.WeakSet = weakref.WeakSet()
 
 
 class _Apart:
-    """Whether a trace ran apart from the runs of user code on other threads (trace_gate.h),
-    and (``wrote``, set by the trace) whether it wrote Python state the live model shares."""
+    """Whether another thread ran user code during a trace (trace_gate.h), and (``wrote``, set
+    by the trace) whether it wrote Python state the live model shares."""
 
-    def __init__(self, alone: bool):
-        self.alone = alone
+    def __init__(self):
         self.wrote = False
         self._before = _C.runs_elsewhere()
 
@@ -103,7 +102,9 @@ def _apart_from_other_threads(function):
         alone = False
     apart = None
     try:  # (the close inside: a KeyboardInterrupt as it returns must not leave the gate closed)
-        apart = _Apart(alone and _C.close_trace_gate(DRAIN_S))
+        if alone:
+            _C.close_trace_gate(DRAIN_S)  # not alone after all: others_ran says so
+        apart = _Apart()
         yield apart
     finally:
         if alone:
@@ -184,8 +185,9 @@ def trace_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, ro
             raise
         finally:
             # What the trace wrote is put back, unless that could undo another thread's write,
-            # or the trace was the call (interrupted, its exception is the caller's): then only
-            # the fake tensors it left go.
+            # or the trace was the call (interrupted, its exception is the caller's): then it
+            # stays, but for a container or object holding a leftover of the trace (a fake
+            # tensor), which is put back whole.
             keep = interrupted or apart.others_ran()
             apart.wrote = _changed(module.trace.shared, module.trace.written)
             put_back_shared(module.trace.shared, module.trace.written, keep_writes=keep)

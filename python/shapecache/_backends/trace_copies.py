@@ -144,19 +144,18 @@ def put_back_shared(shared: list, written: list | None, keep_writes: bool = Fals
     whole, so that nothing is left out of step with a value put back."""
     for i, (container, before) in enumerate(shared):
         after = written[i] if written is not None else snapshot(container)
-        if keep_writes and not any(is_leftover(key, value) for key, value in changed_items(before, after)):
+        changes = changed_items(before, after)
+        if not changes or (keep_writes and not any(is_leftover(key, value) for key, value in changes)):
             continue
         if isinstance(container, dict):
-            for key in [*before, *(k for k in after if k not in before)]:
-                old, traced = before.get(key, _ABSENT), after.get(key, _ABSENT)
-                if old is traced or dict.get(container, key, _ABSENT) is not traced:
-                    continue  # not the trace's change, or changed again since
-                if old is _ABSENT:
+            for key, traced in changes:
+                if dict.get(container, key, _ABSENT) is not traced:
+                    continue  # changed again since
+                if (old := before.get(key, _ABSENT)) is _ABSENT:
                     container.pop(key, None)
                 else:
                     container[key] = old
-        elif changed_items(before, after) and len(container) == len(after) and all(
-                a is b for a, b in zip(container, after, strict=True)):
+        elif len(container) == len(after) and all(a is b for a, b in zip(container, after, strict=True)):
             container[:] = before
 
 
