@@ -382,6 +382,29 @@ def test_the_compilers_process_skips_the_users_site_directory_unless_this_proces
     assert compile_process._without_user_site() == ["-s"]
 
 
+def test_the_compilers_process_starts_with_only_the_environment_a_compile_reads(monkeypatch, tmp_path):
+    from shapecache._backends import compile_process
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not for the compiler")
+    monkeypatch.setenv("PYTHONSTARTUP", str(tmp_path / "startup.py"))
+    monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "0")
+    monkeypatch.setenv("CXX", "g++")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    compiler = compile_process.CompilerProcess(str(tmp_path))
+    try:
+        with open(f"/proc/{compiler.process.pid}/environ", "rb") as f:
+            names = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if item)
+        with open(f"/proc/{compiler.process.pid}/cmdline", "rb") as f:
+            arguments = f.read().split(b"\0")
+    finally:
+        compiler.end()
+    assert b"AWS_SECRET_ACCESS_KEY" not in names and b"PYTHONSTARTUP" not in names
+    assert names[b"TORCHINDUCTOR_MAX_AUTOTUNE"] == b"0" and names[b"CXX"] == b"g++"
+    assert names[b"OMP_NUM_THREADS"] == b"1" and names[b"PATH"] == os.environ["PATH"].encode()
+    assert names[b"TMPDIR"] == str(tmp_path).encode()  # where its precompiled headers stay between builds
+    assert b"-P" in arguments
+
+
 def test_a_compiles_deadline_follows_the_slowest_compile_measured_within_the_users_ceiling(monkeypatch):
     from shapecache._backends import compile_process
 

@@ -266,8 +266,8 @@ class CompilerProcess:
     reuses; where the user sets TORCHINDUCTOR_CACHE_DIR, inductor's cache is that one, and
     outlives them. It ends after ``idle_seconds()`` without a build, when its stdin closes
     (this process ended), when killed, or after BUILDS_PER_PROCESS builds; the next build
-    starts another. Its environment (CXX, TORCHINDUCTOR_* variables) is this process's when it
-    starts."""
+    starts another. Its environment is the part of this process's that a compile reads, as it
+    is when the process starts (``compiler_environment``)."""
 
     def __init__(self, directory: str):
         self.directory = directory
@@ -290,7 +290,7 @@ class CompilerProcess:
             self.process = _background.start_process(
                 command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 process_group=0, cwd=directory, pass_fds=(self._replies_write,),
-                env={**os.environ, "TMPDIR": directory})
+                env=compiler_environment(directory))
         except BaseException:
             os.close(replies)
             raise
@@ -403,6 +403,29 @@ class CompilerProcess:
                 return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         except (OSError, IndexError, ValueError):
             return 0
+
+
+# What a compile reads of its environment: where programs, libraries and headers are found,
+# the compiler and its flags, the user and locale, the Python it runs (PYTHONPATH, as this
+# process imports), and the settings of torch, inductor, Triton, CUDA and the CPU's thread
+# libraries. Anything else (a cloud key, a token, PYTHONSTARTUP, PYTHONBREAKPOINT) stays here.
+_ENVIRONMENT_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "SHELL",
+    "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONSAFEPATH", "VIRTUAL_ENV", "CONDA_PREFIX",
+    "LD_LIBRARY_PATH", "LD_PRELOAD", "LIBRARY_PATH", "CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH",
+    "CC", "CXX", "CFLAGS", "CXXFLAGS", "CPPFLAGS", "LDFLAGS", "XDG_CACHE_HOME"})
+_ENVIRONMENT_PREFIXES = ("LC_", "TORCH", "PYTORCH_", "TRITON_", "CUDA", "CUDNN_", "CUBLAS", "NVIDIA_",
+                         "NVCC_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "DNNL_", "ONEDNN_",
+                         "CCACHE_", "SHAPECACHE_")
+
+
+def compiler_environment(directory: str) -> dict[str, str]:
+    """The compiler process's environment: of this process's, only what a compile reads
+    (_ENVIRONMENT_NAMES, _ENVIRONMENT_PREFIXES), with TMPDIR its private `directory`, where
+    inductor keeps its precompiled headers between builds."""
+    kept = {name: value for name, value in os.environ.items()
+            if name in _ENVIRONMENT_NAMES or name.startswith(_ENVIRONMENT_PREFIXES)}
+    return {**kept, "TMPDIR": directory}
 
 
 def _without_user_site() -> list[str]:
