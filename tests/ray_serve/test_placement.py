@@ -6,14 +6,27 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from shapecache.ray_serve._placement import FORMAT_KEY, HOME_GRACE_S, MAX_HOMES, Placement, ReplicaState, routing_stats
+from shapecache.ray_serve._placement import (
+    COUNTS,
+    FORMAT_KEY,
+    HOME_GRACE_S,
+    MAX_HOMES,
+    PLAN_PERIOD_S,
+    TRAFFIC_HALF_LIFE_S,
+    Placement,
+    ReplicaState,
+    routing_stats,
+)
 
 NOW = 1000.0
 MiB = 1 << 20
 
 
 def replica(rid, sizes=(), bytes=0, budget=100 * MiB, entries=None, pending=0, at=NOW - 1, full=False):
-    return ReplicaState(rid, frozenset(sizes), bytes, budget, len(sizes) if entries is None else entries, pending, at, full)
+    """A replica that published `sizes`, held in `bytes` shared equally among them."""
+    held = {size: bytes // len(sizes) for size in sizes}
+    return ReplicaState(rid, frozenset(sizes), bytes, budget, len(sizes) if entries is None else entries, pending, at,
+                        full, size_bytes=held)
 
 
 def test_a_held_size_goes_to_its_holder_first():
@@ -91,6 +104,93 @@ def test_a_new_size_offers_every_replica_at_once_a_held_one_waits_for_its_home()
     assert Placement().rank((64, 64), replicas, NOW) == [["a"]]  # held: no second build while a answers
 
 
+def test_a_replica_building_in_a_request_gets_no_new_size():
+    # An inline build holds the replica: its queue waits behind it (rule 3a).
+    replicas = [ReplicaState("a", frozenset(), 0, 100 * MiB, 0, 0, NOW - 1, building=1),
+                replica("b", [(8, 8)], bytes=90 * MiB)]
+    assert Placement().rank((32, 32), replicas, NOW)[0] == ["b"]
+
+
+def hot(placement, size, requests, at=NOW):
+    for _ in range(requests):
+        placement.requested(size, at)
+
+
+def test_a_new_size_where_none_fits_displaces_the_least_requested_sizes():
+    # Both replicas are full; a holds a hot size, b a cold one: the new size goes to b (rule 3b),
+    # though a has more bytes free.
+    placement = Placement()
+    hot(placement, (64, 64), 50)
+    hot(placement, (96, 96), 2)
+    replicas = [replica("a", [(64, 64)], bytes=95 * MiB), replica("b", [(96, 96)], bytes=99 * MiB)]
+    assert placement.rank((32, 32), replicas, NOW)[0] == ["b"]
+    # a size's bytes, as a replica measured them, decide whether it fits: 4 MiB fits in a's 5 free
+    placement.size_bytes[(32, 32)] = 4 * MiB
+    assert placement.rank((32, 32), replicas, NOW)[0] == ["a"]  # fits beside the hot size: nothing displaced
+
+
+def test_a_dead_replicas_hot_sizes_are_spread_by_the_traffic_already_placed():
+    placement = Placement()
+    for size, requests in (((1, 1), 40), ((2, 2), 30), ((3, 3), 2), ((4, 4), 2)):
+        hot(placement, size, requests)
+    placement.routed((1, 1), "a", NOW - 100)
+    placement.routed((2, 2), "a", NOW - 100)
+    placement.keep_only(["b", "c"])  # a died: (1, 1) and (2, 2) have no home
+    replicas = [replica("b", [(3, 3)], bytes=30 * MiB, entries=1, at=NOW - 1),
+                replica("c", [(4, 4)], bytes=10 * MiB, entries=1, at=NOW - 1)]
+    first = placement.rank((1, 1), replicas, NOW)[0][0]
+    placement.routed((1, 1), first, NOW)
+    second = placement.rank((2, 2), replicas, NOW)[0][0]
+    assert {first, second} == {"b", "c"}  # by bytes free alone both would go to one replica
+
+
+def test_a_home_that_keeps_evicting_a_size_gives_it_up():
+    placement = Placement()
+    for when in (NOW - 200, NOW - 100):  # sent to a twice, evicted twice
+        placement.routed((32, 32), "a", when)
+        replicas = [replica("a", [(8, 8)], bytes=99 * MiB, at=when + HOME_GRACE_S + 1), replica("b", bytes=99 * MiB)]
+        assert placement.rank((8, 8), replicas, when + HOME_GRACE_S + 2)[0] == ["a"]
+        placement.rank((32, 32), replicas, when + HOME_GRACE_S + 2)
+    assert placement.evictions == {(32, 32): {"a": 2}}
+    # a has more bytes free than b, but evicted the size twice; neither fits it: b takes it (3c)
+    replicas = [replica("a", [(8, 8)], bytes=90 * MiB), replica("b", [(9, 9)], bytes=95 * MiB)]
+    placement.size_bytes[(32, 32)] = 50 * MiB
+    assert placement.rank((32, 32), replicas, NOW)[0] == ["b"]
+    placement.keep_only(["b"])
+    assert placement.evictions == {}
+
+
+def test_the_plan_places_the_most_requested_sizes_first_where_they_fit_and_is_made_again_without_a_dead_replica():
+    placement = Placement()
+    sizes = {(6, 6): (40, 60 * MiB), (5, 5): (30, 50 * MiB), (4, 4): (20, 40 * MiB), (3, 3): (10, 30 * MiB)}
+    for size, (requests, nbytes) in sizes.items():
+        hot(placement, size, requests)
+        placement.size_bytes[size] = nbytes
+    replicas = [replica("a"), replica("b")]  # 100 MiB each, empty
+    # (6, 6) to a; (5, 5) to b (less traffic placed); (4, 4) to b (30 < 40 placed on a);
+    # (3, 3) to a, the only one with room left
+    assert placement.rank((4, 4), replicas, NOW)[0] == ["b"]
+    assert placement.plan == {(6, 6): "a", (5, 5): "b", (4, 4): "b", (3, 3): "a"}
+    # a holds (5, 5) now: the plan keeps it there (a move is a build), and the others fit around it
+    replicas = [replica("a", [(5, 5)], bytes=50 * MiB), replica("b")]
+    assert placement.rank((3, 3), replicas, NOW + 0.5)[0] == ["a"]  # the plan is not made again within its period
+    assert placement.rank((3, 3), replicas, NOW + PLAN_PERIOD_S)[0] == ["b"]
+    assert placement.plan == {(6, 6): "b", (5, 5): "a", (4, 4): "a", (3, 3): "b"}
+    # b dies: the sizes that fit on a are planned there, the rest go where they displace least
+    placement.keep_only(["a"])
+    assert placement.rank((6, 6), [replicas[0]], NOW + 2 * PLAN_PERIOD_S)[0] == ["a"]
+    assert placement.plan == {(5, 5): "a", (4, 4): "a"}  # (6, 6) fits nowhere beside the held (5, 5)
+
+
+def test_request_rates_halve_every_half_life():
+    placement = Placement()
+    hot(placement, (8, 8), 8)
+    assert placement.requests_per_half_life((8, 8), NOW + TRAFFIC_HALF_LIFE_S) == 4.0
+    placement.requested((8, 8), NOW + TRAFFIC_HALF_LIFE_S)
+    assert placement.requests_per_half_life((8, 8), NOW + 2 * TRAFFIC_HALF_LIFE_S) == 2.5
+    assert placement.requests_per_half_life((9, 9), NOW) == 0.0
+
+
 def test_a_full_replica_gets_no_new_size_while_another_is_free():
     replicas = [replica("a", full=True), replica("b", bytes=90 * MiB)]
     assert Placement().rank((32, 32), replicas, NOW)[0] == ["b"]
@@ -134,7 +234,7 @@ def test_stats_stamped_in_the_future_are_stale_and_a_time_that_is_none_is_no_sta
     ahead = [replica("a", [(64, 64)], at=NOW + 3600), replica("b", bytes=50 * MiB)]
     assert Placement(stats_max_age_s=60).rank((64, 64), ahead, NOW)[0] == ["b"]
     assert replica("a", at=NOW + 5).fresh(NOW, 60)
-    published = routing_stats([(64, 64)], {"bytes": 0, "budget": None, "entries": [{}], "pending_builds": 0}, NOW)
+    published = routing_stats([(64, 64)], figures(0, None, 1, 0), NOW)
     for when in (float("inf"), float("-inf"), float("nan"), "inf"):
         published[FORMAT_KEY]["published_at"] = when
         state = ReplicaState.from_routing_stats("a", published)
@@ -146,13 +246,21 @@ def test_stale_stats_are_not_trusted_for_the_sizes_they_list():
     assert Placement(stats_max_age_s=60).rank((64, 64), replicas, NOW)[0] == ["b"]
 
 
+def figures(nbytes, budget, entries, pending):
+    return {"bytes": nbytes, "budget": budget, "entries": [{}] * entries, "pending_builds": pending,
+            **{name: i for i, name in enumerate(COUNTS)}}
+
+
 def test_routing_stats_round_trip_and_foreign_stats_count_as_missing():
-    figures = {"bytes": 5 * MiB, "budget": 100 * MiB, "entries": [{}, {}], "pending_builds": 1}
-    stats = routing_stats([(64, 64), (96, 128)], figures, NOW)
+    stats = routing_stats([(64, 64), (96, 128)], figures(5 * MiB, 100 * MiB, 2, 1), NOW, building=1,
+                          size_bytes={(64, 64): 3 * MiB})
     state = ReplicaState.from_routing_stats("a", stats, full=True)
-    assert state == ReplicaState("a", frozenset({(64, 64), (96, 128)}), 5 * MiB, 100 * MiB, 2, 1, NOW, True)
-    for foreign in ({}, None, {"queue": 3}, {FORMAT_KEY: {"version": 99}}, {FORMAT_KEY: {"version": 1, "sizes": "x"}},
-                    {FORMAT_KEY: {"version": 1}}):
+    assert state == ReplicaState("a", frozenset({(64, 64), (96, 128)}), 5 * MiB, 100 * MiB, 2, 1, NOW, True,
+                                 building=1, size_bytes={(64, 64): 3 * MiB},
+                                 counts={name: i for i, name in enumerate(COUNTS)})
+    for foreign in ({}, None, {"queue": 3}, {FORMAT_KEY: {"version": 99}}, {FORMAT_KEY: {"version": 2, "sizes": "x"}},
+                    {FORMAT_KEY: {"version": 2}}, {FORMAT_KEY: {**stats[FORMAT_KEY], "size_bytes": [[1]]}},
+                    {FORMAT_KEY: {**stats[FORMAT_KEY], "counts": {}}}, {FORMAT_KEY: {**stats[FORMAT_KEY], "version": 1}}):
         assert ReplicaState.from_routing_stats("a", foreign) == ReplicaState("a")
 
 

@@ -76,6 +76,9 @@ def test_a_replica_holds_the_sizes_whose_entries_are_cached():
     assert held(replica) == {(8, 12), (12, 8)}
     state = ReplicaState.from_routing_stats("r", replica.record_routing_stats())
     assert state.entries == 2 and state.pending_builds == 0 and state.published_at is not None
+    # what the router weighs: each held size's bytes, the sizes evicted, the cache's counts
+    assert state.size_bytes.keys() == {(8, 12), (12, 8)} and state.evicted == {(8, 8): 1}
+    assert state.counts["evictions"] == 1 and state.counts["builds"] == 3 and state.building == 0
 
 
 def test_replicas_and_the_policy_import_nothing_of_ray():
@@ -92,12 +95,15 @@ def test_a_size_is_held_while_its_request_runs():
 
     class Probe(torch.nn.Module):
         def forward(self, x):
-            seen.append(held(replica))
+            state = ReplicaState.from_routing_stats("r", replica.record_routing_stats())
+            seen.append((state.sizes, state.building))
             return x
 
     replica.cached = sc.cached(Probe(), backend="eager")
     replica(size=(8, 8))
-    assert seen == [{(8, 8)}]
+    replica(size=(8, 8))
+    # the first request builds (inline: the router sends the replica no new size meanwhile)
+    assert seen == [({(8, 8)}, 1), ({(8, 8)}, 0)]
 
 
 def test_a_pipeline_replica_reads_height_and_width():

@@ -21,7 +21,7 @@ from ray.serve._private.common import (  # noqa: E402
 )
 from ray.serve.request_router import PendingRequest, RunningReplica  # noqa: E402
 
-from shapecache.ray_serve._placement import routing_stats  # noqa: E402
+from shapecache.ray_serve._placement import COUNTS, routing_stats  # noqa: E402
 from shapecache.ray_serve._router import SizeAffinityRouter  # noqa: E402
 
 MiB = 1 << 20
@@ -32,7 +32,8 @@ DEPLOYMENT = DeploymentID(name="d", app_name="a")
 
 class Replica(RunningReplica):
     def __init__(self, unique_id, sizes=(), bytes=0, budget=100 * MiB):  # RunningReplica's own fetches the actor
-        figures = {"bytes": bytes, "budget": budget, "entries": [{}] * len(sizes), "pending_builds": 0}
+        figures = {"bytes": bytes, "budget": budget, "entries": [{}] * len(sizes), "pending_builds": 0,
+                   **dict.fromkeys(COUNTS, 0)}
         self._replica_info = RunningReplicaInfo(
             replica_id=ReplicaID(unique_id=unique_id, deployment_id=DEPLOYMENT), node_id="n", node_ip="127.0.0.1",
             availability_zone=None, actor_name=f"SERVE_REPLICA::a#d#{unique_id}", max_ongoing_requests=4,

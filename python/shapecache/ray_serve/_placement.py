@@ -11,21 +11,44 @@ The rules, in the order they are applied:
    last sent it to (stats lag by up to one period, so the router's own choices fill the
    gap; a choice is remembered from the moment it is offered to Ray, so a burst of new sizes
    spreads). A home whose publication omits the size more than HOME_GRACE_S after it was
-   sent there evicted it. Held sizes go to their homes, the one not full and with the most
-   room first.
-3. A size without a home is new: it goes to the replica with the most room, bytes free first
-   (budget minus bytes held; no budget counts as unlimited), then the fewest entries; sizes
-   this router placed on a replica since it last published count against its room.
-   Replicas over their budget, with `max_pending_builds` or more builds pending, or with
-   stale stats get no new sizes while another replica can take them.
-4. A second rank holds the replicas left, best first, which Ray's router tries when the
-   first rank takes nothing (spill-over): at once for a new size (it is built wherever it
+   sent there evicted it: the router counts the eviction against that replica and forgets
+   the home. Held sizes go to their homes, the one not full and with the most room first.
+3. A size without a home is new (or evicted, or its home died). It goes to its place in the
+   plan, where that replica takes new sizes (3a). The plan places the sizes requested in the
+   last few TRAFFIC_HALF_LIFE_S, those some replica holds first (each move is a build), the
+   most requested first among them, each on a replica where it fits beside the sizes placed
+   before it: the replica that holds it, else the one with the least traffic placed, then
+   the most room. Only replicas with fresh stats are
+   planned for, and the plan is made again every PLAN_PERIOD_S: a replica that died leaves
+   it, a new one joins it, and the sizes that fit nowhere with one replica fewer are placed
+   on the replacement. A size the plan has no place for (it fits nowhere beside hotter
+   sizes) goes where it costs the fleet least, by these keys in order:
+   a. not full (at ``max_ongoing_requests``) and taking new sizes: fresh stats, not over its
+      budget, no build running in a request (an inline build holds the replica) and fewer
+      than `max_pending_builds` background builds;
+   b. the traffic it would displace: zero where the size's bytes fit in the replica's room,
+      else the request rate of the least-requested sizes it holds whose bytes would have
+      to go (LRU evicts the least recently used, which under a steady stream are these).
+      A size's bytes are what a replica measured and published for it (the largest seen),
+      else the fleet's mean entry; a replica's room is its budget minus what it holds minus
+      the sizes it is serving without holding them yet and those this router sent it since
+      it last published;
+   c. fewer evictions of this size on that replica (as it published them, or this router
+      saw them): a home that keeps evicting a size gives it up to a replica where it fits,
+      or else to one that evicted it less;
+   d. the least traffic already placed there (the request rate of the sizes it holds),
+      then the most room, the fewest entries, and the replica id.
+   Request rates are this router's own counts of routed requests per size, halved every
+   TRAFFIC_HALF_LIFE_S.
+4. A second rank holds the replicas left, in rule 3's order, which Ray's router tries when
+   the first rank takes nothing (spill-over): at once for a new size (it is built wherever it
    goes) and for a held size whose homes are all at `max_ongoing_requests` (as the router
-   last heard); for a held size whose homes did not answer Ray's queue-length probe in time,
+   last heard: a size whose traffic one replica cannot carry gets a second home, which then
+   lists it); for a held size whose homes did not answer Ray's queue-length probe in time,
    after the request has waited `spill_after_s` (sending it elsewhere builds the size a
    second time). Ray backs off between its tries.
 5. A replica that dies or leaves the deployment is forgotten (``keep_only``): its sizes have
-   no home and are placed again by rule 3.
+   no home and are placed again by rule 3, the most requested first as their requests come.
 """
 
 from __future__ import annotations
@@ -54,7 +77,17 @@ SPILL_AFTER_S = 10.0
 # requests, or before the call that serves it), and the replica's clock may be ahead of the
 # router's (another host).
 HOME_GRACE_S = 30.0
-FORMAT_VERSION = 1
+# A size's request rate, as the router counts it, halves in this many seconds without
+# requests: a size that was hot an hour ago weighs nothing in placing another.
+TRAFFIC_HALF_LIFE_S = 120.0
+# How often the plan of rule 3 is made again (it reads every size's traffic).
+PLAN_PERIOD_S = 1.0
+# Sizes whose request rate (requests per half-life) is below this are left out of the plan:
+# they reserve no room.
+PLANNED_RATE = 0.5
+FORMAT_VERSION = 2
+# What a replica's publication counts, as sc.stats names them.
+COUNTS = ("calls", "hits", "misses", "builds", "evictions", "uncached_calls")
 
 
 def _finite(value: float) -> float:
@@ -63,19 +96,28 @@ def _finite(value: float) -> float:
     return value
 
 
+def _sizes_with_bytes(value: object) -> dict:
+    """{size: number} from a publication's [[size, number], ...]."""
+    return {tuple(int(d) for d in size): int(number) for size, number in value}
+
+
 @dataclass(frozen=True)
 class ReplicaState:
     """One replica as the router sees it: its id, what it last published and whether it can
     take a request now."""
 
     replica_id: str
-    sizes: frozenset = frozenset()  # sizes it holds compiled entries for
+    sizes: frozenset = frozenset()  # sizes it holds compiled entries for, or is serving now
     bytes: int = 0  # bytes its cache holds
     budget: int | None = None  # its cache's byte budget; None: no byte limit
     entries: int = 0
-    pending_builds: int = 0
+    pending_builds: int = 0  # background builds waiting or running
     published_at: float | None = None  # unix seconds; None: nothing (valid) published
     full: bool = False  # at max_ongoing_requests, as far as the router knows
+    building: int = 0  # requests running now whose size it did not hold when they came (they build)
+    size_bytes: Mapping = field(default_factory=dict)  # size -> bytes of the entries its calls used
+    counts: Mapping = field(default_factory=dict)  # COUNTS, as its cache counted them
+    evicted: Mapping = field(default_factory=dict)  # size -> times its entries were evicted here
 
     @classmethod
     def from_routing_stats(cls, replica_id: str, stats: object, full: bool = False) -> ReplicaState:
@@ -86,6 +128,7 @@ class ReplicaState:
             if not isinstance(ours, Mapping) or ours.get("version") != FORMAT_VERSION:
                 return cls(replica_id, full=full)
             budget = ours.get("budget")
+            counts = ours["counts"]
             return cls(
                 replica_id,
                 sizes=frozenset(tuple(int(d) for d in size) for size in ours["sizes"]),
@@ -95,6 +138,10 @@ class ReplicaState:
                 pending_builds=int(ours["pending_builds"]),
                 published_at=_finite(float(ours["published_at"])),
                 full=full,
+                building=int(ours["building"]),
+                size_bytes=_sizes_with_bytes(ours["size_bytes"]),
+                counts={name: int(counts[name]) for name in COUNTS},
+                evicted=_sizes_with_bytes(ours["evicted"]),
             )
         except (KeyError, TypeError, ValueError, OverflowError):
             return cls(replica_id, full=full)
@@ -108,9 +155,12 @@ class ReplicaState:
         return math.inf if self.budget is None else self.budget - self.bytes
 
 
-def routing_stats(sizes: Iterable[Size], figures: Mapping, published_at: float) -> dict:
-    """What a replica publishes: the sizes it holds and its cache's figures (``sc.stats``:
-    bytes, budget, entries, pending_builds), in the format ``ReplicaState`` reads."""
+def routing_stats(sizes: Iterable[Size], figures: Mapping, published_at: float, building: int = 0,
+                  size_bytes: Mapping | None = None, evicted: Mapping | None = None) -> dict:
+    """What a replica publishes: the sizes it holds, its cache's figures (``sc.stats``:
+    bytes, budget, entries, pending_builds and COUNTS), the requests building now, the
+    bytes of each size held and how often each size was evicted, in the format
+    ``ReplicaState`` reads."""
     return {
         FORMAT_KEY: {
             "version": FORMAT_VERSION,
@@ -119,6 +169,10 @@ def routing_stats(sizes: Iterable[Size], figures: Mapping, published_at: float) 
             "budget": figures["budget"],
             "entries": len(figures["entries"]),
             "pending_builds": int(figures["pending_builds"]),
+            "building": int(building),
+            "size_bytes": sorted([list(size), int(nbytes)] for size, nbytes in (size_bytes or {}).items()),
+            "counts": {name: int(figures[name]) for name in COUNTS},
+            "evicted": sorted([list(size), int(times)] for size, times in (evicted or {}).items()),
             "published_at": published_at,
         }
     }
@@ -126,13 +180,23 @@ def routing_stats(sizes: Iterable[Size], figures: Mapping, published_at: float) 
 
 @dataclass
 class Placement:
-    """This router's memory of where it sent each size, and the policy that ranks replicas."""
+    """This router's memory of where it sent each size, how often each size is requested and
+    where each was evicted, and the policy that ranks replicas."""
 
     max_pending_builds: int = 2
     stats_max_age_s: float = 60.0
     spill_after_s: float = SPILL_AFTER_S
     # size -> (replica id, unix seconds): where this router last sent the size
     homes: dict = field(default_factory=dict)
+    # size -> (requests, unix seconds): its request count, halved every TRAFFIC_HALF_LIFE_S, as of then
+    traffic: dict = field(default_factory=dict)
+    # size -> the bytes its entries took, the most any replica published
+    size_bytes: dict = field(default_factory=dict)
+    # size -> {replica id: times that replica evicted it}
+    evictions: dict = field(default_factory=dict)
+    # rule 3's plan: size -> replica id, and when it was made (unix seconds)
+    plan: dict = field(default_factory=dict)
+    planned_at: float = -math.inf
 
     def rank(self, size: Size | None, replicas: Sequence[ReplicaState], now: float,
              waited_s: float = 0.0) -> list[list[str]] | None:
@@ -141,20 +205,22 @@ class Placement:
         if size is None or not replicas:
             return None
         fresh = {r.replica_id: r.fresh(now, self.stats_max_age_s) for r in replicas}
+        self._learn_sizes(r for r in replicas if fresh[r.replica_id])
         holders = [r for r in replicas if self._holds(r, size, fresh[r.replica_id])]
         if not holders and not any(fresh.values()):
             return None
+        order = self._new_size_order(size, replicas, fresh, now)
         if holders:
             first = sorted(holders, key=lambda r: (r.full, self._crowding(r)))
         else:
-            first = [min(replicas, key=lambda r: self._new_size_order(r, fresh[r.replica_id]))]
+            planned = self._planned(size, replicas, fresh, now)
+            first = [planned if planned is not None and order(planned)[:2] == (False, False) else min(replicas, key=order)]
         ranks = [[r.replica_id for r in first]]
         # A new size is built wherever it goes: the others follow at once. A held size waits
         # for its homes unless they are full or have not taken it in spill_after_s.
         if not holders or all(r.full for r in first) or waited_s >= self.spill_after_s:
             chosen = set(ranks[0])
-            rest = sorted((r for r in replicas if r.replica_id not in chosen),
-                          key=lambda r: self._new_size_order(r, fresh[r.replica_id]))
+            rest = sorted((r for r in replicas if r.replica_id not in chosen), key=order)
             if rest:
                 ranks.append([r.replica_id for r in rest])
         return ranks
@@ -167,27 +233,126 @@ class Placement:
             if len(self.homes) > MAX_HOMES:
                 del self.homes[next(iter(self.homes))]
 
+    def requested(self, size: Size | None, now: float) -> None:
+        """Count one request of `size` (once per request, when it is routed)."""
+        if size is not None:
+            count = self.requests_per_half_life(size, now) + 1.0
+            self.traffic.pop(size, None)
+            self.traffic[size] = (count, now)
+            if len(self.traffic) > MAX_HOMES:
+                del self.traffic[next(iter(self.traffic))]
+
+    def requests_per_half_life(self, size: Size, now: float) -> float:
+        """`size`'s request count, each request weighing half as much every TRAFFIC_HALF_LIFE_S."""
+        count, at = self.traffic.get(size, (0.0, now))
+        return count * 0.5 ** (max(0.0, now - at) / TRAFFIC_HALF_LIFE_S)
+
     def keep_only(self, replica_ids: Iterable[str]) -> None:
         """Forget the replicas not in `replica_ids` (dead or removed), and their sizes."""
         alive = set(replica_ids)
         self.homes = {size: home for size, home in self.homes.items() if home[0] in alive}
+        self.evictions = {size: kept for size, where in self.evictions.items()
+                          if (kept := {rid: n for rid, n in where.items() if rid in alive})}
+
+    def _planned(self, size: Size, replicas: Sequence[ReplicaState], fresh: Mapping, now: float):
+        """The replica rule 3's plan places `size` on, or None."""
+        if now - self.planned_at >= PLAN_PERIOD_S or not 0 <= now - self.planned_at:
+            self.plan = self._make_plan([r for r in replicas if fresh[r.replica_id]], now)
+            self.planned_at = now
+        planned = self.plan.get(size)
+        return next((r for r in replicas if r.replica_id == planned), None)
+
+    def _make_plan(self, replicas: Sequence[ReplicaState], now: float) -> dict:
+        """Rule 3's plan: each size requested at PLANNED_RATE or more, on a replica where it
+        fits beside the sizes placed before it: first the sizes some replica holds, then the
+        others, the most requested first in each."""
+        entries = sum(r.entries for r in replicas)
+        mean_entry = sum(r.bytes for r in replicas) / entries if entries else 0.0
+        room = {r.replica_id: r.budget if r.budget is not None else math.inf for r in replicas}
+        load = dict.fromkeys(room, 0.0)
+        rates = {s: self.requests_per_half_life(s, now) for s in self.traffic}
+        plan = {}
+        held = {s for r in replicas for s in r.size_bytes}
+        # Held sizes first, where they are (each move is a build), then the rest.
+        for size in sorted((s for s, rate in rates.items() if rate >= PLANNED_RATE),
+                           key=lambda s: (s not in held, -rates[s])):
+            needed = self.size_bytes.get(size, mean_entry)
+            fits = [r for r in replicas if room[r.replica_id] >= needed]
+            if fits:
+                home = min(fits, key=lambda r: (size not in r.size_bytes, load[r.replica_id], -room[r.replica_id],
+                                                r.replica_id))
+                plan[size] = home.replica_id
+                room[home.replica_id] -= needed
+                load[home.replica_id] += rates[size]
+        return plan
+
+    def _learn_sizes(self, replicas: Iterable[ReplicaState]) -> None:
+        for replica in replicas:
+            for size, nbytes in replica.size_bytes.items():
+                if nbytes > self.size_bytes.get(size, -1):
+                    self.size_bytes.pop(size, None)
+                    self.size_bytes[size] = nbytes
+                    if len(self.size_bytes) > MAX_HOMES:
+                        del self.size_bytes[next(iter(self.size_bytes))]
 
     def _holds(self, replica: ReplicaState, size: Size, fresh: bool) -> bool:
         """Rule 2. A replica's sizes include those it is serving now, so a size sent to it is
         listed from its first publication after its request starts; a publication more than
         HOME_GRACE_S after this router's choice that does not list the size means the replica
-        evicted it since."""
+        evicted it since: counted, and the home forgotten."""
         if fresh and size in replica.sizes:
             return True
         home = self.homes.get(size)
         if home is None or home[0] != replica.replica_id:
             return False
-        return replica.published_at is None or replica.published_at <= home[1] + HOME_GRACE_S
+        if replica.published_at is None or replica.published_at <= home[1] + HOME_GRACE_S:
+            return True
+        del self.homes[size]
+        where = self.evictions.setdefault(size, {})
+        where[replica.replica_id] = where.get(replica.replica_id, 0) + 1
+        return False
 
-    def _new_size_order(self, replica: ReplicaState, fresh: bool) -> tuple:
-        """Rule 3, ascending: not full, then able to take new sizes, then most room."""
-        takes_new_sizes = fresh and replica.bytes_free() > 0 and replica.pending_builds < self.max_pending_builds
-        return (replica.full, not takes_new_sizes, self._crowding(replica))
+    def _new_size_order(self, size: Size, replicas: Sequence[ReplicaState], fresh: Mapping, now: float):
+        """Rule 3: a sort key over replicas, ascending, for placing `size`."""
+        held = sum(r.bytes for r in replicas if fresh[r.replica_id])
+        entries = sum(r.entries for r in replicas if fresh[r.replica_id])
+        mean_entry = held / entries if entries else 0.0
+        needed = self.size_bytes.get(size, mean_entry)
+        evicted = self.evictions.get(size, {})
+
+        def key(replica: ReplicaState) -> tuple:
+            takes_new_sizes = (fresh[replica.replica_id] and replica.bytes_free() > 0 and replica.building == 0
+                               and replica.pending_builds < self.max_pending_builds)
+            sizes = self._sizes_on(replica, fresh[replica.replica_id], size)
+            coming = sum(self._bytes_of(s, replica, mean_entry) for s in sizes if s not in replica.size_bytes)
+            displaced = self._displaced(replica, sizes, needed - (replica.bytes_free() - coming), mean_entry, now)
+            load = sum(self.requests_per_half_life(s, now) for s in sizes)
+            evictions = max(evicted.get(replica.replica_id, 0), replica.evicted.get(size, 0))
+            return (replica.full, not takes_new_sizes, displaced, evictions, load, *self._crowding(replica))
+
+        return key
+
+    def _sizes_on(self, replica: ReplicaState, fresh: bool, other_than: Size) -> set:
+        """The sizes `replica` holds or was sent, as this router knows, but `other_than`."""
+        listed = replica.sizes if fresh else frozenset()
+        sent = {s for s, (rid, _) in self.homes.items() if rid == replica.replica_id}
+        return (listed | sent) - {other_than}
+
+    def _bytes_of(self, size: Size, replica: ReplicaState, mean_entry: float) -> float:
+        return replica.size_bytes.get(size, self.size_bytes.get(size, mean_entry))
+
+    def _displaced(self, replica: ReplicaState, sizes: set, short: float, mean_entry: float, now: float) -> float:
+        """Rule 3b: the request rate of the least-requested `sizes` whose bytes make up `short`
+        bytes (0 where nothing is short)."""
+        if short <= 0:
+            return 0.0
+        displaced = 0.0
+        for s in sorted(sizes, key=lambda s: self.requests_per_half_life(s, now)):
+            displaced += self.requests_per_half_life(s, now)
+            short -= self._bytes_of(s, replica, mean_entry)
+            if short <= 0:
+                break
+        return displaced
 
     def _crowding(self, replica: ReplicaState) -> tuple:
         """Ascending: most room first. Sizes this router sent to the replica since it last

@@ -35,6 +35,8 @@ logger = logging.getLogger("shapecache")
 # build (seconds to minutes) before the replica serves its first request, and a record of
 # the fleet's sizes may hold hundreds.
 PREWARM_LIMIT = 8
+# Sizes whose evictions a replica publishes, the most recently evicted kept.
+EVICTED_SIZES = 256
 
 
 class CachedReplica:
@@ -83,6 +85,8 @@ class CachedReplica:
         self.__lock = threading.Lock()
         self.__entries_of: dict[tuple, frozenset] = {}  # size -> the entry ids its last call used
         self.__serving: collections.Counter = collections.Counter()  # sizes being served now
+        self.__building: collections.Counter = collections.Counter()  # ... of those, not held when their call came
+        self.__evicted: dict[tuple, int] = {}  # size -> times its entries went (most recent last)
         self.shared_dir = SharedDir.from_option(shared_dir)
         # The fleet's record of this class's sizes: deployments of other classes sharing the
         # directory keep records of their own.
@@ -139,15 +143,34 @@ class CachedReplica:
 
     def sizes_held(self) -> set[tuple]:
         """The sizes whose entries this replica holds, and those it is serving now."""
-        with self.__lock:  # a call ending meanwhile records its entries before or after this snapshot
-            alive = {entry["id"] for entry in sc.stats(self.cached)["entries"]}
-            self.__entries_of = {s: ids for s, ids in self.__entries_of.items() if ids <= alive}
-            return set(self.__entries_of) | set(self.__serving)
+        return self.__held(sc.stats(self.cached))[0]
 
     def record_routing_stats(self) -> dict:
         """What the router reads (Ray Serve calls this every routing-stats period)."""
-        held = self.sizes_held()
-        return routing_stats(held, sc.stats(self.cached), time.time())
+        figures = sc.stats(self.cached)
+        held, size_bytes, not_held = self.__held(figures)
+        # The sizes served without being held build inline, but for those whose builds are
+        # queued in the background (served uncached meanwhile): an inline build holds the
+        # replica, a background one does not.
+        building = max(0, not_held - figures["pending_builds"])
+        with self.__lock:
+            evicted = dict(self.__evicted)
+        return routing_stats(held, figures, time.time(), building=building, size_bytes=size_bytes, evicted=evicted)
+
+    def __held(self, figures: dict) -> tuple[set, dict, int]:
+        """From one snapshot of the cache's stats: the sizes held or being served, the bytes of
+        each held size's entries, and how many sizes requests running now came for without
+        the replica holding them."""
+        bytes_of = {entry["id"]: entry["bytes"] for entry in figures["entries"]}
+        with self.__lock:  # a call ending meanwhile records its entries before or after this snapshot
+            for size in [s for s, ids in self.__entries_of.items() if not ids <= bytes_of.keys()]:
+                del self.__entries_of[size]
+                self.__evicted.pop(size, None)  # re-inserted last: the oldest is dropped first
+                self.__evicted[size] = self.__evicted.get(size, 0) + 1
+                if len(self.__evicted) > EVICTED_SIZES:
+                    del self.__evicted[next(iter(self.__evicted))]
+            size_bytes = {s: sum(bytes_of[i] for i in ids) for s, ids in self.__entries_of.items()}
+            return set(self.__entries_of) | set(self.__serving), size_bytes, len(self.__building)
 
     @contextlib.contextmanager
     def __using(self, size: tuple):
@@ -155,6 +178,9 @@ class CachedReplica:
         a list that is true afterwards when the call built an entry."""
         with self.__lock:  # first: the size is held from the moment its call starts
             self.__serving[size] += 1
+            builds = size not in self.__entries_of
+            if builds:
+                self.__building[size] += 1
         built: list = []
         served = entries_served()  # what the calls on this thread serve: no scan of every entry
         try:
@@ -167,6 +193,10 @@ class CachedReplica:
                 self.__serving[size] -= 1
                 if not self.__serving[size]:
                     del self.__serving[size]
+                if builds:
+                    self.__building[size] -= 1
+                    if not self.__building[size]:
+                        del self.__building[size]
                 if used:
                     self.__entries_of[size] = used
 

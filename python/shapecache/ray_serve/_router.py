@@ -33,7 +33,7 @@ class SizeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """Routes each request to a replica that holds its size. Options, given as
     ``request_router_kwargs``: ``size_keys`` (the keyword arguments that make a request's
     size; default ``("height", "width")``), ``max_pending_builds`` (a replica with this many
-    builds pending gets no new sizes; default 2), ``stats_max_age_s`` (routing stats older
+    background builds pending, or a request building, gets no new sizes; default 2), ``stats_max_age_s`` (routing stats older
     than this count as missing; default 60), ``spill_after_s`` (a request whose size's homes
     have not taken it after this long may go to any replica; default 10)."""
 
@@ -108,7 +108,9 @@ class SizeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         super().on_request_routed(pending_request, replica_id, result)
-        self._placement.routed(self._size_of(pending_request), replica_id.unique_id, time.time())
+        size, now = self._size_of(pending_request), time.time()
+        self._placement.routed(size, replica_id.unique_id, now)
+        self._placement.requested(size, now)
 
     def update_replicas(self, replicas) -> None:
         super().update_replicas(replicas)

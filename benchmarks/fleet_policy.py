@@ -1,0 +1,63 @@
+"""The size-affinity policy against Ray's default router, in a simulated fleet (no Ray, no
+torch: shapecache/ray_serve/simulated_fleet.py), with and without a replica killed half-way.
+
+    python benchmarks/fleet_policy.py [--seeds 10] [--requests 4000] [--replicas 3] [--budget-entries 2.5]
+
+The fleet is the one benchmarks/ray_serve.py runs, scaled to the sizes a diffusion service
+serves: six sizes from 512x512 to 896x896 whose entries take 100 MiB per 512x512 of area and
+20 s per 512x512 to build, three clients, a budget of `--budget-entries` mean entries per
+replica, and, with the kill, a replacement replica a minute later with an empty cache. Each
+router runs the same streams (Zipf, s=1.1), one per seed; inline builds (a miss waits for its
+build) and background builds (a miss is served uncached while the replica's compiler builds).
+
+Printed per build mode, kill and router: the hit rate after warm-up (mean and worst seed),
+p50 and p99 latency (medians over seeds; queueing included), builds and evictions (means),
+and the seconds from each of the killed replica's sizes' first request after the kill to its
+first hit elsewhere (median, worst).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+
+from shapecache.ray_serve.simulated_fleet import Fleet, SizeCost, simulate
+
+MiB = 1 << 20
+SIDES = [(512, 512), (640, 640), (768, 768), (512, 768), (768, 512), (896, 896)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--requests", type=int, default=4000)
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--budget-entries", type=float, default=2.5)
+    args = parser.parse_args(argv)
+    sizes = {s: SizeCost(int(s[0] * s[1] / 512 / 512 * 100 * MiB), 20 * s[0] * s[1] / 512 / 512) for s in SIDES}
+    budget = int(args.budget_entries * statistics.mean(c.bytes for c in sizes.values()))
+    print(f"{args.replicas} replicas, budget {budget / MiB:.0f} MiB each, {len(sizes)} sizes, "
+          f"{args.requests} requests, {args.seeds} seeds")
+    print(f"{'build':<11}{'kill':<6}{'router':<10}{'hit rate':>9}{'worst':>7}{'p50 s':>8}{'p99 s':>8}"
+          f"{'builds':>8}{'evicted':>8}{'re-homed s':>12}{'worst':>8}")
+    for build in ("inline", "background"):
+        for kill in (None, 0.5):
+            p99 = {}
+            for router in ("default", "affinity"):
+                reports = [simulate(Fleet(sizes, replicas=args.replicas, budget=budget, build=build,
+                                          requests=args.requests, kill_at_fraction=kill, seed=seed), router)
+                           for seed in range(args.seeds)]
+                rehomed = [s for r in reports for s in r.rehomed_s.values()] or [math.nan]
+                p99[router] = statistics.median(r.p99_s for r in reports)
+                print(f"{build:<11}{'yes' if kill else 'no':<6}{router:<10}"
+                      f"{statistics.mean(r.hit_rate for r in reports):>9.3f}{min(r.hit_rate for r in reports):>7.3f}"
+                      f"{statistics.median(r.p50_s for r in reports):>8.2f}{p99[router]:>8.2f}"
+                      f"{statistics.mean(r.builds for r in reports):>8.1f}{statistics.mean(r.evictions for r in reports):>8.1f}"
+                      f"{statistics.median(rehomed):>12.1f}{max(rehomed):>8.1f}")
+            print(f"{'':<27}p99 affinity / default: {p99['affinity'] / p99['default']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

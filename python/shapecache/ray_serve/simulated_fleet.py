@@ -1,0 +1,297 @@
+"""A simulated fleet: replicas with LRU caches under byte budgets, build times, one model
+call at a time each, routing-stats periods, a Zipf stream of sizes sent by a few clients (each
+sends its next request when its last is answered) and a replica killed half-way, routed by the
+size-affinity policy (``Placement``, as ``SizeAffinityRouter`` calls it) or by Ray's default
+policy (power of two choices). It imports neither Ray nor torch, runs a stream of thousands of
+requests in a fraction of a second, and reports hit rate and queueing.
+
+What it models of Ray Serve (2.60) and of a replica:
+- Ray's router sends a request to the first rank with a replica under
+  ``max_ongoing_requests`` (the one with the shortest queue within the rank), else retries
+  after `backoff_s`; the default policy takes the shorter queue of two replicas drawn at
+  random. A killed replica's requests are retried at once; Serve starts a replacement
+  `restart_s` later, with an empty cache.
+- A replica runs its admitted requests one model call at a time (a CPU replica's calls share
+  its cores; a GPU replica's share its device). A size it holds is a hit (`hit_s`); one it
+  does not is built inline in the call (`build_s` more) or, with ``build="background"``,
+  served uncached (`uncached_s`) while its compiler builds it, one build at a time. An entry
+  is kept while its bytes fit the budget beside what is held, the least recently used going
+  first.
+- A replica publishes what ``CachedReplica.record_routing_stats`` does every `stats_period_s`
+  (each at its own phase): the sizes held or being served, bytes, builds in flight and the
+  bytes of each size.
+
+What it does not model: the GIL and queue-length probes answered late (``spill_after_s``),
+memory other than the cache's, several routers.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import math
+import random
+from dataclasses import dataclass, field
+
+from shapecache.ray_serve._placement import Placement, ReplicaState
+
+Size = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SizeCost:
+    """What one size costs a replica: its entry's bytes and its build's seconds."""
+
+    bytes: int
+    build_s: float
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The fleet and its stream. Times are seconds of simulated time."""
+
+    sizes: dict  # size -> SizeCost
+    replicas: int = 3
+    budget: int = 0  # bytes per replica
+    max_ongoing_requests: int = 4
+    build: str = "inline"  # or "background"
+    hit_s: float = 0.2
+    uncached_s: float = 0.6
+    stats_period_s: float = 2.0
+    backoff_s: float = 0.1
+    requests: int = 3000
+    clients: int = 3  # each sends the stream's next request when its last is answered
+    zipf_s: float = 1.1
+    warm_up_fraction: float = 0.2  # requests before this fraction of the stream are not counted
+    kill_at_fraction: float | None = 0.5  # a replica is killed when this fraction has arrived
+    restart_s: float = 60.0
+    seed: int = 0
+
+
+@dataclass
+class _Replica:
+    rid: str
+    budget: int
+    entries: collections.OrderedDict = field(default_factory=collections.OrderedDict)  # size -> bytes, LRU first
+    admitted: collections.deque = field(default_factory=collections.deque)  # requests waiting for the model
+    running: object = None
+    building: collections.Counter = field(default_factory=collections.Counter)  # sizes not held when admitted
+    builds_ready_at: float = 0.0  # when its compiler is free (background)
+    pending: set = field(default_factory=set)  # sizes building in the background
+    published: ReplicaState | None = None
+    alive: bool = True
+    evicted: collections.Counter = field(default_factory=collections.Counter)  # size -> times evicted
+
+    def queue(self) -> int:
+        return len(self.admitted) + (self.running is not None)
+
+    def keep(self, size: Size, nbytes: int) -> int:
+        """Caches `size`, evicting the least recently used; returns how many were evicted."""
+        if nbytes > self.budget:
+            return 0
+        evicted = 0
+        while sum(self.entries.values()) + nbytes > self.budget:
+            self.evicted[self.entries.popitem(last=False)[0]] += 1
+            evicted += 1
+        self.entries[size] = nbytes
+        return evicted
+
+    def publish(self, now: float) -> None:
+        serving = {r.size for r in self.admitted} | ({self.running.size} if self.running else set())
+        held = sum(self.entries.values())
+        self.published = ReplicaState(
+            self.rid, frozenset(self.entries) | frozenset(serving), held, self.budget, len(self.entries),
+            len(self.pending), now, building=max(0, len(self.building) - len(self.pending)), size_bytes=dict(self.entries),
+            evicted=dict(self.evicted))
+
+
+@dataclass
+class _Request:
+    size: Size
+    arrived: float
+    index: int
+    started: float = math.nan
+    finished: float = math.nan
+    hit: bool = False
+    builds: bool = False  # its size was not held when its replica admitted it
+
+
+@dataclass
+class Report:
+    """What a run measured. Hit rate, latencies and waits count the requests after warm-up."""
+
+    router: str
+    hit_rate: float
+    p50_s: float
+    p99_s: float
+    mean_wait_s: float  # from arrival to the model call's start: routing and the replica's queue
+    evictions: int
+    builds: int
+    # the killed replica's sizes -> seconds from their first request after the kill to their first hit
+    rehomed_s: dict
+
+
+def zipf_stream(fleet: Fleet) -> list[Size]:
+    """`fleet.requests` sizes drawn with Zipf weights, the first size the most requested."""
+    rng = random.Random(fleet.seed)
+    sizes = list(fleet.sizes)
+    weights = [1 / (rank + 1) ** fleet.zipf_s for rank in range(len(sizes))]
+    return rng.choices(sizes, weights, k=fleet.requests)
+
+
+def simulate(fleet: Fleet, router: str, stream: list[Size] | None = None, placement: Placement | None = None) -> Report:
+    """Runs `stream` (default: ``zipf_stream(fleet)``) through the fleet, routed by "affinity"
+    (`placement`, default a new ``Placement``) or "default" (power of two choices)."""
+    if router not in ("affinity", "default"):
+        raise ValueError(f"router={router!r}: expected 'affinity' or 'default'")
+    stream = zipf_stream(fleet) if stream is None else stream
+    rng = random.Random(fleet.seed + 1)
+    placement = Placement() if placement is None else placement
+    replicas: list[_Replica] = []
+    events: list = []
+    order = itertools.count()  # ties in time go in the order scheduled
+
+    def at(when: float, what: str, *args) -> None:
+        heapq.heappush(events, (when, next(order), what, args))
+
+    def start_replica(now: float) -> None:
+        replica = _Replica(f"r{len(replicas)}", fleet.budget)
+        replicas.append(replica)
+        at(now + rng.uniform(0, fleet.stats_period_s), "publish", replica)
+
+    for _ in range(fleet.replicas):
+        start_replica(0.0)
+    unsent = iter(enumerate(stream))
+
+    def send(now: float) -> None:
+        sent = next(unsent, None)
+        if sent is not None:
+            at(now, "route", _Request(sent[1], now, sent[0]))
+
+    for _ in range(fleet.clients):
+        send(0.0)
+    kill_index = None if fleet.kill_at_fraction is None else int(fleet.kill_at_fraction * len(stream))
+    killed_at, killed_sizes = None, set()
+    first_request: dict = {}
+    first_hit: dict = {}
+    done: list[_Request] = []
+    evictions = builds = 0
+
+    def admit(replica: _Replica, request: _Request, now: float) -> None:
+        request.builds = request.size not in replica.entries
+        if request.builds:
+            replica.building[request.size] += 1
+        replica.admitted.append(request)
+        if replica.running is None:
+            run_next(replica, now)
+
+    def run_next(replica: _Replica, now: float) -> None:
+        nonlocal builds
+        if not replica.admitted:
+            replica.running = None
+            return
+        request = replica.running = replica.admitted.popleft()
+        request.started = now
+        cost = fleet.sizes[request.size]
+        if request.size in replica.entries:
+            request.hit = True
+            replica.entries.move_to_end(request.size)
+            seconds = fleet.hit_s
+        elif fleet.build == "inline":
+            builds += 1
+            seconds = cost.build_s + fleet.hit_s
+        else:
+            seconds = fleet.uncached_s
+            if request.size not in replica.pending:
+                builds += 1
+                replica.pending.add(request.size)
+                replica.builds_ready_at = max(now, replica.builds_ready_at) + cost.build_s
+                at(replica.builds_ready_at, "built", replica, request.size)
+        at(now + seconds, "finish", replica, request)
+
+    def route(request: _Request, now: float) -> None:
+        alive = [r for r in replicas if r.alive]
+        ranks = None
+        if router == "affinity":
+            states = []
+            for r in alive:
+                state = r.published or ReplicaState(r.rid)
+                states.append(ReplicaState(state.replica_id, state.sizes, state.bytes, state.budget, state.entries,
+                                           state.pending_builds, state.published_at,
+                                           r.queue() >= fleet.max_ongoing_requests, state.building,
+                                           state.size_bytes, evicted=state.evicted))
+            ranks = placement.rank(request.size, states, now, waited_s=now - request.arrived)
+            if ranks is not None:
+                placement.routed(request.size, ranks[0][0], now)
+        if ranks is None:
+            ranks = [[r.rid for r in rng.sample(alive, k=min(2, len(alive)))]]
+        by_id = {r.rid: r for r in alive}
+        for rank in ranks:
+            open_ = [by_id[rid] for rid in rank if by_id[rid].queue() < fleet.max_ongoing_requests]
+            if open_:
+                chosen = min(open_, key=lambda r: r.queue())
+                placement.routed(request.size, chosen.rid, now)
+                placement.requested(request.size, now)
+                admit(chosen, request, now)
+                return
+        at(now + fleet.backoff_s, "route", request)
+
+    while len(done) < len(stream):  # (replicas publish for ever)
+        now, _, what, args = heapq.heappop(events)
+        if what == "route":
+            request = args[0]
+            if request.size in killed_sizes and request.index >= kill_index:
+                first_request.setdefault(request.size, request.arrived)
+            if kill_index is not None and killed_at is None and request.index >= kill_index:
+                victim = max((r for r in replicas if r.alive), key=lambda r: len(r.entries))
+                victim.alive, killed_at, killed_sizes = False, now, set(victim.entries)
+                retried = [victim.running, *victim.admitted] if victim.running else list(victim.admitted)
+                victim.admitted.clear()
+                victim.running = None
+                placement.keep_only(r.rid for r in replicas if r.alive)
+                for lost in retried:
+                    at(now, "route", lost)
+                at(now + fleet.restart_s, "restart")
+            route(request, now)
+        elif what == "restart":
+            start_replica(now)
+        elif what == "publish":
+            replica = args[0]
+            if replica.alive:
+                replica.publish(now)
+                at(now + fleet.stats_period_s, "publish", replica)
+        elif what == "built":
+            replica, size = args
+            replica.pending.discard(size)
+            if replica.alive:
+                evictions += replica.keep(size, fleet.sizes[size].bytes)
+        elif what == "finish":
+            replica, request = args
+            if not replica.alive or replica.running is not request:
+                continue  # killed meanwhile: retried elsewhere
+            if request.builds:
+                replica.building[request.size] -= 1
+                if not replica.building[request.size]:
+                    del replica.building[request.size]
+            if not request.hit and fleet.build == "inline":
+                evictions += replica.keep(request.size, fleet.sizes[request.size].bytes)
+            request.finished = now
+            done.append(request)
+            if request.hit and request.size in first_request:
+                first_hit.setdefault(request.size, now - first_request[request.size])
+            run_next(replica, now)
+            send(now)
+
+    counted = [r for r in done if r.index >= fleet.warm_up_fraction * len(stream)]
+    latencies = sorted(r.finished - r.arrived for r in counted)
+    return Report(
+        router=router,
+        hit_rate=sum(r.hit for r in counted) / len(counted),
+        p50_s=latencies[len(latencies) // 2],
+        p99_s=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        mean_wait_s=sum(r.started - r.arrived for r in counted) / len(counted),
+        evictions=evictions,
+        builds=builds,
+        rehomed_s={size: first_hit.get(size, math.inf) for size in sorted(first_request)},
+    )
