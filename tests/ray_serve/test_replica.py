@@ -81,6 +81,66 @@ def test_a_replica_holds_the_sizes_whose_entries_are_cached():
     assert state.counts["evictions"] == 1 and state.counts["builds"] == 3 and state.building == 0
 
 
+def test_each_request_can_say_what_it_got():
+    class Plain(NetReplica):
+        def __call__(self, size):
+            with torch.inference_mode():
+                return self.serve_reported(torch.ones(1, 3, *size), size=size)
+
+        def serve_reported(self, x, size):  # the cached module takes the image; the size is the request's
+            with self.serving(size) as served:
+                result = self.cached(x)
+            return result, served
+
+    replica = Plain()
+    outcomes = [replica(size=s)[1] for s in [(8, 8), (8, 8), (8, 12)]]
+    assert [(s.size, s.outcome, s.replica) for s in outcomes] == [((8, 8), "built", None), ((8, 8), "hit", None),
+                                                                  ((8, 12), "built", None)]
+    assert all(s.seconds > 0 for s in outcomes)
+    # a size whose build is queued in the background is served uncached meanwhile
+    background = Plain()
+    background.cached = sc.cached(SmallConvNet().eval(), backend="eager", build="background")
+    try:
+        first = background(size=(8, 8))[1]
+        assert sc.wait(background.cached, timeout=60)
+        assert (first.outcome, background(size=(8, 8))[1].outcome) == ("uncached", "hit")
+    finally:
+        sc.uncached(background.cached)
+
+
+def test_serve_reports_what_a_request_with_size_keywords_got():
+    class Sized(CachedReplica):
+        size_keys = ("height", "width")
+
+        def __init__(self):
+            super().__init__(sc.cached(lambda height, width: torch.ones(height, width).sum(), backend="eager"))
+
+    replica = Sized()
+    result, served = replica.serve_reported(height=4, width=6)
+    assert result == 24 and (served.size, served.outcome) == ((4, 6), "built")
+    assert replica.serve_reported(height=4, width=6)[1].outcome == "hit"
+
+
+def test_the_fleet_view_reads_what_each_replica_published_and_nothing_else(tmp_path, monkeypatch):
+    first, second = NetReplica(shared_dir=tmp_path), NetReplica(shared_dir=tmp_path)
+    first(size=(8, 8))
+    first(size=(8, 8))
+    second(size=(8, 12))
+    for replica in (first, second):
+        replica.record_routing_stats()
+    fleet = tmp_path / NetReplica.replicas_dir()
+    (fleet / "torn.json").write_bytes(b'{"shapecache": {"version": 2, "sizes": [[8,')
+    (fleet / "infinite.json").write_bytes(b'{"shapecache": {"version": 2, "published_at": Infinity}}')
+    (fleet / "deep.json").write_bytes(b"[" * 100_000)
+    (fleet / "huge.json").write_bytes(b" " * (5 << 20))
+    states = sorted(NetReplica.fleet_view(tmp_path), key=lambda state: sorted(state.sizes))
+    assert [(s.sizes, s.counts["hits"], s.counts["builds"]) for s in states] == [({(8, 8)}, 1, 1), ({(8, 12)}, 0, 1)]
+    assert NetReplica.fleet_view(tmp_path, max_age_s=1e-9) == []  # a replica that stopped publishing is gone
+    monkeypatch.delenv("SHAPECACHE_SHARED_DIR", raising=False)
+    with pytest.raises(ValueError, match="shared_dir=None"):
+        NetReplica.fleet_view()
+
+
 def test_replicas_and_the_policy_import_nothing_of_ray():
     code = ("import sys; from shapecache.ray_serve import CachedReplica, Placement, SharedDir, request_size; "
             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
@@ -133,8 +193,8 @@ def test_a_replica_started_after_others_prewarms_the_fleet_s_hot_sizes(tmp_path)
     assert records == [[8, 8], [8, 12], [16, 16]]  # sizes built on request, each once
 
     second = NetReplica(shared_dir=tmp_path, max_entries=4)
-    assert sorted(second.prewarmed) == [(8, 8), (8, 12), (16, 16)]
-    assert second.prewarmed[0] == (16, 16)  # largest first
+    assert second.wait_prewarmed(60)
+    assert second.prewarmed == [(16, 16), (8, 12), (8, 8)]  # most built first, then the larger
     assert held(second) == {(8, 8), (8, 12), (16, 16)}
     misses = sc.stats(second.cached)["misses"]
     second(size=(8, 12))
@@ -145,17 +205,42 @@ def test_a_replica_started_after_others_prewarms_the_fleet_s_hot_sizes(tmp_path)
 
 def test_prewarm_stops_when_the_budget_is_full_and_keeps_to_the_limit(tmp_path):
     SharedDir(tmp_path).record_sizes([(8, 8), (8, 12), (12, 8), (16, 16), (16, 16)], NetReplica.sizes_file())
-    full = NetReplica(shared_dir=tmp_path, max_entries=2)
-    assert len(full.prewarmed) == 3  # the third evicted the first: stop
-    limited = NetReplica(shared_dir=tmp_path, max_entries=4, prewarm_limit=1)
+    full = NetReplica(shared_dir=tmp_path, max_entries=2, prewarm="inline")
+    assert full.prewarmed == [(16, 16), (8, 12)]  # a third would evict the first: not built
+    assert sc.stats(full.cached)["evictions"] == 0
+    limited = NetReplica(shared_dir=tmp_path, max_entries=4, prewarm_limit=1, prewarm="inline")
     assert limited.prewarmed == [(16, 16)]  # built most often
     # A record of many sizes: a replica not told a limit builds PREWARM_LIMIT of them, and
     # every one where told None.
     many = [(8, 8 + i) for i in range(PREWARM_LIMIT + 3)]
     SharedDir(tmp_path).record_sizes(many, NetReplica.sizes_file())
-    assert len(NetReplica(shared_dir=tmp_path, max_entries=100).prewarmed) == PREWARM_LIMIT
+    assert len(NetReplica(shared_dir=tmp_path, max_entries=100, prewarm="inline").prewarmed) == PREWARM_LIMIT
     every = set(many) | {(8, 8), (8, 12), (12, 8), (16, 16)}
-    assert len(NetReplica(shared_dir=tmp_path, max_entries=100, prewarm_limit=None).prewarmed) == len(every)
+    unlimited = NetReplica(shared_dir=tmp_path, max_entries=100, prewarm_limit=None, prewarm="inline")
+    assert len(unlimited.prewarmed) == len(every)
+
+
+def test_a_replica_serves_while_it_prewarms_and_publishes_a_size_once_it_is_built(tmp_path):
+    release = threading.Event()
+
+    class Slow(NetReplica):
+        def warm_up(self, size):
+            if size == (16, 16):
+                assert release.wait(60)
+            super().warm_up(size)
+
+    SharedDir(tmp_path).record_sizes([(16, 16), (8, 8)], Slow.sizes_file())
+
+    replica = Slow(shared_dir=tmp_path, max_entries=4)  # returns at once: ready
+    assert replica.prewarmed == [] and not replica.wait_prewarmed(0.1)
+    replica(size=(12, 12))  # a request served during the pre-warm: held, and the fleet's demand
+    state = ReplicaState.from_routing_stats("r", replica.record_routing_stats())
+    assert state.sizes == {(12, 12)} and state.building == 0  # (16, 16) is being built: not advertised
+    release.set()
+    assert replica.wait_prewarmed(60)
+    assert replica.prewarmed == [(16, 16), (8, 8)] and held(replica) == {(16, 16), (8, 8), (12, 12)}
+    recorded = [json.loads(line)["size"] for line in (tmp_path / Slow.sizes_file()).read_text().splitlines()]
+    assert recorded == [[16, 16], [8, 8], [12, 12]]  # what the pre-warm built is not recorded again
 
 
 def test_the_shared_directory_sets_the_caches_and_skips_torn_lines(tmp_path, monkeypatch, caplog):
@@ -193,6 +278,7 @@ def test_the_shared_directory_sets_the_caches_and_skips_torn_lines(tmp_path, mon
 
 @pytest.mark.parametrize(("given", "match"), [
     ({"prewarm_limit": 0}, "prewarm_limit=0"),
+    ({"prewarm": "eager"}, "prewarm='eager'"),
     ({"shared_dir": 3}, "shared_dir=3"),
 ])
 def test_bad_options_are_named(tmp_path, given, match):
@@ -237,7 +323,7 @@ def test_a_size_that_fails_to_prewarm_is_skipped_and_the_replica_serves(tmp_path
 
     SharedDir(tmp_path).record_sizes([(8, 8)], NeedsAnImage.sizes_file())
     with caplog.at_level("WARNING", logger="shapecache"):
-        replica = NeedsAnImage(shared_dir=tmp_path)
+        replica = NeedsAnImage(shared_dir=tmp_path, prewarm="inline")
     assert replica.prewarmed == [] and "override warm_up" in caplog.text
     assert replica(torch.ones(1, 3, 8, 8), size=(8, 8)).shape == (1, 3, 8, 8)
 
@@ -247,7 +333,7 @@ def test_deployments_of_other_classes_keep_their_own_records(tmp_path):
         pass
 
     NetReplica(shared_dir=tmp_path)(size=(8, 8))
-    assert Other(shared_dir=tmp_path).prewarmed == []
+    assert Other(shared_dir=tmp_path, prewarm="inline").prewarmed == []
 
 
 @pytest.mark.parametrize("size", [512, "64x64", (8.5, 8), (True, 8), ()])

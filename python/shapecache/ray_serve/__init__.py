@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 _PUBLIC = {
     "CachedReplica": "shapecache.ray_serve._replica",
+    "Served": "shapecache.ray_serve._replica",
     "deployment": "shapecache.ray_serve._deployment",
     "SizeAffinityRouter": "shapecache.ray_serve._router",
     "SharedDir": "shapecache.ray_serve._shared_dir",
@@ -50,7 +51,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from shapecache.ray_serve._deployment import deployment  # noqa: F401
     from shapecache.ray_serve._placement import Placement, ReplicaState  # noqa: F401
-    from shapecache.ray_serve._replica import CachedReplica  # noqa: F401
+    from shapecache.ray_serve._replica import CachedReplica, Served  # noqa: F401
     from shapecache.ray_serve._request_size import request_size  # noqa: F401
     from shapecache.ray_serve._router import SizeAffinityRouter  # noqa: F401
     from shapecache.ray_serve._shared_dir import SharedDir  # noqa: F401

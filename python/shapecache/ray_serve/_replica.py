@@ -16,9 +16,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import math
+import os
+import socket
+import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import ClassVar
 
 import shapecache as sc
@@ -37,6 +40,20 @@ logger = logging.getLogger("shapecache")
 PREWARM_LIMIT = 8
 # Sizes whose evictions a replica publishes, the most recently evicted kept.
 EVICTED_SIZES = 256
+# The name a replica outside Ray Serve publishes under.
+_THIS_PROCESS = f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class Served:
+    """What one request got, complete when its ``serving`` block ends."""
+
+    size: tuple
+    replica: str | None  # Ray Serve's id of the replica (None outside Serve)
+    # "hit": served by entries held; "built": the request built an entry, and waited for it;
+    # "uncached": run as the plain call (its build queued in the background, or not cacheable)
+    outcome: str = ""
+    seconds: float = 0.0  # from the block's start to its end
 
 
 class CachedReplica:
@@ -66,12 +83,16 @@ class CachedReplica:
 
     size_keys: ClassVar[tuple[str, ...]] = PIPELINE_SIZE_KEYS
 
-    def __init__(self, cached, *, shared_dir=None, prewarm_limit: int | None = PREWARM_LIMIT):
+    def __init__(self, cached, *, shared_dir=None, prewarm_limit: int | None = PREWARM_LIMIT,
+                 prewarm: str = "background"):
         """`cached`: what ``sc.wrap`` or ``sc.cached`` returned. `shared_dir` (default:
         SHAPECACHE_SHARED_DIR, when set): the directory replicas share; the fleet's hot sizes
-        recorded there are built now, most built first, up to `prewarm_limit` sizes (default
-        PREWARM_LIMIT; None: every recorded size), stopping at the first eviction (the budget
-        is full). Ray Serve routes nothing to the replica until they are built."""
+        recorded there are built, the most built first, up to `prewarm_limit` sizes (default
+        PREWARM_LIMIT; None: every recorded size) and while the next fits the budget beside
+        those built (``prewarm_fits``). `prewarm`: "background" (default): the replica is
+        ready at once and builds them on a thread of its own, serving meanwhile, each size
+        published as held once built (``wait_prewarmed`` waits); "inline": they are built
+        here, and Ray Serve routes nothing to the replica until they are."""
         check_size_keys(self.size_keys)
         try:
             sc.stats(cached)
@@ -80,6 +101,9 @@ class CachedReplica:
                             "(a cached function or module, or a wrapped pipeline)") from error
         if prewarm_limit is not None:
             _checks.positive_int("prewarm_limit", prewarm_limit, "or None for every hot size")
+        if prewarm not in ("background", "inline"):
+            raise ValueError(f"prewarm={prewarm!r}: expected 'background' (the replica is ready at once and builds "
+                             "the hot sizes on a thread) or 'inline' (built before it is ready)")
         self.cached = cached
         self.__is_pipeline = "components" in sc.stats(cached)
         self.__lock = threading.Lock()
@@ -91,12 +115,23 @@ class CachedReplica:
         # The fleet's record of this class's sizes: deployments of other classes sharing the
         # directory keep records of their own.
         self.__sizes_file = self.sizes_file()
-        self.__warming = False  # sizes built while pre-warming are not recorded as the fleet's demand
+        # The pre-warm's thread: what it serves is not a request (not published as being served,
+        # nor recorded as the fleet's demand).
+        self.__warming = threading.local()
+        self.__replica_id: str | None | bool = False  # False: not looked up yet
+        self.__prewarmed = threading.Event()
         self.prewarmed: list[tuple] = []
         self.prewarm_seconds = 0.0
+        hot = []
         if self.shared_dir is not None:
             self.shared_dir.apply()
-            self.__prewarm(self.shared_dir.hot_sizes(self.__sizes_file, prewarm_limit))
+            hot = self.shared_dir.hot_sizes(self.__sizes_file, prewarm_limit)
+        if not hot:
+            self.__prewarmed.set()
+        elif prewarm == "inline":
+            self.__prewarm(hot)
+        else:
+            threading.Thread(target=self.__prewarm, args=(hot,), name="shapecache-prewarm", daemon=True).start()
 
     @classmethod
     def sizes_file(cls) -> str:
@@ -111,21 +146,33 @@ class CachedReplica:
         """Calls the cached object with the request's arguments; its size is read from them
         (``size_keys``). Where the cached object is not called with the size keywords, a
         request runs ``with self.serving(size): ...`` instead."""
+        return self.serve_reported(*args, **kwargs)[0]
+
+    def serve_reported(self, *args, **kwargs) -> tuple[object, Served | None]:
+        """``serve``, and what the request got (None for a request without a size): return it
+        with the response where callers should see it."""
         size = request_size(kwargs, self.size_keys)
         if size is None:
-            return self.cached(*args, **kwargs)
-        with self.serving(size):
-            return self.cached(*args, **kwargs)
+            return self.cached(*args, **kwargs), None
+        with self.serving(size) as served:
+            result = self.cached(*args, **kwargs)
+        return result, served
 
     @contextlib.contextmanager
     def serving(self, size: tuple):
         """Marks `size` as being served for the duration; afterwards, notes which entries the
         calls inside used, and records a size whose calls built an entry in the shared
-        directory."""
+        directory. Yields a ``Served``, complete when the block ends (logged at DEBUG)."""
         size = check_size(size, len(self.size_keys))
-        with self.__using(size) as built:
-            yield
-        if built and self.shared_dir is not None and not self.__warming:
+        warming = getattr(self.__warming, "on", False)
+        served = Served(size, self.replica_id())
+        start = time.perf_counter()
+        with self.__using(size, serving=not warming) as (built, used):
+            yield served
+        served.seconds = time.perf_counter() - start
+        served.outcome = "built" if built else "hit" if used else "uncached"
+        logger.debug("shapecache: %s", served)
+        if built and self.shared_dir is not None and not warming:
             try:
                 self.shared_dir.record_sizes([size], self.__sizes_file)
             except OSError as error:  # the request was served: a record it could not write costs a warning
@@ -155,7 +202,33 @@ class CachedReplica:
         building = max(0, not_held - figures["pending_builds"])
         with self.__lock:
             evicted = dict(self.__evicted)
-        return routing_stats(held, figures, time.time(), building=building, size_bytes=size_bytes, evicted=evicted)
+        stats = routing_stats(held, figures, time.time(), building=building, size_bytes=size_bytes, evicted=evicted)
+        if self.shared_dir is not None:
+            try:
+                self.shared_dir.publish_replica(self.replicas_dir(), self.replica_id() or f"{_THIS_PROCESS}-{id(self):x}",
+                                                stats)
+            except OSError as error:  # the router has the stats: the fleet view misses them this period
+                logger.debug("shapecache: could not publish to %s: %s", self.shared_dir.path, error)
+        return stats
+
+    @classmethod
+    def replicas_dir(cls) -> str:
+        """The name, in the shared directory, of the directory where this class's replicas
+        publish their routing stats (the fleet view)."""
+        return f"replicas.{cls.__name__}"
+
+    @classmethod
+    def fleet_view(cls, shared_dir=None, max_age_s: float = 60.0) -> list:
+        """What every replica of this class published within `max_age_s` through the shared
+        directory (default: SHAPECACHE_SHARED_DIR): one ``ReplicaState`` per replica, with its
+        sizes, bytes, budget, builds in flight and ``counts`` (calls, hits, misses, builds,
+        evictions, uncached calls). Callable from the driver, or any process that sees the
+        directory."""
+        shared = SharedDir.from_option(shared_dir)
+        if shared is None:
+            raise ValueError("shared_dir=None and SHAPECACHE_SHARED_DIR is not set: expected the directory the "
+                             "replicas share")
+        return shared.fleet(cls.replicas_dir(), max_age_s)
 
     def __held(self, figures: dict) -> tuple[set, dict, int]:
         """From one snapshot of the cache's stats: the sizes held or being served, the bytes of
@@ -172,27 +245,57 @@ class CachedReplica:
             size_bytes = {s: sum(bytes_of[i] for i in ids) for s, ids in self.__entries_of.items()}
             return set(self.__entries_of) | set(self.__serving), size_bytes, len(self.__building)
 
+    def replica_id(self) -> str | None:
+        """Ray Serve's id of this replica; None outside Serve."""
+        if self.__replica_id is False:
+            self.__replica_id = None
+            if "ray" in sys.modules:  # (this module imports nothing of Ray itself)
+                from ray import serve
+
+                with contextlib.suppress(Exception):  # not in a replica: no context
+                    self.__replica_id = serve.get_replica_context().replica_id.unique_id
+        return self.__replica_id
+
+    def wait_prewarmed(self, timeout: float | None = None) -> bool:
+        """Waits until the pre-warm has ended; False where `timeout` seconds passed first."""
+        return self.__prewarmed.wait(timeout)
+
+    def prewarm_fits(self) -> bool:
+        """Whether one more size fits the cache beside what it holds: its byte budget has room
+        for the largest entry held (the next size's is not known before it is built), and
+        its ``max_entries`` for one more entry."""
+        figures = sc.stats(self.cached)
+        largest = max((entry["bytes"] for entry in figures["entries"]), default=0)
+        roomy = figures["budget"] is None or figures["bytes"] + largest <= figures["budget"]
+        limit = figures.get("max_entries")
+        return roomy and (limit is None or len(figures["entries"]) < limit)
+
     @contextlib.contextmanager
-    def __using(self, size: tuple):
-        """Marks `size` as being served; afterwards, records the entries the call used. Yields
-        a list that is true afterwards when the call built an entry."""
+    def __using(self, size: tuple, serving: bool = True):
+        """Marks `size` as being served (where `serving`); afterwards, records the entries the
+        call used. Yields two lists, true afterwards where the calls built an entry and where
+        they used one."""
         with self.__lock:  # first: the size is held from the moment its call starts
-            self.__serving[size] += 1
-            builds = size not in self.__entries_of
+            builds = serving and size not in self.__entries_of
+            if serving:
+                self.__serving[size] += 1
             if builds:
                 self.__building[size] += 1
         built: list = []
+        used: list = []
         served = entries_served()  # what the calls on this thread serve: no scan of every entry
         try:
             with served:
-                yield built
+                yield built, used
         finally:
             built.extend(served.built)
+            used.extend(served.used)
             used = frozenset(served.used) | frozenset(served.built)
             with self.__lock:
-                self.__serving[size] -= 1
-                if not self.__serving[size]:
-                    del self.__serving[size]
+                if serving:
+                    self.__serving[size] -= 1
+                    if not self.__serving[size]:
+                        del self.__serving[size]
                 if builds:
                     self.__building[size] -= 1
                     if not self.__building[size]:
@@ -201,30 +304,28 @@ class CachedReplica:
                     self.__entries_of[size] = used
 
     def __prewarm(self, sizes: list[tuple]) -> None:
-        """Builds `sizes`, largest first (a pool sized by the first build fits the rest)."""
+        """Builds `sizes` in their order (the most built first) while the next fits."""
         if len(self.size_keys) > 1:
             sizes = [s for s in sizes if len(s) == len(self.size_keys)]
         start = time.perf_counter()
-        evictions = sc.stats(self.cached)["evictions"]
-        self.__warming = True
+        self.__warming.on = True
         try:
-            for size in sorted(sizes, key=lambda s: -math.prod(s)):
+            for size in sizes:
+                if not self.prewarm_fits():
+                    logger.info("shapecache: the budget is full after pre-warming %d of %d hot sizes",
+                                len(self.prewarmed), len(sizes))
+                    break
                 try:
-                    with self.__using(size):
+                    with self.__using(size, serving=False):  # held, and published, once built
                         self.warm_up(size)
                 except Exception as error:  # noqa: BLE001 - a replica that cannot pre-warm still serves
                     logger.warning("shapecache: pre-warming size %s failed (%s: %s); override warm_up where a "
                                    "request needs more than its size", size, type(error).__name__, error)
                     continue
                 self.prewarmed.append(size)
-                if sc.stats(self.cached)["evictions"] > evictions:
-                    logger.info("shapecache: the budget is full after pre-warming %d of %d hot sizes",
-                                len(self.prewarmed), len(sizes))
-                    break
         finally:
-            self.__warming = False
-        self.prewarm_seconds = time.perf_counter() - start
-        if sizes:
-            logger.info("shapecache: pre-warmed %d hot sizes from %s in %.1f s", len(self.prewarmed),
-                        self.shared_dir.path, self.prewarm_seconds)
-
+            self.__warming.on = False
+            self.prewarm_seconds = time.perf_counter() - start
+            self.__prewarmed.set()
+        logger.info("shapecache: pre-warmed %d hot sizes from %s in %.1f s: %s", len(self.prewarmed),
+                    self.shared_dir.path, self.prewarm_seconds, self.prewarmed)

@@ -13,6 +13,9 @@ Layout under the directory:
   replica that traces the same program instead of compiled (the package store,
   shapecache/_backends/package_store.py, which reads SHAPECACHE_SHARED_DIR and owns the
   layout: ``SharedDir.packages``). Each is renamed into place whole.
+- ``replicas.<replica class>/<replica id>.json``: the routing stats each replica of that class
+  last published (``CachedReplica.record_routing_stats``), written under a temporary name and
+  renamed into place every stats period: the fleet view (``fleet``) reads them.
 - ``sizes.<replica class>.jsonl``: one line per size a replica of that class built on request,
   ``{"size": [...], "at": unix seconds}``,
   appended with one ``write`` on a file opened ``O_APPEND``. On a local file system each line
@@ -31,15 +34,19 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from pathlib import Path
 
 from shapecache._backends import SHARED_DIR_VARIABLE, shared_packages_directory, untrusted_shared_directory
+from shapecache.ray_serve._placement import ReplicaState
 from shapecache.ray_serve._request_size import MAX_DIMENSIONS, MAX_SIDE
 
 logger = logging.getLogger("shapecache")
 
 ENVIRONMENT_VARIABLE = SHARED_DIR_VARIABLE  # read by the package store, set by a deployment
+_REPLICA_FILE = re.compile(r"[^A-Za-z0-9_.-]")  # what a replica's file name may not hold
+_REPLICA_FILE_LIMIT = 4 << 20  # bytes: a replica's stats file larger than this is not read
 REMOTE_CACHE_VARIABLES = ("TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "TORCHINDUCTOR_REDIS_HOST", "TORCHINDUCTOR_REDIS_PORT")
 
 
@@ -89,6 +96,40 @@ class SharedDir:
             logger.warning("shapecache: %s: %s. Inductor's cache in it (inductor/) is loaded without a check, so "
                            "whoever can write there runs code in every replica; shapecache's packages are loaded "
                            "only as package_trust allows", self.path, why)
+
+    def publish_replica(self, name: str, replica_id: str, stats: dict) -> None:
+        """Writes what replica `replica_id` published to the fleet's directory `name` (one per
+        replica class, ``CachedReplica.replicas_dir()``), renamed into place whole."""
+        directory = self.path / name
+        directory.mkdir(mode=0o755, exist_ok=True)
+        path = directory / (_REPLICA_FILE.sub("_", replica_id) + ".json")
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(stats))
+        os.replace(temporary, path)
+
+    def fleet(self, name: str, max_age_s: float = 60.0) -> list[ReplicaState]:
+        """What each replica in the fleet's directory `name` published within `max_age_s`
+        (older: a replica that is gone), by replica id. The files are other processes'
+        writing: one that is not stats of this format counts as missing and is left out."""
+        states = []
+        now = time.time()
+        try:
+            paths = sorted((self.path / name).glob("*.json"))
+        except OSError:
+            return []
+        for path in paths:
+            try:
+                with open(path, "rb") as f:
+                    text = f.read(_REPLICA_FILE_LIMIT + 1)
+                if len(text) > _REPLICA_FILE_LIMIT:
+                    continue
+                stats = json.loads(text.decode("utf-8"), parse_constant=_no_constant)
+            except (OSError, ValueError, RecursionError):
+                continue
+            state = ReplicaState.from_routing_stats(path.stem, stats)
+            if state.fresh(now, max_age_s):
+                states.append(state)
+        return states
 
     def record_sizes(self, sizes, name: str) -> None:
         """Appends the sizes a replica built to the fleet's record `name` (one per replica class,
