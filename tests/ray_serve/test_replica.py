@@ -141,6 +141,22 @@ def test_the_fleet_view_reads_what_each_replica_published_and_nothing_else(tmp_p
         NetReplica.fleet_view()
 
 
+def test_a_replica_that_builds_inline_says_so_at_start(caplog):
+    class Background(CachedReplica):
+        size_keys = ("size",)
+
+        def __init__(self):
+            super().__init__(sc.cached(SmallConvNet().eval(), backend="eager", build="background"))
+
+    with caplog.at_level(logging.INFO, logger="shapecache"):
+        inline = NetReplica()
+        background = Background()
+    said = [r.getMessage() for r in caplog.records if "builds inline" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("shapecache: NetReplica builds inline")
+    sc.uncached(inline.cached)
+    sc.uncached(background.cached)
+
+
 def test_replicas_and_the_policy_import_nothing_of_ray():
     code = ("import sys; from shapecache.ray_serve import CachedReplica, Placement, SharedDir, request_size; "
             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")

@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import shapecache as sc
 from shapecache import _checks
-from shapecache.cache import entries_served
+from shapecache.cache import entries_served, holder_of
 from shapecache.ray_serve._placement import routing_stats
 from shapecache.ray_serve._request_size import PIPELINE_SIZE_KEYS, check_size, check_size_keys, request_size
 from shapecache.ray_serve._shared_dir import SharedDir
@@ -106,6 +106,10 @@ class CachedReplica:
                              "the hot sizes on a thread) or 'inline' (built before it is ready)")
         self.cached = cached
         self.__is_pipeline = "components" in sc.stats(cached)
+        if _build_mode(cached) == "inline":
+            logger.info("shapecache: %s builds inline: a request of a size it does not hold waits for the build (the "
+                        "router sends it no new size meanwhile); build=\"background\" serves such a request uncached "
+                        "while the size builds", type(self).__name__)
         self.__lock = threading.Lock()
         self.__entries_of: dict[tuple, frozenset] = {}  # size -> the entry ids its last call used
         self.__serving: collections.Counter = collections.Counter()  # sizes being served now
@@ -329,3 +333,11 @@ class CachedReplica:
             self.__prewarmed.set()
         logger.info("shapecache: pre-warmed %d hot sizes from %s in %.1f s: %s", len(self.prewarmed),
                     self.shared_dir.path, self.prewarm_seconds, self.prewarmed)
+
+
+def _build_mode(cached) -> str | None:
+    """The ``build`` option `cached` was made with ("inline" or "background"); None where it
+    has none."""
+    holder = holder_of(cached, "build")
+    options = getattr(holder, "options", None) or getattr(getattr(holder, "wrapper", None), "options", None)
+    return getattr(options, "build", None)
