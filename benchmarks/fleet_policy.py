@@ -1,12 +1,16 @@
 """The size-affinity policy against Ray's default router, in a simulated fleet (no Ray, no
 torch: shapecache/ray_serve/simulated_fleet.py), with and without a replica killed half-way.
 
-    python benchmarks/fleet_policy.py [--seeds 10] [--requests 4000] [--replicas 3] [--budget-entries 2.5]
+    python benchmarks/fleet_policy.py [--fleet diffusion|res-convnet] [--seeds 10] [--requests 4000]
+                                      [--replicas 3] [--budget-entries 2.5]
 
-The fleet is the one benchmarks/ray_serve.py runs, scaled to the sizes a diffusion service
-serves: six sizes from 512x512 to 896x896 whose entries take 100 MiB per 512x512 of area and
-20 s per 512x512 to build, three clients, a budget of `--budget-entries` mean entries per
-replica, and, with the kill, a replacement replica a minute later with an empty cache. Each
+`--fleet diffusion` (the default): six sizes from 512x512 to 896x896 whose entries take
+100 MiB per 512x512 of area and 20 s per 512x512 to build, three clients, a budget of
+`--budget-entries` mean entries per replica, and, with the kill, a replacement replica a
+minute later with an empty cache. `--fleet res-convnet`: the fleet of
+`benchmarks/ray_serve.py --sizes 6 --replicas 3 --kill --budget-mib 136` as measured there:
+six sizes whose frozen entries take 54 MiB and 7 s to build, 136 MiB per replica (two
+entries), two clients, a replacement 5 s after the kill. Each
 router runs the same streams (Zipf, s=1.1), one per seed; inline builds (a miss waits for its
 build) and background builds (a miss is served uncached while the replica's compiler builds).
 
@@ -30,12 +34,19 @@ SIDES = [(512, 512), (640, 640), (768, 768), (512, 768), (768, 512), (896, 896)]
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fleet", choices=("diffusion", "res-convnet"), default="diffusion")
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--budget-entries", type=float, default=2.5)
     args = parser.parse_args(argv)
-    sizes = {s: SizeCost(int(s[0] * s[1] / 512 / 512 * 100 * MiB), 20 * s[0] * s[1] / 512 / 512) for s in SIDES}
+    if args.fleet == "diffusion":
+        sizes = {s: SizeCost(int(s[0] * s[1] / 512 / 512 * 100 * MiB), 20 * s[0] * s[1] / 512 / 512) for s in SIDES}
+        fleet = {"clients": 3, "restart_s": 60.0}
+    else:
+        sizes = {s: SizeCost(54 * MiB, 7.0) for s in [(256, 256), (256, 192), (192, 256), (192, 192), (128, 256),
+                                                      (256, 128)]}
+        fleet = {"clients": 2, "restart_s": 5.0}
     budget = int(args.budget_entries * statistics.mean(c.bytes for c in sizes.values()))
     print(f"{args.replicas} replicas, budget {budget / MiB:.0f} MiB each, {len(sizes)} sizes, "
           f"{args.requests} requests, {args.seeds} seeds")
@@ -46,7 +57,7 @@ def main(argv=None) -> int:
             p99 = {}
             for router in ("default", "affinity"):
                 reports = [simulate(Fleet(sizes, replicas=args.replicas, budget=budget, build=build,
-                                          requests=args.requests, kill_at_fraction=kill, seed=seed), router)
+                                          requests=args.requests, kill_at_fraction=kill, seed=seed, **fleet), router)
                            for seed in range(args.seeds)]
                 rehomed = [s for r in reports for s in r.rehomed_s.values()] or [math.nan]
                 p99[router] = statistics.median(r.p99_s for r in reports)

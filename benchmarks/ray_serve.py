@@ -3,6 +3,7 @@ new replica cold against one started from the shared directory.
 
     python benchmarks/ray_serve.py [--model res-convnet|unet] [--sizes 4] [--requests 60]
                                    [--streams uniform,zipf] [--routers default,affinity]
+                                   [--replicas 2] [--kill]
 
 One run on this machine, real Ray Serve (a local cluster of 2 CPUs; each replica 0.5 CPU and
 one torch thread; HTTP off, handles only). Two replicas of the model, cached with the compile
@@ -22,6 +23,12 @@ with the shared directory the affinity run filled (that run waits, before its re
 until they have published a package per size), with a budget that holds every size (it is to
 serve all the fleet's hot sizes): seconds from `serve.run` until it has served every hot size
 once at compiled speed (a hit). Exits 1 when a run failed.
+
+With `--kill`, half-way through the measured requests the replica that served the most of
+them is killed (``ray.kill``; Serve starts a replacement), for both routers on the same
+stream; the tables then also give, for each size the killed replica served, the seconds from
+its first request after the kill to its first hit. `--replicas N` runs N replicas (default 2;
+3 with a kill leaves two while the replacement starts).
 """
 
 from __future__ import annotations
@@ -124,14 +131,37 @@ def run_stream(handle, stream: list) -> list:
     def one(size):
         start = time.perf_counter()
         reply = handle.remote(size=size).result(timeout_s=900)
-        return {**reply, "size": size, "latency": time.perf_counter() - start}
+        return {**reply, "size": size, "latency": time.perf_counter() - start, "sent": start,
+                "ended": time.perf_counter()}
 
     with ThreadPoolExecutor(CLIENTS) as pool:
         return list(pool.map(one, stream))
 
 
+def kill_busiest_replica(app_name: str, replies: list) -> str:
+    """Kills the replica of `app_name` that served the most of `replies`; returns its id."""
+    served = statistics.mode(r["replica"] for r in replies)
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith("SERVE_REPLICA::") and actor["name"].endswith(served):
+            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+            return served
+    raise RuntimeError(f"no replica actor named for {served}")
+
+
+def rehomed_seconds(killed: str, before: list, after: list) -> dict:
+    """For each size the killed replica served before the kill: seconds from its first request
+    after the kill to the end of its first hit (inf: none)."""
+    sizes = {tuple(r["size"]) for r in before if r["replica"] == killed}
+    seconds = {}
+    for size in sizes:
+        mine = sorted((r for r in after if tuple(r["size"]) == size), key=lambda r: r["sent"])
+        hits = [r["ended"] for r in mine if not r["built"]]
+        seconds[size] = (min(hits) - mine[0]["sent"]) if mine and hits else math.inf
+    return seconds
+
+
 def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
-    options = dict(num_replicas=2, max_ongoing_requests=4, ray_actor_options={"num_cpus": 0.5})
+    options = dict(num_replicas=args.replicas, max_ongoing_requests=4, ray_actor_options={"num_cpus": 0.5})
     if router == "affinity":
         app = deployment(ModelReplica, shared_dir=shared.path, stats_period_s=STATS_PERIOD_S, **options)
     else:  # Ray's default router (power of two choices), the same replicas
@@ -141,9 +171,18 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
     time.sleep(3 * STATS_PERIOD_S)  # the replicas have published once before the traffic starts
     warmup = warmup_length(stream, args.warmup)
     published = None
+    rehomed = None
     try:  # the warm-up requests end before the measured ones start
         replies = run_stream(handle, stream[:warmup])
-        replies += run_stream(handle, stream[warmup:])
+        if args.kill:
+            half = warmup + (len(stream) - warmup) // 2
+            replies += run_stream(handle, stream[warmup:half])
+            killed = kill_busiest_replica(router, replies[warmup:])
+            after = run_stream(handle, stream[half:])
+            rehomed = rehomed_seconds(killed, replies, after)
+            replies += after
+        else:
+            replies += run_stream(handle, stream[warmup:])
         if router == "affinity" and args.compile != "plain":
             published = wait_for_packages(shared, len({tuple(size) for size in stream}))
     finally:
@@ -165,6 +204,7 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
         "replicas": {rid: {k: r[k] for k in ("peak_bytes", "budget", "max_rss", "builds")} for rid, r in last.items()},
         "replicas_per_size": statistics.mean(len(v) for v in homes.values()),
         "published": published,
+        "rehomed": rehomed,
     }
 
 
@@ -226,6 +266,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-mib", type=int, default=None,
                         help="each replica's budget (default: half the sizes' entries, measured at the first build)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--kill", action="store_true", help="kill the busiest replica half-way (both routers)")
     args = parser.parse_args(argv)
     sizes = ALL_SIZES[:args.sizes]
     args.warmup = 2 * len(sizes)
@@ -255,7 +297,8 @@ def main(argv=None) -> int:
             args.budget = args.budget_mib * MiB
             args.budget_all = args.budget * 2
         print(f"{args.model} ({args.compile}), {len(sizes)} sizes, {args.requests} requests per stream from {CLIENTS} clients, "
-              f"2 replicas of 0.5 CPU and 1 torch thread, budget {fmt_bytes(args.budget)} each "
+              f"{args.replicas} replicas of 0.5 CPU and 1 torch thread, budget {fmt_bytes(args.budget)} each"
+              f"{', the busiest killed half-way' if args.kill else ''} "
               f"(a third replica: {fmt_bytes(args.budget_all)})\n", flush=True)
         affinity_dir = None
         for kind in streams:
@@ -299,6 +342,10 @@ def main(argv=None) -> int:
                   f"against {d['hit_rate']:.0%}", end="")
             over = [v for r in (d, a) for v in r["replicas"].values() if v["peak_bytes"] > v["budget"]]
             print(f"; replicas over budget: {len(over)}")
+            for r, name in ((d, "default"), (a, "affinity")):
+                if r["rehomed"] is not None:
+                    print(f"{kind} {name}: the killed replica's sizes, first request after the kill to first hit: "
+                          + ", ".join(f"{h}x{w} {s:.1f} s" for (h, w), s in sorted(r["rehomed"].items())))
             if a["published"] is not None:
                 p = a["published"]
                 print(f"{kind}: the affinity replicas published {p['packages']} of {p['of']} packages, "

@@ -12,13 +12,16 @@ The rules, in the order they are applied:
    gap; a choice is remembered from the moment it is offered to Ray, so a burst of new sizes
    spreads). A home whose publication omits the size more than HOME_GRACE_S after it was
    sent there evicted it: the router counts the eviction against that replica and forgets
-   the home. Held sizes go to their homes, the one not full and with the most room first.
+   the home. Held sizes go to their homes, the one not full and with the most room first;
+   but where no home holds the size's entries (it was evicted, or is being built there) and
+   rule 3's plan places it on another replica that takes new sizes, it goes there: a home
+   that keeps evicting a size gives it up to the replica the plan made room on.
 3. A size without a home is new (or evicted, or its home died). It goes to its place in the
    plan, where that replica takes new sizes (3a). The plan places the sizes requested in the
    last few TRAFFIC_HALF_LIFE_S, those some replica holds first (each move is a build), the
    most requested first among them, each on a replica where it fits beside the sizes placed
-   before it: the replica that holds it, else the one with the least traffic placed, then
-   the most room. Only replicas with fresh stats are
+   before it: the replica that holds it, else the one this router last sent it to (it may
+   be building it), else the one with the least traffic placed, then the most room. Only replicas with fresh stats are
    planned for, and the plan is made again every PLAN_PERIOD_S: a replica that died leaves
    it, a new one joins it, and the sizes that fit nowhere with one replica fewer are placed
    on the replacement. A size the plan has no place for (it fits nowhere beside hotter
@@ -210,11 +213,17 @@ class Placement:
         if not holders and not any(fresh.values()):
             return None
         order = self._new_size_order(size, replicas, fresh, now)
-        if holders:
-            first = sorted(holders, key=lambda r: (r.full, self._crowding(r)))
-        else:
+        planned = None
+        if not any(size in r.size_bytes for r in holders):  # no entries held: a build wherever it goes
             planned = self._planned(size, replicas, fresh, now)
-            first = [planned if planned is not None and order(planned)[:2] == (False, False) else min(replicas, key=order)]
+            if planned is not None and order(planned)[:2] != (False, False):
+                planned = None  # (it takes no new size now)
+        if holders and (planned is None or planned in holders):
+            first = sorted(holders, key=lambda r: (r.full, self._crowding(r)))
+        elif planned is not None:
+            first, holders = [planned], []
+        else:
+            first = [min(replicas, key=order)]
         ranks = [[r.replica_id for r in first]]
         # A new size is built wherever it goes: the others follow at once. A held size waits
         # for its homes unless they are full or have not taken it in spill_after_s.
@@ -279,8 +288,9 @@ class Placement:
             needed = self.size_bytes.get(size, mean_entry)
             fits = [r for r in replicas if room[r.replica_id] >= needed]
             if fits:
-                home = min(fits, key=lambda r: (size not in r.size_bytes, load[r.replica_id], -room[r.replica_id],
-                                                r.replica_id))
+                sent_to = self.homes.get(size, ("",))[0]  # where it may be building
+                home = min(fits, key=lambda r: (size not in r.size_bytes, r.replica_id != sent_to, load[r.replica_id],
+                                                -room[r.replica_id], r.replica_id))
                 plan[size] = home.replica_id
                 room[home.replica_id] -= needed
                 load[home.replica_id] += rates[size]
@@ -333,9 +343,11 @@ class Placement:
         return key
 
     def _sizes_on(self, replica: ReplicaState, fresh: bool, other_than: Size) -> set:
-        """The sizes `replica` holds or was sent, as this router knows, but `other_than`."""
+        """The sizes `replica` lists, and those this router sent it that its publication may
+        not show yet (rule 2's grace), but `other_than`."""
         listed = replica.sizes if fresh else frozenset()
-        sent = {s for s, (rid, _) in self.homes.items() if rid == replica.replica_id}
+        sent = {s for s, (rid, at) in self.homes.items() if rid == replica.replica_id
+                and (replica.published_at is None or replica.published_at <= at + HOME_GRACE_S)}
         return (listed | sent) - {other_than}
 
     def _bytes_of(self, size: Size, replica: ReplicaState, mean_entry: float) -> float:
