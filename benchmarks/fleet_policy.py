@@ -1,5 +1,5 @@
 """The size-affinity policy against Ray's default router, in a simulated fleet (no Ray, no
-torch: shapecache/ray_serve/simulated_fleet.py), with and without a replica killed half-way.
+torch: shapecache/ray_serve/_simulated_fleet.py), with and without a replica killed half-way.
 
     python benchmarks/fleet_policy.py [--fleet diffusion|res-convnet] [--seeds 10] [--requests 4000]
                                       [--replicas 3] [--budget-entries 2.5]
@@ -26,7 +26,7 @@ import argparse
 import math
 import statistics
 
-from shapecache.ray_serve.simulated_fleet import Fleet, SizeCost, simulate
+from shapecache.ray_serve import SimulatedFleet, SizeCost, simulate_fleet
 
 MiB = 1 << 20
 SIDES = [(512, 512), (640, 640), (768, 768), (512, 768), (768, 512), (896, 896)]
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         for kill in (None, 0.5):
             p99 = {}
             for router in ("default", "affinity"):
-                reports = [simulate(Fleet(sizes, replicas=args.replicas, budget=budget, build=build,
+                reports = [simulate_fleet(SimulatedFleet(sizes, replicas=args.replicas, budget=budget, build=build,
                                           requests=args.requests, kill_at_fraction=kill, seed=seed, **fleet), router)
                            for seed in range(args.seeds)]
                 rehomed = [s for r in reports for s in r.rehomed_s.values()] or [math.nan]

@@ -390,6 +390,8 @@ def test_the_compilers_process_starts_with_only_the_environment_a_compile_reads(
     monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "0")
     monkeypatch.setenv("CXX", "g++")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # inductor picks its vector ISA from it
+    monkeypatch.setenv("AOT_INDUCTOR_DEBUG_COMPILE", "0")  # a default of AOTInductor's configuration
     compiler = compile_process.CompilerProcess(str(tmp_path))
     try:
         with open(f"/proc/{compiler.process.pid}/environ", "rb") as f:
@@ -401,6 +403,7 @@ def test_the_compilers_process_starts_with_only_the_environment_a_compile_reads(
     assert b"AWS_SECRET_ACCESS_KEY" not in names and b"PYTHONSTARTUP" not in names
     assert names[b"TORCHINDUCTOR_MAX_AUTOTUNE"] == b"0" and names[b"CXX"] == b"g++"
     assert names[b"OMP_NUM_THREADS"] == b"1" and names[b"PATH"] == os.environ["PATH"].encode()
+    assert names[b"ATEN_CPU_CAPABILITY"] == b"avx2" and names[b"AOT_INDUCTOR_DEBUG_COMPILE"] == b"0"
     assert names[b"TMPDIR"] == str(tmp_path).encode()  # where its precompiled headers stay between builds
     assert b"-P" in arguments
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -157,6 +158,45 @@ def test_a_replica_that_builds_inline_says_so_at_start(caplog):
     sc.uncached(background.cached)
 
 
+class BackgroundReplica(NetReplica):
+    def __init__(self, shared_dir=None, max_entries=2, **options):
+        torch.manual_seed(0)
+        self.net = SmallConvNet().eval()
+        CachedReplica.__init__(self, sc.cached(self.net, backend="eager", max_entries=max_entries, build="background"),
+                               shared_dir=shared_dir, **options)
+
+
+def test_with_background_builds_the_prewarm_waits_for_each_size_and_a_queued_size_is_held(tmp_path):
+    # The pre-warm's calls only queue builds: it waits for each, credits its entries to the
+    # size, and stops when the next would not fit (no size built to evict another).
+    SharedDir(tmp_path).record_sizes([(16, 16), (12, 12), (8, 12), (8, 8)], BackgroundReplica.sizes_file())
+    replica = BackgroundReplica(shared_dir=tmp_path)
+    try:
+        assert replica.wait_prewarmed(120)
+        assert replica.prewarmed == [(16, 16), (12, 12)]
+        assert sc.stats(replica.cached)["evictions"] == 0 and held(replica) == {(16, 16), (12, 12)}
+        # a request of a new size runs uncached while its build is queued: the size is held
+        # from then on (the router keeps sending it here), not counted as an eviction
+        sc.clear(replica.cached)
+        assert replica(size=(8, 8)) is not None and held(replica) == {(8, 8)}
+        assert sc.wait(replica.cached, timeout=60)
+        state = ReplicaState.from_routing_stats("r", replica.record_routing_stats())
+        assert (8, 8) in state.sizes and state.building == 0
+    finally:
+        sc.uncached(replica.cached)
+
+
+def test_the_fleet_view_skips_what_is_not_a_regular_file(tmp_path):
+    replica = NetReplica(shared_dir=tmp_path)
+    replica(size=(8, 8))
+    replica.record_routing_stats()
+    fleet = tmp_path / NetReplica.replicas_dir()
+    os.mkfifo(fleet / "fifo.json")  # opening it for reading would wait for a writer
+    (fleet / "zero.json").symlink_to("/dev/zero")
+    states = NetReplica.fleet_view(tmp_path)
+    assert [s.sizes for s in states] == [{(8, 8)}]
+
+
 def test_replicas_and_the_policy_import_nothing_of_ray():
     code = ("import sys; from shapecache.ray_serve import CachedReplica, Placement, SharedDir, request_size; "
             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
@@ -251,7 +291,8 @@ def test_a_replica_serves_while_it_prewarms_and_publishes_a_size_once_it_is_buil
     assert replica.prewarmed == [] and not replica.wait_prewarmed(0.1)
     replica(size=(12, 12))  # a request served during the pre-warm: held, and the fleet's demand
     state = ReplicaState.from_routing_stats("r", replica.record_routing_stats())
-    assert state.sizes == {(12, 12)} and state.building == 0  # (16, 16) is being built: not advertised
+    # (16, 16) is being built: not advertised as held, but its build holds the replica (no new size meanwhile)
+    assert state.sizes == {(12, 12)} and state.building == 1
     release.set()
     assert replica.wait_prewarmed(60)
     assert replica.prewarmed == [(16, 16), (8, 8)] and held(replica) == {(16, 16), (8, 8), (12, 12)}

@@ -1,4 +1,4 @@
-"""The size-affinity policy in a simulated fleet (shapecache/ray_serve/simulated_fleet.py): no
+"""The size-affinity policy in a simulated fleet (shapecache/ray_serve/_simulated_fleet.py): no
 Ray, no torch, a few seconds. The fleet is the one the Ray benchmark runs on 2 cores: three
 replicas, six sizes whose entries take 100-306 MiB and 20-61 s to build, a budget of 2.5 mean
 entries per replica, three clients, a replica killed half-way and replaced a minute later."""
@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from shapecache.ray_serve.simulated_fleet import Fleet, SizeCost, simulate, zipf_stream
+from shapecache.ray_serve import SimulatedFleet, SizeCost, simulate_fleet
 
 MiB = 1 << 20
 SIDES = [(512, 512), (640, 640), (768, 768), (512, 768), (768, 512), (896, 896)]
@@ -19,15 +19,15 @@ SEEDS = range(5)
 
 
 def runs(build: str, router: str, **fleet) -> list:
-    return [simulate(Fleet(SIZES, budget=BUDGET, build=build, requests=4000, seed=seed, **fleet), router)
+    return [simulate_fleet(SimulatedFleet(SIZES, budget=BUDGET, build=build, requests=4000, seed=seed, **fleet), router)
             for seed in SEEDS]
 
 
 def test_one_replica_that_holds_every_size_builds_each_once():
-    fleet = Fleet(SIZES, replicas=1, budget=10 * BUDGET, requests=500, kill_at_fraction=None, warm_up_fraction=0)
+    fleet = SimulatedFleet(SIZES, replicas=1, budget=10 * BUDGET, requests=500, kill_at_fraction=None, warm_up_fraction=0)
     for router in ("affinity", "default"):
-        report = simulate(fleet, router)
-        assert report.builds == len(set(zipf_stream(fleet))) and report.evictions == 0
+        report = simulate_fleet(fleet, router)
+        assert report.builds == len(set(fleet.stream())) and report.evictions == 0
         assert report.hit_rate == 1 - report.builds / 500
 
 
@@ -44,10 +44,10 @@ def test_with_a_replica_killed_affinity_keeps_its_hits_and_its_tail_where_the_de
 def test_with_background_builds_no_request_waits_for_a_build(kill_at_fraction):
     # A request waits at most for the requests ahead of it, each served uncached or as a hit.
     for report in runs("background", "affinity", kill_at_fraction=kill_at_fraction):
-        assert report.p99_s <= 3 * Fleet.uncached_s + Fleet.backoff_s
+        assert report.p99_s <= 3 * SimulatedFleet.uncached_s + SimulatedFleet.backoff_s
         assert report.hit_rate >= 0.7
 
 
 def test_a_simulation_rejects_a_router_it_does_not_know():
     with pytest.raises(ValueError, match="router='random'"):
-        simulate(Fleet(SIZES, budget=BUDGET, requests=10), "random")
+        simulate_fleet(SimulatedFleet(SIZES, budget=BUDGET, requests=10), "random")

@@ -406,17 +406,21 @@ class CompilerProcess:
 
 
 # What a compile reads of its environment: where programs, libraries and headers are found,
-# the compiler and its flags, the user and locale, the Python it runs (PYTHONPATH, as this
-# process imports), and the settings of torch, inductor, Triton, CUDA and the CPU's thread
-# libraries. Anything else (a cloud key, a token, PYTHONSTARTUP, PYTHONBREAKPOINT) stays here.
+# the compiler and its flags, the user and locale, the Python it runs (PYTHONPATH and the user
+# site, as this process imports), the conda or Nix environment, and the settings of torch
+# (ATen's CPU capability, AOTInductor's and inductor's defaults), Triton, CUDA and the CPU's
+# thread libraries. Anything else (a cloud key, a token, PYTHONSTARTUP, PYTHONBREAKPOINT)
+# stays here.
 _ENVIRONMENT_NAMES = frozenset({
     "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "SHELL",
-    "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONSAFEPATH", "VIRTUAL_ENV", "CONDA_PREFIX",
-    "LD_LIBRARY_PATH", "LD_PRELOAD", "LIBRARY_PATH", "CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH",
-    "CC", "CXX", "CFLAGS", "CXXFLAGS", "CPPFLAGS", "LDFLAGS", "XDG_CACHE_HOME"})
-_ENVIRONMENT_PREFIXES = ("LC_", "TORCH", "PYTORCH_", "TRITON_", "CUDA", "CUDNN_", "CUBLAS", "NVIDIA_",
-                         "NVCC_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "DNNL_", "ONEDNN_",
-                         "CCACHE_", "SHAPECACHE_")
+    "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONUSERBASE", "PYTHONNOUSERSITE",
+    "VIRTUAL_ENV", "LD_LIBRARY_PATH", "LD_PRELOAD", "LIBRARY_PATH", "CPATH", "C_INCLUDE_PATH",
+    "CPLUS_INCLUDE_PATH", "CC", "CXX", "CFLAGS", "CXXFLAGS", "CPPFLAGS", "LDFLAGS", "GCC_EXEC_PREFIX",
+    "COMPILER_PATH", "SDKROOT", "MACOSX_DEPLOYMENT_TARGET", "XDG_CACHE_HOME"})
+_ENVIRONMENT_PREFIXES = ("LC_", "TORCH", "PYTORCH_", "ATEN_", "AOT_INDUCTOR_", "AOTINDUCTOR_", "INDUCTOR_",
+                         "HALIDE_", "TRITON_", "CUDA", "CUDNN_", "CUBLAS", "NVIDIA_", "NVCC_", "OMP_", "KMP_",
+                         "GOMP_", "MKL_", "OPENBLAS_", "DNNL_", "ONEDNN_", "CONDA_", "NIX_", "CCACHE_",
+                         "SHAPECACHE_")
 
 
 def compiler_environment(directory: str) -> dict[str, str]:

@@ -31,6 +31,10 @@ _PUBLIC = {
     "Placement": "shapecache.ray_serve._placement",
     "ReplicaState": "shapecache.ray_serve._placement",
     "request_size": "shapecache.ray_serve._request_size",
+    "SimulatedFleet": "shapecache.ray_serve._simulated_fleet",
+    "SizeCost": "shapecache.ray_serve._simulated_fleet",
+    "FleetReport": "shapecache.ray_serve._simulated_fleet",
+    "simulate_fleet": "shapecache.ray_serve._simulated_fleet",
 }
 
 __all__ = sorted(_PUBLIC)
@@ -55,3 +59,4 @@ if TYPE_CHECKING:
     from shapecache.ray_serve._request_size import request_size  # noqa: F401
     from shapecache.ray_serve._router import SizeAffinityRouter  # noqa: F401
     from shapecache.ray_serve._shared_dir import SharedDir  # noqa: F401
+    from shapecache.ray_serve._simulated_fleet import FleetReport, SimulatedFleet, SizeCost, simulate_fleet  # noqa: F401

@@ -214,7 +214,7 @@ class Placement:
             return None
         order = self._new_size_order(size, replicas, fresh, now)
         planned = None
-        if not any(size in r.size_bytes for r in holders):  # no entries held: a build wherever it goes
+        if not any(fresh[r.replica_id] and size in r.sizes for r in holders):  # none holds or builds it now
             planned = self._planned(size, replicas, fresh, now)
             if planned is not None and order(planned)[:2] != (False, False):
                 planned = None  # (it takes no new size now)
@@ -318,8 +318,11 @@ class Placement:
         if replica.published_at is None or replica.published_at <= home[1] + HOME_GRACE_S:
             return True
         del self.homes[size]
-        where = self.evictions.setdefault(size, {})
+        where = self.evictions.pop(size, {})  # re-inserted last: the oldest is dropped first
         where[replica.replica_id] = where.get(replica.replica_id, 0) + 1
+        self.evictions[size] = where
+        if len(self.evictions) > MAX_HOMES:
+            del self.evictions[next(iter(self.evictions))]
         return False
 
     def _new_size_order(self, size: Size, replicas: Sequence[ReplicaState], fresh: Mapping, now: float):
@@ -371,6 +374,7 @@ class Placement:
         published count as entries of the replica's mean entry size: its stats do not show
         them yet, and without them every new size of a stats period would go to one replica."""
         since = replica.published_at if replica.published_at is not None else -math.inf
-        placed = sum(1 for rid, at in self.homes.values() if rid == replica.replica_id and at > since)
+        placed = sum(1 for size, (rid, at) in self.homes.items()
+                     if rid == replica.replica_id and at > since and size not in replica.sizes)
         mean_entry_bytes = replica.bytes / replica.entries if replica.entries else 0.0
         return (-(replica.bytes_free() - placed * mean_entry_bytes), replica.entries + placed, replica.replica_id)

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 import shapecache as sc
 from shapecache import _checks
 from shapecache.cache import entries_served, holder_of
@@ -40,6 +42,9 @@ logger = logging.getLogger("shapecache")
 PREWARM_LIMIT = 8
 # Sizes whose evictions a replica publishes, the most recently evicted kept.
 EVICTED_SIZES = 256
+# How long a size whose call ran uncached (its build queued in the background) is published as
+# held without a call of it served by entries: its build ends within the compile's deadline.
+AWAITING_S = 600.0
 # The name a replica outside Ray Serve publishes under.
 _THIS_PROCESS = f"{socket.gethostname()}-{os.getpid()}"
 
@@ -84,15 +89,17 @@ class CachedReplica:
     size_keys: ClassVar[tuple[str, ...]] = PIPELINE_SIZE_KEYS
 
     def __init__(self, cached, *, shared_dir=None, prewarm_limit: int | None = PREWARM_LIMIT,
-                 prewarm: str = "background"):
+                 prewarm: str | None = None):
         """`cached`: what ``sc.wrap`` or ``sc.cached`` returned. `shared_dir` (default:
         SHAPECACHE_SHARED_DIR, when set): the directory replicas share; the fleet's hot sizes
         recorded there are built, the most built first, up to `prewarm_limit` sizes (default
         PREWARM_LIMIT; None: every recorded size) and while the next fits the budget beside
-        those built (``prewarm_fits``). `prewarm`: "background" (default): the replica is
-        ready at once and builds them on a thread of its own, serving meanwhile, each size
-        published as held once built (``wait_prewarmed`` waits); "inline": they are built
-        here, and Ray Serve routes nothing to the replica until they are."""
+        those built (``prewarm_fits``). `prewarm`: "background": the replica is ready at once
+        and builds them on a thread of its own, serving meanwhile, each size published as held
+        once built (``wait_prewarmed`` waits); "inline": they are built here, and Ray Serve
+        routes nothing to the replica until they are. Default: "inline" where the cached
+        object is on a CUDA device (a CUDA graph captured beside a request's work on the device
+        breaks one or the other), else "background"."""
         check_size_keys(self.size_keys)
         try:
             sc.stats(cached)
@@ -101,6 +108,8 @@ class CachedReplica:
                             "(a cached function or module, or a wrapped pipeline)") from error
         if prewarm_limit is not None:
             _checks.positive_int("prewarm_limit", prewarm_limit, "or None for every hot size")
+        if prewarm is None:
+            prewarm = "inline" if _on_cuda(cached) else "background"
         if prewarm not in ("background", "inline"):
             raise ValueError(f"prewarm={prewarm!r}: expected 'background' (the replica is ready at once and builds "
                              "the hot sizes on a thread) or 'inline' (built before it is ready)")
@@ -115,6 +124,9 @@ class CachedReplica:
         self.__serving: collections.Counter = collections.Counter()  # sizes being served now
         self.__building: collections.Counter = collections.Counter()  # ... of those, not held when their call came
         self.__evicted: dict[tuple, int] = {}  # size -> times its entries went (most recent last)
+        # size -> when a call of it last ran uncached (its build queued in the background): it is
+        # published as held until a call of it is served by entries, or for AWAITING_S
+        self.__awaiting: dict[tuple, float] = {}
         self.shared_dir = SharedDir.from_option(shared_dir)
         # The fleet's record of this class's sizes: deployments of other classes sharing the
         # directory keep records of their own.
@@ -193,13 +205,13 @@ class CachedReplica:
             self(**dict(zip(self.size_keys, size if len(self.size_keys) > 1 else (size,), strict=True)))
 
     def sizes_held(self) -> set[tuple]:
-        """The sizes whose entries this replica holds, and those it is serving now."""
-        return self.__held(sc.stats(self.cached))[0]
+        """The sizes whose entries this replica holds, those it is serving now, and those
+        whose builds it queued in the background."""
+        return self.__held()[1]
 
     def record_routing_stats(self) -> dict:
         """What the router reads (Ray Serve calls this every routing-stats period)."""
-        figures = sc.stats(self.cached)
-        held, size_bytes, not_held = self.__held(figures)
+        figures, held, size_bytes, not_held = self.__held()
         # The sizes served without being held build inline, but for those whose builds are
         # queued in the background (served uncached meanwhile): an inline build holds the
         # replica, a background one does not.
@@ -234,12 +246,15 @@ class CachedReplica:
                              "replicas share")
         return shared.fleet(cls.replicas_dir(), max_age_s)
 
-    def __held(self, figures: dict) -> tuple[set, dict, int]:
-        """From one snapshot of the cache's stats: the sizes held or being served, the bytes of
-        each held size's entries, and how many sizes requests running now came for without
-        the replica holding them."""
-        bytes_of = {entry["id"]: entry["bytes"] for entry in figures["entries"]}
-        with self.__lock:  # a call ending meanwhile records its entries before or after this snapshot
+    def __held(self) -> tuple[dict, set, dict, int]:
+        """A snapshot of the cache's stats, and from it: the sizes held, being served or
+        awaiting a background build, the bytes of each held size's entries, and how many
+        sizes calls running now came for without the replica holding them."""
+        with self.__lock:  # no call records its entries between the snapshot and what is read of it
+            figures = sc.stats(self.cached)
+            bytes_of = {entry["id"]: entry["bytes"] for entry in figures["entries"]}
+            now = time.monotonic()
+            self.__awaiting = {s: at for s, at in self.__awaiting.items() if now - at < AWAITING_S}
             for size in [s for s, ids in self.__entries_of.items() if not ids <= bytes_of.keys()]:
                 del self.__entries_of[size]
                 self.__evicted.pop(size, None)  # re-inserted last: the oldest is dropped first
@@ -247,7 +262,8 @@ class CachedReplica:
                 if len(self.__evicted) > EVICTED_SIZES:
                     del self.__evicted[next(iter(self.__evicted))]
             size_bytes = {s: sum(bytes_of[i] for i in ids) for s, ids in self.__entries_of.items()}
-            return set(self.__entries_of) | set(self.__serving), size_bytes, len(self.__building)
+            held = set(self.__entries_of) | set(self.__serving) | set(self.__awaiting)
+            return figures, held, size_bytes, len(self.__building)
 
     def replica_id(self) -> str | None:
         """Ray Serve's id of this replica; None outside Serve."""
@@ -280,7 +296,7 @@ class CachedReplica:
         call used. Yields two lists, true afterwards where the calls built an entry and where
         they used one."""
         with self.__lock:  # first: the size is held from the moment its call starts
-            builds = serving and size not in self.__entries_of
+            builds = size not in self.__entries_of
             if serving:
                 self.__serving[size] += 1
             if builds:
@@ -306,6 +322,21 @@ class CachedReplica:
                         del self.__building[size]
                 if used:
                     self.__entries_of[size] = used
+                    self.__awaiting.pop(size, None)
+                elif serving:  # ran uncached: its build was queued in the background (or it cannot be cached)
+                    self.__awaiting[size] = time.monotonic()
+
+    def __entry_ids(self) -> set:
+        return {entry["id"] for entry in sc.stats(self.cached)["entries"]}
+
+    def __credit(self, size: tuple, ids: set) -> None:
+        """Notes `ids` (entries built for `size` in the background) as `size`'s, less those
+        another size's calls used."""
+        with self.__lock:
+            ids = frozenset(ids).difference(*self.__entries_of.values())
+            if ids:
+                self.__entries_of[size] = ids
+                self.__awaiting.pop(size, None)
 
     def __prewarm(self, sizes: list[tuple]) -> None:
         """Builds `sizes` in their order (the most built first) while the next fits."""
@@ -320,8 +351,12 @@ class CachedReplica:
                                 len(self.prewarmed), len(sizes))
                     break
                 try:
-                    with self.__using(size, serving=False):  # held, and published, once built
+                    before = self.__entry_ids()
+                    with self.__using(size, serving=False) as (built, used):  # held, and published, once built
                         self.warm_up(size)
+                    if not (built or used):  # its builds were queued in the background: once built, they are its
+                        sc.wait(self.cached)
+                        self.__credit(size, self.__entry_ids() - before)
                 except Exception as error:  # noqa: BLE001 - a replica that cannot pre-warm still serves
                     logger.warning("shapecache: pre-warming size %s failed (%s: %s); override warm_up where a "
                                    "request needs more than its size", size, type(error).__name__, error)
@@ -341,3 +376,11 @@ def _build_mode(cached) -> str | None:
     holder = holder_of(cached, "build")
     options = getattr(holder, "options", None) or getattr(getattr(holder, "wrapper", None), "options", None)
     return getattr(options, "build", None)
+
+
+def _on_cuda(cached) -> bool:
+    """Whether `cached` (a cached module or a wrapped pipeline) is on a CUDA device."""
+    device = getattr(cached, "device", None)  # a pipeline's
+    if device is None and isinstance(cached, torch.nn.Module):
+        device = next((p.device for p in cached.parameters()), None)
+    return getattr(device, "type", None) == "cuda"

@@ -30,11 +30,14 @@ which ``environment`` passes on to the replicas where the driver has them.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import math
 import os
 import re
+import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -103,9 +106,16 @@ class SharedDir:
         directory = self.path / name
         directory.mkdir(mode=0o755, exist_ok=True)
         path = directory / (_REPLICA_FILE.sub("_", replica_id) + ".json")
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(stats))
-        os.replace(temporary, path)
+        fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(stats))
+            os.chmod(temporary, 0o644)
+            os.replace(temporary, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
 
     def fleet(self, name: str, max_age_s: float = 60.0) -> list[ReplicaState]:
         """What each replica in the fleet's directory `name` published within `max_age_s`
@@ -118,8 +128,13 @@ class SharedDir:
         except OSError:
             return []
         for path in paths:
-            try:
-                with open(path, "rb") as f:
+            try:  # a regular file (not a FIFO, a device or a link), written lately, of a bounded size
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+                with os.fdopen(fd, "rb") as f:
+                    status = os.fstat(f.fileno())
+                    if not stat.S_ISREG(status.st_mode) or now - status.st_mtime > max_age_s \
+                            or status.st_size > _REPLICA_FILE_LIMIT:
+                        continue
                     text = f.read(_REPLICA_FILE_LIMIT + 1)
                 if len(text) > _REPLICA_FILE_LIMIT:
                     continue

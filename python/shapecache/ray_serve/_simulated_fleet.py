@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 from shapecache.ray_serve._placement import Placement, ReplicaState
 
+__all__ = ["FleetReport", "SimulatedFleet", "SizeCost", "simulate_fleet"]
+
 Size = tuple[int, ...]
 
 
@@ -48,7 +50,7 @@ class SizeCost:
 
 
 @dataclass(frozen=True)
-class Fleet:
+class SimulatedFleet:
     """The fleet and its stream. Times are seconds of simulated time."""
 
     sizes: dict  # size -> SizeCost
@@ -67,6 +69,13 @@ class Fleet:
     kill_at_fraction: float | None = 0.5  # a replica is killed when this fraction has arrived
     restart_s: float = 60.0
     seed: int = 0
+
+    def stream(self) -> list[Size]:
+        """`requests` sizes drawn with Zipf weights, the first size the most requested."""
+        rng = random.Random(self.seed)
+        sizes = list(self.sizes)
+        weights = [1 / (rank + 1) ** self.zipf_s for rank in range(len(sizes))]
+        return rng.choices(sizes, weights, k=self.requests)
 
 
 @dataclass
@@ -100,9 +109,10 @@ class _Replica:
     def publish(self, now: float) -> None:
         serving = {r.size for r in self.admitted} | ({self.running.size} if self.running else set())
         held = sum(self.entries.values())
+        listed = frozenset(self.entries) | frozenset(serving) | frozenset(self.pending)  # held, served, building
         self.published = ReplicaState(
-            self.rid, frozenset(self.entries) | frozenset(serving), held, self.budget, len(self.entries),
-            len(self.pending), now, building=max(0, len(self.building) - len(self.pending)), size_bytes=dict(self.entries),
+            self.rid, listed, held, self.budget, len(self.entries), len(self.pending), now,
+            building=max(0, len(self.building) - len(self.pending)), size_bytes=dict(self.entries),
             evicted=dict(self.evicted))
 
 
@@ -118,7 +128,7 @@ class _Request:
 
 
 @dataclass
-class Report:
+class FleetReport:
     """What a run measured. Hit rate, latencies and waits count the requests after warm-up."""
 
     router: str
@@ -132,20 +142,13 @@ class Report:
     rehomed_s: dict
 
 
-def zipf_stream(fleet: Fleet) -> list[Size]:
-    """`fleet.requests` sizes drawn with Zipf weights, the first size the most requested."""
-    rng = random.Random(fleet.seed)
-    sizes = list(fleet.sizes)
-    weights = [1 / (rank + 1) ** fleet.zipf_s for rank in range(len(sizes))]
-    return rng.choices(sizes, weights, k=fleet.requests)
-
-
-def simulate(fleet: Fleet, router: str, stream: list[Size] | None = None, placement: Placement | None = None) -> Report:
-    """Runs `stream` (default: ``zipf_stream(fleet)``) through the fleet, routed by "affinity"
+def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None = None,
+                   placement: Placement | None = None) -> FleetReport:
+    """Runs `stream` (default: ``fleet.stream()``) through the fleet, routed by "affinity"
     (`placement`, default a new ``Placement``) or "default" (power of two choices)."""
     if router not in ("affinity", "default"):
         raise ValueError(f"router={router!r}: expected 'affinity' or 'default'")
-    stream = zipf_stream(fleet) if stream is None else stream
+    stream = fleet.stream() if stream is None else stream
     rng = random.Random(fleet.seed + 1)
     placement = Placement() if placement is None else placement
     replicas: list[_Replica] = []
@@ -241,8 +244,6 @@ def simulate(fleet: Fleet, router: str, stream: list[Size] | None = None, placem
         now, _, what, args = heapq.heappop(events)
         if what == "route":
             request = args[0]
-            if request.size in killed_sizes and request.index >= kill_index:
-                first_request.setdefault(request.size, request.arrived)
             if kill_index is not None and killed_at is None and request.index >= kill_index:
                 victim = max((r for r in replicas if r.alive), key=lambda r: len(r.entries))
                 victim.alive, killed_at, killed_sizes = False, now, set(victim.entries)
@@ -253,6 +254,8 @@ def simulate(fleet: Fleet, router: str, stream: list[Size] | None = None, placem
                 for lost in retried:
                     at(now, "route", lost)
                 at(now + fleet.restart_s, "restart")
+            if killed_at is not None and request.size in killed_sizes:
+                first_request.setdefault(request.size, now)
             route(request, now)
         elif what == "restart":
             start_replica(now)
@@ -283,9 +286,9 @@ def simulate(fleet: Fleet, router: str, stream: list[Size] | None = None, placem
             run_next(replica, now)
             send(now)
 
-    counted = [r for r in done if r.index >= fleet.warm_up_fraction * len(stream)]
+    counted = [r for r in done if r.index >= fleet.warm_up_fraction * len(stream)] or done
     latencies = sorted(r.finished - r.arrived for r in counted)
-    return Report(
+    return FleetReport(
         router=router,
         hit_rate=sum(r.hit for r in counted) / len(counted),
         p50_s=latencies[len(latencies) // 2],
