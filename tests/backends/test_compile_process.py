@@ -394,10 +394,17 @@ def test_the_compilers_process_starts_with_only_the_environment_a_compile_reads(
     monkeypatch.setenv("AOT_INDUCTOR_DEBUG_COMPILE", "0")  # a default of AOTInductor's configuration
     compiler = compile_process.CompilerProcess(str(tmp_path))
     try:
-        with open(f"/proc/{compiler.process.pid}/environ", "rb") as f:
-            names = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if item)
-        with open(f"/proc/{compiler.process.pid}/cmdline", "rb") as f:
-            arguments = f.read().split(b"\0")
+        # Popen returns once the exec has begun; the kernel fills in the new program's
+        # environment and arguments a moment later (they read empty until then).
+        deadline = time.monotonic() + 30
+        while True:
+            with open(f"/proc/{compiler.process.pid}/environ", "rb") as f:
+                names = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if item)
+            with open(f"/proc/{compiler.process.pid}/cmdline", "rb") as f:
+                arguments = f.read().split(b"\0")
+            if names or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
     finally:
         compiler.end()
     assert b"AWS_SECRET_ACCESS_KEY" not in names and b"PYTHONSTARTUP" not in names
