@@ -13,9 +13,10 @@ The rules, in the order they are applied:
    spreads). A home whose publication omits the size more than HOME_GRACE_S after it was
    sent there evicted it: the router counts the eviction against that replica and forgets
    the home. Held sizes go to their homes, the one not full and with the most room first;
-   but where no home holds the size's entries (it was evicted, or is being built there) and
-   rule 3's plan places it on another replica that takes new sizes, it goes there: a home
-   that keeps evicting a size gives it up to the replica the plan made room on.
+   but where no home holds the size's entries or builds them (a home that lists a size it
+   evicted before counts as not building it) and rule 3's plan places it on another replica
+   that takes new sizes, it goes there: a home that keeps evicting a size gives it up to the
+   replica the plan made room on.
 3. A size without a home is new (or evicted, or its home died). It goes to its place in the
    plan, where that replica takes new sizes (3a). The plan places the sizes requested in the
    last few TRAFFIC_HALF_LIFE_S, those some replica holds first (each move is a build), the
@@ -214,7 +215,10 @@ class Placement:
             return None
         order = self._new_size_order(size, replicas, fresh, now)
         planned = None
-        if not any(fresh[r.replica_id] and size in r.sizes for r in holders):  # none holds or builds it now
+        # The plan may move a size that no home holds or builds now; one a home lists without
+        # holding it is building there, unless that home evicted it before (it keeps evicting it).
+        if not any(fresh[r.replica_id] and size in r.sizes and (size in r.size_bytes or not r.evicted.get(size))
+                   for r in holders):
             planned = self._planned(size, replicas, fresh, now)
             if planned is not None and order(planned)[:2] != (False, False):
                 planned = None  # (it takes no new size now)

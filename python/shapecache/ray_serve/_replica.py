@@ -115,6 +115,7 @@ class CachedReplica:
                              "the hot sizes on a thread) or 'inline' (built before it is ready)")
         self.cached = cached
         self.__is_pipeline = "components" in sc.stats(cached)
+        self.__builds_in_background = _build_mode(cached) == "background"
         if _build_mode(cached) == "inline":
             logger.info("shapecache: %s builds inline: a request of a size it does not hold waits for the build (the "
                         "router sends it no new size meanwhile); build=\"background\" serves such a request uncached "
@@ -304,9 +305,11 @@ class CachedReplica:
         built: list = []
         used: list = []
         served = entries_served()  # what the calls on this thread serve: no scan of every entry
+        failed = True
         try:
             with served:
                 yield built, used
+            failed = False
         finally:
             built.extend(served.built)
             used.extend(served.used)
@@ -323,20 +326,8 @@ class CachedReplica:
                 if used:
                     self.__entries_of[size] = used
                     self.__awaiting.pop(size, None)
-                elif serving:  # ran uncached: its build was queued in the background (or it cannot be cached)
+                elif serving and not failed and self.__builds_in_background:  # ran uncached: its build is queued
                     self.__awaiting[size] = time.monotonic()
-
-    def __entry_ids(self) -> set:
-        return {entry["id"] for entry in sc.stats(self.cached)["entries"]}
-
-    def __credit(self, size: tuple, ids: set) -> None:
-        """Notes `ids` (entries built for `size` in the background) as `size`'s, less those
-        another size's calls used."""
-        with self.__lock:
-            ids = frozenset(ids).difference(*self.__entries_of.values())
-            if ids:
-                self.__entries_of[size] = ids
-                self.__awaiting.pop(size, None)
 
     def __prewarm(self, sizes: list[tuple]) -> None:
         """Builds `sizes` in their order (the most built first) while the next fits."""
@@ -351,12 +342,15 @@ class CachedReplica:
                                 len(self.prewarmed), len(sizes))
                     break
                 try:
-                    before = self.__entry_ids()
                     with self.__using(size, serving=False) as (built, used):  # held, and published, once built
                         self.warm_up(size)
-                    if not (built or used):  # its builds were queued in the background: once built, they are its
-                        sc.wait(self.cached)
-                        self.__credit(size, self.__entry_ids() - before)
+                    if not (built or used):  # its builds were queued in the background: once they end, a
+                        # second warm-up is served by its entries, which it notes as the size's
+                        if not sc.wait(self.cached, timeout=AWAITING_S):
+                            logger.warning("shapecache: pre-warming size %s: its builds did not end within %.0f s; "
+                                           "moving on", size, AWAITING_S)
+                        with self.__using(size, serving=False):
+                            self.warm_up(size)
                 except Exception as error:  # noqa: BLE001 - a replica that cannot pre-warm still serves
                     logger.warning("shapecache: pre-warming size %s failed (%s: %s); override warm_up where a "
                                    "request needs more than its size", size, type(error).__name__, error)
@@ -379,8 +373,12 @@ def _build_mode(cached) -> str | None:
 
 
 def _on_cuda(cached) -> bool:
-    """Whether `cached` (a cached module or a wrapped pipeline) is on a CUDA device."""
-    device = getattr(cached, "device", None)  # a pipeline's
-    if device is None and isinstance(cached, torch.nn.Module):
-        device = next((p.device for p in cached.parameters()), None)
+    """Whether `cached` runs on a CUDA device: a module's parameters or buffers, a pipeline's
+    execution device; a cached function's device is not known, so any where CUDA is there."""
+    if isinstance(cached, torch.nn.Module):
+        device = next((t.device for t in (*cached.parameters(), *cached.buffers())), None)
+    elif hasattr(cached, "components"):  # a diffusers pipeline (with model offload, its execution device)
+        device = getattr(cached, "_execution_device", None) or getattr(cached, "device", None)
+    else:
+        return torch.cuda.is_available()
     return getattr(device, "type", None) == "cuda"

@@ -132,7 +132,8 @@ class SharedDir:
                 fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
                 with os.fdopen(fd, "rb") as f:
                     status = os.fstat(f.fileno())
-                    if not stat.S_ISREG(status.st_mode) or now - status.st_mtime > max_age_s \
+                    # (mtime is the file server's clock: only a file far older than max_age_s is skipped unread)
+                    if not stat.S_ISREG(status.st_mode) or now - status.st_mtime > 10 * max_age_s + 600 \
                             or status.st_size > _REPLICA_FILE_LIMIT:
                         continue
                     text = f.read(_REPLICA_FILE_LIMIT + 1)
