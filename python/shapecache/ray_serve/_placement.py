@@ -94,6 +94,22 @@ FORMAT_VERSION = 2
 COUNTS = ("calls", "hits", "misses", "builds", "evictions", "uncached_calls")
 
 
+def remember(memory: dict, key, value, limit: int = MAX_HOMES) -> None:
+    """Sets `memory[key] = value` as its most recent item; past `limit` items, the least
+    recently set goes (the dict is in order of use)."""
+    memory.pop(key, None)
+    memory[key] = value
+    if len(memory) > limit:
+        del memory[next(iter(memory))]
+
+
+def _mean_entry(replicas: Iterable[ReplicaState]) -> float:
+    """The mean bytes of an entry over `replicas` (0 where they hold none)."""
+    replicas = list(replicas)
+    entries = sum(r.entries for r in replicas)
+    return sum(r.bytes for r in replicas) / entries if entries else 0.0
+
+
 def _finite(value: float) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{value} is not a time")
@@ -222,7 +238,7 @@ class Placement:
             planned = self._planned(size, replicas, fresh, now)
             if planned is not None and order(planned)[:2] != (False, False):
                 planned = None  # (it takes no new size now)
-        if holders and (planned is None or planned in holders):
+        if holders and (planned is None or planned.replica_id in {r.replica_id for r in holders}):
             first = sorted(holders, key=lambda r: (r.full, self._crowding(r)))
         elif planned is not None:
             first, holders = [planned], []
@@ -241,19 +257,12 @@ class Placement:
     def routed(self, size: Size | None, replica_id: str, now: float) -> None:
         """Remember that `size` went to `replica_id`: it will hold the size once served."""
         if size is not None:
-            self.homes.pop(size, None)  # re-inserted last: the dict is in order of use
-            self.homes[size] = (replica_id, now)
-            if len(self.homes) > MAX_HOMES:
-                del self.homes[next(iter(self.homes))]
+            remember(self.homes, size, (replica_id, now))
 
     def requested(self, size: Size | None, now: float) -> None:
         """Count one request of `size` (once per request, when it is routed)."""
         if size is not None:
-            count = self.requests_per_half_life(size, now) + 1.0
-            self.traffic.pop(size, None)
-            self.traffic[size] = (count, now)
-            if len(self.traffic) > MAX_HOMES:
-                del self.traffic[next(iter(self.traffic))]
+            remember(self.traffic, size, (self.requests_per_half_life(size, now) + 1.0, now))
 
     def requests_per_half_life(self, size: Size, now: float) -> float:
         """`size`'s request count, each request weighing half as much every TRAFFIC_HALF_LIFE_S."""
@@ -279,8 +288,7 @@ class Placement:
         """Rule 3's plan: each size requested at PLANNED_RATE or more, on a replica where it
         fits beside the sizes placed before it: first the sizes some replica holds, then the
         others, the most requested first in each."""
-        entries = sum(r.entries for r in replicas)
-        mean_entry = sum(r.bytes for r in replicas) / entries if entries else 0.0
+        mean_entry = _mean_entry(replicas)
         room = {r.replica_id: r.budget if r.budget is not None else math.inf for r in replicas}
         load = dict.fromkeys(room, 0.0)
         rates = {s: self.requests_per_half_life(s, now) for s in self.traffic}
@@ -304,10 +312,7 @@ class Placement:
         for replica in replicas:
             for size, nbytes in replica.size_bytes.items():
                 if nbytes > self.size_bytes.get(size, -1):
-                    self.size_bytes.pop(size, None)
-                    self.size_bytes[size] = nbytes
-                    if len(self.size_bytes) > MAX_HOMES:
-                        del self.size_bytes[next(iter(self.size_bytes))]
+                    remember(self.size_bytes, size, nbytes)
 
     def _holds(self, replica: ReplicaState, size: Size, fresh: bool) -> bool:
         """Rule 2. A replica's sizes include those it is serving now, so a size sent to it is
@@ -322,18 +327,13 @@ class Placement:
         if replica.published_at is None or replica.published_at <= home[1] + HOME_GRACE_S:
             return True
         del self.homes[size]
-        where = self.evictions.pop(size, {})  # re-inserted last: the oldest is dropped first
-        where[replica.replica_id] = where.get(replica.replica_id, 0) + 1
-        self.evictions[size] = where
-        if len(self.evictions) > MAX_HOMES:
-            del self.evictions[next(iter(self.evictions))]
+        where = self.evictions.get(size, {})
+        remember(self.evictions, size, {**where, replica.replica_id: where.get(replica.replica_id, 0) + 1})
         return False
 
     def _new_size_order(self, size: Size, replicas: Sequence[ReplicaState], fresh: Mapping, now: float):
         """Rule 3: a sort key over replicas, ascending, for placing `size`."""
-        held = sum(r.bytes for r in replicas if fresh[r.replica_id])
-        entries = sum(r.entries for r in replicas if fresh[r.replica_id])
-        mean_entry = held / entries if entries else 0.0
+        mean_entry = _mean_entry(r for r in replicas if fresh[r.replica_id])
         needed = self.size_bytes.get(size, mean_entry)
         evicted = self.evictions.get(size, {})
 

@@ -29,7 +29,7 @@ import torch
 import shapecache as sc
 from shapecache import _checks
 from shapecache.cache import entries_served, holder_of
-from shapecache.ray_serve._placement import routing_stats
+from shapecache.ray_serve._placement import remember, routing_stats
 from shapecache.ray_serve._request_size import PIPELINE_SIZE_KEYS, check_size, check_size_keys, request_size
 from shapecache.ray_serve._shared_dir import SharedDir
 
@@ -115,8 +115,9 @@ class CachedReplica:
                              "the hot sizes on a thread) or 'inline' (built before it is ready)")
         self.cached = cached
         self.__is_pipeline = "components" in sc.stats(cached)
-        self.__builds_in_background = _build_mode(cached) == "background"
-        if _build_mode(cached) == "inline":
+        build = _build_mode(cached)
+        self.__builds_in_background = build == "background"
+        if build == "inline":
             logger.info("shapecache: %s builds inline: a request of a size it does not hold waits for the build (the "
                         "router sends it no new size meanwhile); build=\"background\" serves such a request uncached "
                         "while the size builds", type(self).__name__)
@@ -258,10 +259,7 @@ class CachedReplica:
             self.__awaiting = {s: at for s, at in self.__awaiting.items() if now - at < AWAITING_S}
             for size in [s for s, ids in self.__entries_of.items() if not ids <= bytes_of.keys()]:
                 del self.__entries_of[size]
-                self.__evicted.pop(size, None)  # re-inserted last: the oldest is dropped first
-                self.__evicted[size] = self.__evicted.get(size, 0) + 1
-                if len(self.__evicted) > EVICTED_SIZES:
-                    del self.__evicted[next(iter(self.__evicted))]
+                remember(self.__evicted, size, self.__evicted.get(size, 0) + 1, EVICTED_SIZES)
             size_bytes = {s: sum(bytes_of[i] for i in ids) for s, ids in self.__entries_of.items()}
             held = set(self.__entries_of) | set(self.__serving) | set(self.__awaiting)
             return figures, held, size_bytes, len(self.__building)
