@@ -404,6 +404,8 @@ class GraphDevice:
         self.failures = []  # injected into the next captures, in order
         self.inner_call = None
         self.too_large = set()  # sizes whose graph was given up: they run eager
+        self.builds = 0
+        self.pays = None  # None: backend="cuda_graph"; else whether a new graph's replay beats eager ("auto")
         self.grown_under_a_replay = False  # a graph too large, captured beside a running one
         self.cache = _C.ShapeCache(lambda device: budget, None)
         self.cached = _C.ShapeDispatcher(lambda x: x * 2, self.build, self.cache, [], ["x"], None, False,
@@ -460,8 +462,15 @@ class GraphDevice:
             self.charge(handle)
         return runner.static_input_bytes
 
+    def layer(self):
+        """graph_pool.PoolLayer with this model in CUDA's place."""
+        return graph_pool.PoolLayer(graphs_of=lambda r: isinstance(r, BucketGraph), recapture=self.recapture,
+                                    release=self.release_memory, shared_bytes=lambda handle: self.pool_bytes(),
+                                    charge=self.charge, lock=lambda device: contextlib.nullcontext())
+
     def build(self, args, kwargs, handle):  # _backends/cuda_graph.py's build, after the warm-up
         (x,) = args
+        self.builds += 1
         runner = BucketGraph(self, x.numel())
         pool_before = self.pool_bytes()
         fail_at = self.failures.pop(0) if self.failures else None
@@ -471,27 +480,23 @@ class GraphDevice:
             raise  # the cache's own retry
         except Injected:
             return BuiltEntry((lambda y: y * 2), 0, x * 2, "eager")
-        entry_bytes = runner.static_input_bytes
-        if not graph_pool.pool_over_budget(handle, entry_bytes, self.pool_bytes()):
-            self.charge(handle)
-        else:
-            try:
-                rebuilt = graph_pool.rebuild_largest_first(
-                    handle, runner, pool_before, graphs_of=lambda r: isinstance(r, BucketGraph),
-                    recapture=self.recapture, release=self.release_memory, shared_bytes=self.pool_bytes,
-                    lock=lambda device: contextlib.nullcontext())
-            except graph_pool.GraphTooLarge:
+        pays = None
+        if self.pays is not None:  # backend="auto": the replay against the eager call
+            def pays():
+                assert runner(x) is not None  # timed replays
+                return self.pays
+        running = any(pinned for _, _, pinned in handle.entries())
+        try:
+            entry_bytes = graph_pool.keep_new_graph(handle, runner, runner.static_input_bytes, pool_before, pays=pays,
+                                                    layer=self.layer())
+        except graph_pool.NotKept as not_kept:
+            if not_kept.reason is not None:
                 self.too_large.add(x.numel())
-                return BuiltEntry((lambda y: y * 2), 0, x * 2, "eager")
-            if rebuilt is None:  # a graph is running up the stack
-                handle.evict_unpinned()
-                runner.release()
-                self.release_memory(handle)
-                rebuilt = self.recapture(runner, handle)
-                # What it grew the running graph's pool by stays until that pool is rebuilt
-                # (docs/backends.md); the entry itself is not kept.
-                self.grown_under_a_replay = not handle.could_fit(rebuilt)
-            entry_bytes = rebuilt
+            return BuiltEntry((lambda y: y * 2), 0, x * 2, "eager")
+        # What a graph too large grew a running graph's pool by stays until that pool is rebuilt
+        # (docs/backends.md); the entry itself is not kept.
+        if running and not handle.could_fit(entry_bytes):
+            self.grown_under_a_replay = True
         return BuiltEntry(runner, entry_bytes, x * 2, "cuda_graph")
 
 
@@ -513,6 +518,25 @@ class PoolUnderBudget(RuleBasedStateMachine):
             self.device.failures = [failure]
         self.call(size)
         self.device.failures = []
+
+    @rule(size=SIZES, pays=st.booleans())
+    def call_a_size_with_auto(self, size, pays):
+        # backend="auto": whether a new graph pays is asked before anything is charged. One that
+        # does not is released at once, and the pool's bytes go back: at once where no other
+        # graph shares its generation, else by a rebuild where what it added leaves no room
+        # (the invariants: the pool within the budget, charged as held).
+        handle = _C._testing.build_handle(self.device.cache, CPU)
+        builds = self.device.builds
+        others_live = any(g.graph is not None for g in list(self.device.graphs))
+        self.device.pays = pays
+        try:
+            self.call(size)
+        finally:
+            self.device.pays = None
+        if self.device.builds > builds and not pays:
+            assert not any(isinstance(r, BucketGraph) and r.size == size for _, r, _ in handle.entries())
+            if not others_live:
+                assert self.device.pool_bytes() == 0, "a graph not kept left its pool reserved"
 
     @rule(outer=SIZES, inner=SIZES)
     def call_a_size_from_inside_a_replay(self, outer, inner):

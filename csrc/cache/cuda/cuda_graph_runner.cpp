@@ -123,7 +123,7 @@ void PoolGraph::reset_keeping_workspaces() {
   // torch's reset() (2.13 on) also frees the cuBLAS workspaces kept for its capture stream,
   // which is every graph's of the device, and which the live ones replay into. Pointed at a
   // stream no work ever runs on, it frees none of them.
-  capture_stream_ = graphs_.idle_stream;
+  capture_stream_ = graphs_.idle_stream();
   reset();
 }
 
@@ -142,7 +142,20 @@ c10::cuda::CUDAStream own_stream(c10::DeviceIndex device) {
 }  // namespace
 
 DeviceGraphs::DeviceGraphs(c10::DeviceIndex index)
-    : device(index), stream(own_stream(index)), idle_stream(own_stream(index)) {}
+    : device(index) {}
+
+c10::cuda::CUDAStream DeviceGraphs::stream() {
+  std::call_once(streams_made_, [this] {
+    stream_.emplace(own_stream(device));
+    idle_stream_.emplace(own_stream(device));
+  });
+  return *stream_;
+}
+
+c10::cuda::CUDAStream DeviceGraphs::idle_stream() {
+  stream();  // makes both
+  return *idle_stream_;
+}
 
 DestroyAfterCapture<PoolGraph>& DeviceGraphs::graphs_to_destroy() {
   static auto* deferral = new DestroyAfterCapture<PoolGraph>();  // never destroyed, like the registry
@@ -192,7 +205,7 @@ std::pair<std::tuple<void*, void*>, std::tuple<void*, void*>> DeviceGraphs::inst
   }
   void* data = blas_workspaces_.back().get();
   const c10::Device where(c10::kCUDA, device);
-  void* raw_stream = stream.stream();
+  void* raw_stream = stream().stream();
   // The keys torch reads: (cuBLAS handle, stream) for cuBLAS, and for cuBLASLt (2.11 by
   // default, a map of its own) its handle's; 2.13 reads the cuBLAS map for both.
   const std::tuple<void*, void*> blas_key{static_cast<void*>(at::cuda::getCurrentCUDABlasHandle()), raw_stream};
@@ -277,8 +290,8 @@ std::shared_ptr<CudaGraphRunner> CudaGraphRunner::capture(const py::object& func
   };
   {
     auto lock = lock_device(graphs);
-    order_after(caller, graphs.stream, graphs.caller_done);
-    c10::cuda::CUDAStreamGuard stream_guard(graphs.stream);
+    order_after(caller, graphs.stream(), graphs.caller_done);
+    c10::cuda::CUDAStreamGuard stream_guard(graphs.stream());
     for (const at::Tensor& t : inputs) runner->static_inputs_.push_back(static_copy(t));
     runner->static_args_ = map_tensors(args, static_copy);
     runner->static_kwargs_ = map_tensors(kwargs, static_copy);
@@ -323,8 +336,8 @@ void CudaGraphRunner::capture_graph(const py::object& owner) {
   };
   {
     auto lock = lock_device(graphs);
-    order_after(caller, graphs.stream, graphs.caller_done);
-    c10::cuda::CUDAStreamGuard stream_guard(graphs.stream);
+    order_after(caller, graphs.stream(), graphs.caller_done);
+    c10::cuda::CUDAStreamGuard stream_guard(graphs.stream());
     // The device's own cuBLAS workspace, installed outside the capture (where torch would
     // otherwise allocate one inside it, into the generation's pool for good).
     const auto blas_keys = graphs.install_blas_workspace();
@@ -345,7 +358,7 @@ void CudaGraphRunner::capture_graph(const py::object& owner) {
       graphs.install_blas_workspace();
       TORCH_CHECK(false, "cuda_graph: torch's cuBLAS workspaces were cleared or resized during the capture");
     }
-    order_after(graphs.stream, caller, graphs.graphs_done);
+    order_after(graphs.stream(), caller, graphs.graphs_done);
   }
   std::vector<at::Tensor> static_outputs;
   for_each_tensor(outputs.ptr(), [&](const at::Tensor& t) { static_outputs.push_back(t); });
@@ -390,12 +403,12 @@ py::object CudaGraphRunner::run(const Call& call) {
     // queued on the caller's stream, after that wait.
     auto lock = lock_device(graphs);
     for (const at::Tensor& s : static_outputs_) outputs.push_back(at::empty_like(s));
-    order_after(caller, graphs.stream, graphs.caller_done);
-    c10::cuda::CUDAStreamGuard stream_guard(graphs.stream);
+    order_after(caller, graphs.stream(), graphs.caller_done);
+    c10::cuda::CUDAStreamGuard stream_guard(graphs.stream());
     for (size_t i = 0; i < inputs.size(); ++i) static_inputs_[i].copy_(inputs[i], /*non_blocking=*/true);
     graph_->replay();
     for (size_t i = 0; i < outputs.size(); ++i) outputs[i].copy_(static_outputs_[i], /*non_blocking=*/true);
-    order_after(graphs.stream, caller, graphs.graphs_done);
+    order_after(graphs.stream(), caller, graphs.graphs_done);
   }
   size_t next = 0;  // the outputs' structure, rebuilt around the copies (in the same walk order)
   return map_tensors(output_structure_, [&](const at::Tensor&) { return outputs.at(next++); });

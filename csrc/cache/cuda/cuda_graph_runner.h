@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -62,8 +63,13 @@ struct DeviceGraphs {
 
   const c10::DeviceIndex device;
   PoolGenerations generations;   // guarded by `mutex`
-  c10::cuda::CUDAStream stream;       // every capture and every replay of the device; shapecache's own
-  c10::cuda::CUDAStream idle_stream;  // no work runs on it: what a destroyed graph names as its capture stream
+  // Every capture and every replay of the device runs on stream(); no work runs on
+  // idle_stream(), which is what a destroyed graph names as its capture stream. Both are
+  // shapecache's own, made on first use: a stream makes the device's CUDA context (about
+  // 0.3-0.5 GiB), and the lock alone (every_device_lock takes every device's) must make none,
+  // nor fail where a GPU in EXCLUSIVE_PROCESS mode belongs to another process.
+  c10::cuda::CUDAStream stream();
+  c10::cuda::CUDAStream idle_stream();
   // One capture or replay at a time; guards the events and `generations` too. Recursive: the
   // function being captured may call another cached function of the device (which then fails
   // to replay inside a capture with an error, instead of waiting forever on this lock). Taken
@@ -93,6 +99,8 @@ struct DeviceGraphs {
   bool blas_workspace_installed(const std::pair<std::tuple<void*, void*>, std::tuple<void*, void*>>& keys);
 
  private:
+  std::once_flag streams_made_;
+  std::optional<c10::cuda::CUDAStream> stream_, idle_stream_;
   std::vector<at::DataPtr> blas_workspaces_;  // never freed: torch's maps may still alias an older one
   size_t blas_workspace_bytes_ = 0;
 

@@ -83,9 +83,10 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
     if keep_only_if_faster:
         # On the warm-up's stream too: the caching allocator keeps freed blocks per stream, so
         # eager runs on the caller's stream would cache a second set of the call's temporaries
-        # beside the warm-up's, outside any budget. (Timed device-wide: the stream is the same.)
+        # beside the warm-up's, outside any budget.
         with torch.cuda.device(device), torch.cuda.stream(side):
-            eager_seconds = min(_timing.timings(lambda: _C.run_user_code(runnable, tuple(args), dict(kwargs)), device, repeats=2))
+            eager_seconds = min(_timing.stream_seconds(
+                lambda: _C.run_user_code(runnable, tuple(args), dict(kwargs)), side, repeats=2))
 
     # What the warm-up and the eager timing cached on the side stream goes back to the device,
     # as torch.cuda.graph does before each capture: a graph's private pool takes no blocks
@@ -95,9 +96,9 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
     if not torch.cuda.is_current_stream_capturing():
         graph_pool.empty_allocator_caches(device)
     pool_before = graph_pool.pool_and_workspace_bytes(device)
+    what = getattr(function, '__qualname__', function)
     try:
-        # Measured, not yet charged: a pool grown past the budget is rebuilt below, with the
-        # other entries' graphs, which a charge now would evict.
+        # Measured, not yet charged: keep_new_graph decides whether it stays, under the budget.
         runner, entry_bytes = graph_pool.measured_capture(
             lambda: _C.capture_cuda_graph(runnable, owner, tuple(call_args), dict(kwargs), handle.tensors, guard),
             handle, charge=False)
@@ -106,42 +107,30 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
     except Exception as error:  # noqa: BLE001  (the call computed its result already: never fail it here)
         # A function that cannot be captured (a synchronising call, a CPU round trip): the
         # allocators were cleaned up (csrc/core/pool_generations.h); this bucket runs eager.
-        warnings.warn(f"shapecache: {getattr(function, '__qualname__', function)} could not be captured as a CUDA "
-                      f"graph ({described(error)}); "
+        warnings.warn(f"shapecache: {what} could not be captured as a CUDA graph ({described(error)}); "
                       "its bucket runs eager", RuntimeWarning, stacklevel=2)
         return BuiltEntry(function, 0, output, "eager")
-    if not graph_pool.pool_over_budget(handle, entry_bytes, graph_pool.pool_and_workspace_bytes(device)):
-        graph_pool.charge_shared_bytes(handle)
-    else:
-        # Evicting entries cannot shrink the pool (see graph_pool.py): rebuild it.
-        what = getattr(function, '__qualname__', function)
-        try:
-            rebuilt = graph_pool.rebuild_largest_first(handle, runner, pool_before)
-            if rebuilt is None:  # a graph of the device is running up the stack: keep what runs
-                handle.evict_unpinned()
-                runner.release()
-                graph_pool.release_device_memory(handle)
-                rebuilt = graph_pool.measured_recapture(runner, handle)
-        except graph_pool.GraphTooLarge as too_large:
-            # The pool was rebuilt without it: this bucket runs eager, its temporaries held only
-            # while it runs, in the allocator's cache, outside the budget like any eager call's.
-            warnings.warn(f"shapecache: the CUDA graph of a bucket of {what} on {device} leaves no room under the "
-                          f"budget ({too_large}); its bucket runs eager", RuntimeWarning, stacklevel=2)
-            return BuiltEntry(function, 0, output, "eager")
-        except torch.OutOfMemoryError:
-            raise  # the cache's own retry
-        except Exception as error:  # noqa: BLE001  (the call computed its result already: never fail it here)
-            runner.release()
-            warnings.warn(f"shapecache: capturing {what} again while its device's graph pool was rebuilt failed "
-                          f"({described(error)}); its bucket runs eager",
-                          RuntimeWarning, stacklevel=2)
-            return BuiltEntry(function, 0, output, "eager")
-        entry_bytes = rebuilt
 
+    def replay_pays() -> bool:
+        # Timed on the caller's stream, which the replay is ordered after and before; the best
+        # of several: the first replay of a graph includes its upload.
+        caller_stream = torch.cuda.current_stream(device)
+        return min(_timing.stream_seconds(lambda: runner(*handle.tensors), caller_stream, repeats=3)) < eager_seconds
+
+    try:
+        entry_bytes = graph_pool.keep_new_graph(handle, runner, entry_bytes, pool_before,
+                                                pays=replay_pays if keep_only_if_faster else None)
+    except graph_pool.NotKept as not_kept:
+        if not_kept.reason is not None:
+            warnings.warn(f"shapecache: the CUDA graph of a bucket of {what} on {device} was not kept "
+                          f"({not_kept.reason}); its bucket runs eager", RuntimeWarning, stacklevel=2)
+        return BuiltEntry(function, 0, output, "eager")
+    except torch.OutOfMemoryError:
+        raise  # the cache's own retry
+    except Exception as error:  # noqa: BLE001  (the call computed its result already: never fail it here)
+        runner.release()
+        warnings.warn(f"shapecache: capturing {what} again while its device's graph pool was rebuilt failed "
+                      f"({described(error)}); its bucket runs eager", RuntimeWarning, stacklevel=2)
+        return BuiltEntry(function, 0, output, "eager")
     name = "compile+cuda_graph" if compiled else "cuda_graph"
-    if keep_only_if_faster:
-        # The best of several: the first replay of a graph includes its upload.
-        replay_seconds = min(_timing.timings(lambda: runner(*handle.tensors), device, repeats=3))
-        if replay_seconds >= eager_seconds:
-            return BuiltEntry(function, 0, output, "eager")
     return BuiltEntry(None, entry_bytes, output, name, entry_runner=runner)  # the runner holds `guard`

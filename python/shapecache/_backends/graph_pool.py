@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import warnings
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -147,10 +148,74 @@ class GraphTooLarge(Exception):
         self.entry_bytes, self.shared_bytes = entry_bytes, shared_bytes
 
 
-def rebuild_largest_first(handle, new_runner, pool_before: int, *, graphs_of=is_graph,
-                          recapture=measured_recapture, release=release_device_memory, shared_bytes=None,
-                          lock=device_lock) -> int | None:
-    """Drops every graph of the handle's device in its cache and `new_runner`'s, lets the pool
+class PoolLayer(NamedTuple):
+    """What the pool's rules call on the device. CUDA_LAYER is the CUDA layer's; the pool
+    lifecycle test (tests/core/test_pool_generations.py) runs the same rules on the CPU with
+    its model of torch's allocators in their place."""
+
+    graphs_of: Callable  # runner -> whether it is a graph of this pool
+    recapture: Callable  # (released runner, handle, charge) -> the entry's bytes
+    release: Callable  # handle -> frees what no graph holds, and charges the pool as it is then
+    shared_bytes: Callable  # handle -> the device's pool and workspace bytes now
+    charge: Callable  # handle -> charges the pool and workspace as they are now
+    lock: Callable  # device -> its capture lock, as a context manager
+
+
+CUDA_LAYER = PoolLayer(graphs_of=is_graph, recapture=measured_recapture, release=release_device_memory,
+                       shared_bytes=lambda handle: pool_and_workspace_bytes(handle.device),
+                       charge=charge_shared_bytes, lock=device_lock)
+
+
+class NotKept(Exception):
+    """The new bucket's graph was released, and the pool's bytes it took given back: its bucket
+    runs eager. `reason` says why, for a warning (None: nothing to warn about)."""
+
+    def __init__(self, reason: str | None):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def keep_new_graph(handle, runner, entry_bytes: int, pool_before: int, *, pays: Callable[[], bool] | None = None,
+                   layer: PoolLayer = CUDA_LAYER) -> int:
+    """The new bucket's graph, just captured into the pool, measured and not yet charged: kept
+    under the budget rule, or given up. Returns the entry's bytes, or raises NotKept.
+
+    The order is the rule: whether the graph pays (`pays()`, with ``backend="auto"``: its
+    replay against the eager call) is asked before anything is charged, since a charge may
+    evict other entries for a graph that then goes; one that does not pay is released and the
+    pool's bytes it took given back. A kept graph whose pool leaves room is charged; otherwise
+    the pool is rebuilt largest first (`rebuild_largest_first`). Where a graph of the device
+    runs up the stack, the pool cannot be dropped: every unpinned entry goes and the new graph
+    is captured again alone."""
+    if pays is not None and not pays():
+        runner.release()
+        if not handle.could_fit(0, layer.shared_bytes(handle)):
+            # What its capture added to a pool other graphs share stays there (a pool shrinks
+            # only whole), and leaves no room: the pool is rebuilt without it.
+            rebuild_largest_first(handle, None, 0, layer=layer)
+        layer.release(handle)
+        raise NotKept(None)
+    if not pool_over_budget(handle, entry_bytes, layer.shared_bytes(handle)):
+        layer.charge(handle)
+        return entry_bytes
+    # Evicting entries cannot shrink the pool (the module's docstring): rebuild it.
+    try:
+        rebuilt = rebuild_largest_first(handle, runner, pool_before, layer=layer)
+    except GraphTooLarge as too_large:
+        # The pool was rebuilt without it: the bucket runs eager, its temporaries held only while
+        # it runs, in the allocator's cache, outside the budget like any eager call's.
+        raise NotKept(f"it leaves no room under the budget ({too_large})") from None
+    if rebuilt is None:  # a graph of the device is running up the stack: keep what runs
+        handle.evict_unpinned()
+        runner.release()
+        layer.release(handle)
+        rebuilt = layer.recapture(runner, handle, True)
+    return rebuilt
+
+
+def rebuild_largest_first(handle, new_runner, pool_before: int, *, layer: PoolLayer = CUDA_LAYER) -> int | None:
+    """Drops every graph of the handle's device in its cache and `new_runner`'s (None: there is
+    none, and the others are captured again largest first), lets the pool
     empty, and captures `new_runner` alone first: its capture is what took the pool past the
     budget, and alone in the empty pool it needs what it will ever need. A graph that leaves
     no room even then is given up: released, the pool emptied again, the others captured, and
@@ -165,17 +230,17 @@ def rebuild_largest_first(handle, new_runner, pool_before: int, *, graphs_of=is_
     cannot be dropped.
 
     Graphs that other caches captured into the device's pool keep it from emptying: the
-    rebuild is then correct but frees less.
-
-    `graphs_of`, `recapture`, `release`, `shared_bytes` (the device's pool and workspace bytes
-    now) and `lock` (the device's capture lock, held from the new graph's capture to the figure
-    read after it, so that another thread's capture is not counted as its) are the CUDA
-    layer's; the pool lifecycle test (tests/core/test_pool_generations.py) runs this same
-    order on the CPU with its model of torch's allocators in their place.
+    rebuild is then correct but frees less. The new graph's capture is measured under the
+    device's capture lock (`layer.lock`) up to the figure read after it, so that another
+    thread's capture is not counted as its.
     """
-    shared_bytes = shared_bytes or (lambda: pool_and_workspace_bytes(handle.device))
+    recapture, release = layer.recapture, layer.release
+
+    def shared_bytes():
+        return layer.shared_bytes(handle)
+
     graphs = [(entry_id, runner, pinned) for entry_id, runner, pinned in handle.entries()
-              if graphs_of(runner)]
+              if layer.graphs_of(runner)]
     if any(pinned for _, _, pinned in graphs):
         return None
     queue = []
@@ -188,17 +253,22 @@ def rebuild_largest_first(handle, new_runner, pool_before: int, *, graphs_of=is_
     handle.count_pool_rebuild()
     for _, runner in queue:
         runner.release()
+    rounds = _Rounds(handle, recapture, release, shared_bytes, layer.lock)
+    if new_runner is None:
+        release(handle)
+        captured = rounds.largest_first(_largest_inputs_first(queue), room_for=0)
+        release(handle)  # charges the pool as the round left it
+        return _settle(handle, captured)
     new_runner.release()
     release(handle)
 
     # The caller's own bucket (its errors are its builder's to handle), measured before its
     # pool is charged: a charge past the budget would evict every entry for a graph that
     # cannot stay. Captures below are charged once a round is over, for the same reason.
-    with lock(handle.device):
-        new_bytes = recapture(new_runner, handle, charge=False)
+    with layer.lock(handle.device):
+        new_bytes = recapture(new_runner, handle, False)
         alone = shared_bytes()
     others = _largest_inputs_first(queue)
-    rounds = _Rounds(handle, recapture, release, shared_bytes, lock)
     if not handle.could_fit(new_bytes, alone):
         new_runner.release()
         release(handle)
@@ -300,7 +370,7 @@ class _Rounds:
             try:
                 with self.lock(handle.device):
                     before = self.shared_bytes()
-                    entry_bytes = self.recapture(runner, handle, charge=False)
+                    entry_bytes = self.recapture(runner, handle, False)
                     after = self.shared_bytes()
                     captured.append(_Captured(entry_id, runner, entry_bytes, after - before, after))
             except Exception as error:

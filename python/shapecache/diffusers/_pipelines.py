@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shapecache import _checks
+from shapecache import _checks, _timing
 from shapecache._backends import builds_in_background, compiler_resident_bytes, disk_cache_counts, disk_cache_state
 from shapecache._extension import _C
 from shapecache._holder import HOLDER, CacheHolder, holder_on
@@ -307,6 +307,4 @@ def _decoder_input(pipe, decoder, height, width, batch):
 
 
 def _synchronize(module):
-    device = next(module.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _timing.synchronize(next(module.parameters()).device)

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from shapecache import _checks
+from shapecache import _checks, _timing
 from shapecache.budget import format_bytes
 from shapecache.diffusers._families import family_of
 
@@ -120,7 +120,7 @@ def _release_text_encoders(pipe) -> int:
         return 0
     devices = {e.device for e in encoders}
     for d in devices:
-        torch.cuda.synchronize(d)  # pending copies out of the encoders' outputs finish first
+        _timing.synchronize(d)  # pending copies out of the encoders' outputs finish first
     before = sum(torch.cuda.memory_allocated(d) for d in devices)
     for encoder in encoders:
         encoder.to("cpu")
