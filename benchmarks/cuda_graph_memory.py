@@ -13,7 +13,7 @@ in the order given, by each strategy in a process of its own (so peaks do not mi
   shapecache_compile sc.cached(backend="compile+cuda_graph")
   largest_alone      shapecache at the largest size only: the floor for peak memory
 
-Each row: peak reserved memory over the whole loop, the median per-call time (CUDA events,
+Each row: peak reserved memory over the whole loop, what stays reserved after it, the median per-call time (CUDA events,
 after each size's first call) per size, and the first call's time (build). Ratios are
 against `shapecache`. Goal: shapecache's peak <= 1.15x largest_alone's; its per-call time
 within 3% of naive_graphs'. Needs a CUDA device and diffusers.
@@ -96,7 +96,8 @@ def run_strategy(strategy: str, dtype_name: str, batch: int, calls: int, model: 
                 end.synchronize()
                 times.append(begin.elapsed_time(end))
             rows.append({"size": size, "first_s": first, "median_ms": statistics.median(times)})
-    result = {"strategy": strategy, "model": model, "peak_reserved": torch.cuda.max_memory_reserved(), "sizes": rows,
+    result = {"strategy": strategy, "model": model, "peak_reserved": torch.cuda.max_memory_reserved(),
+              "held_reserved": torch.cuda.memory_reserved(), "sizes": rows,
               "device": torch.cuda.get_device_name()}
     if strategy == "shapecache_tuned":
         from shapecache._extension import _C
@@ -149,7 +150,8 @@ def main(argv=None) -> int:
     gib = 2**30
     device = next((r["device"] for r in results.values() if "device" in r), "?")
     print(f"{device}; {args.model} UNet, {args.dtype}, batch {args.batch}; sizes {', '.join(f'{h}x{w}' for h, w in SIZES)}")
-    header = f"{'strategy':<20} {'peak GiB':>9} {'vs sc':>6} {'ms/call':>8} {'vs sc':>6} {'build s':>8}  per size ms"
+    header = (f"{'strategy':<20} {'peak GiB':>9} {'vs sc':>6} {'held GiB':>9} {'ms/call':>8} {'vs sc':>6} {'build s':>8}"
+              "  per size ms")
     print(header)
     print("-" * len(header))
     for strategy, r in results.items():
@@ -162,8 +164,8 @@ def main(argv=None) -> int:
         peak_ratio = r["peak_reserved"] / reference["peak_reserved"] if "peak_reserved" in reference else float("nan")
         call_ratio = per_call / ref_calls if ref_calls else float("nan")
         sizes = " ".join(f"{s['median_ms']:.1f}" for s in r["sizes"])
-        print(f"{strategy:<20} {r['peak_reserved'] / gib:>9.2f} {peak_ratio:>6.2f} {per_call:>8.2f} {call_ratio:>6.2f} "
-              f"{build:>8.1f}  {sizes}")
+        print(f"{strategy:<20} {r['peak_reserved'] / gib:>9.2f} {peak_ratio:>6.2f} {r['held_reserved'] / gib:>9.2f} "
+              f"{per_call:>8.2f} {call_ratio:>6.2f} {build:>8.1f}  {sizes}")
     if "shapecache" in results and "largest_alone" in results and "peak_reserved" in reference:
         floor = results["largest_alone"].get("peak_reserved")
         if floor:

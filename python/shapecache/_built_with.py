@@ -29,6 +29,7 @@ def build_info() -> dict:
         "built_against_torch": _build_info.TORCH_VERSION,
         "built_against_cuda": _build_info.TORCH_CUDA or None,
         "cuda_code": bool(_C.has_cuda_graphs),
+        "compiler": getattr(_build_info, "COMPILER", None),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
     }

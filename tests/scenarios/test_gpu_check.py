@@ -136,3 +136,41 @@ def test_the_check_names_what_keeps_it_from_running_before_any_step():
     unmet = _gpu_check.unmet_needs()
     assert unmet[0] == "this shapecache has no CUDA code: it was built against a torch without CUDA"
     assert all("missing Python packages" not in need for need in unmet)  # the test extra is installed here
+
+
+def test_the_quick_plan_keeps_the_memory_steps_time_and_fits_its_limit(tmp_path):
+    deadline = time.time() + _gpu_check.QUICK_SECONDS
+    steps = _gpu_check.quick_plan(tmp_path, deadline)
+    assert [s.name for s in steps] == ["cuda tests", "probes", "speed", "memory"]
+    speed = steps[2].command
+    until = float(speed[speed.index("--until") + 1])
+    # the speed step ends itself in time for the memory step and the stopping of both
+    assert until <= deadline - _gpu_check.MEMORY_SECONDS - 3 * _gpu_check.STOP_SECONDS + 1
+    fixed = sum(s.seconds + _gpu_check.STOP_SECONDS for s in steps if s.name != "speed")
+    startup = 30
+    assert _gpu_check.QUICK_SECONDS - fixed - startup >= 120, "the speed step is left too little time"
+    assert "sdxl" in speed and "cuda" in speed
+    dry = _gpu_check.quick_plan(tmp_path, deadline, dry_run=True)
+    assert [s.name for s in dry] == ["cuda tests", "probes", "speed"]  # the memory step measures CUDA pools
+    assert "tiny" in dry[2].command and "cpu" in dry[2].command
+
+
+def test_the_quick_dry_run_runs_each_step_on_the_cpu_and_writes_its_tables(tmp_path):
+    # The dry run of the device check: the same steps and benchmarks, on the CPU, a tiny UNet.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-m", "shapecache", "gpu-check", "--quick", "--dry-run", "--seconds", "60",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [(s["step"], s["status"]) for s in report["steps"]] == [("cuda tests", 0), ("probes", 0), ("speed", 0)]
+    assert "| cuda_code | False |" in (tmp_path / "environment.md").read_text()
+    probes = json.loads((tmp_path / "probes.json").read_text())["probes"]
+    assert probes[0]["calls"] == 18 and probes[0]["errors"] == [] and probes[0]["mismatches"] == []
+    assert probes[1]["error_counts"] == {"default generator": 0, "own generator": 0}
+    rows = {(r["strategy"], r["compile"], tuple(r["size"])): r for r in json.loads((tmp_path / "speed.json").read_text())}
+    for measured in ("eager", "auto"):
+        row = rows[(measured, "", (64, 64))]
+        assert row["median_ms"] > 0 and row["max_abs_difference"] == 0, row
+    assert "not available" in rows[("cuda_graph", "", (64, 64))]["error"]  # why a graph cannot run here
+    assert all("error" in row or "median_ms" in row for row in rows.values())
+    assert "| 64x64 | eager |" in (tmp_path / "speed.md").read_text()

@@ -69,29 +69,79 @@ def plan(out: Path, with_compile: bool = False) -> list[Step]:
     return steps
 
 
+# --quick: what a device lent for minutes measures, in the order of its tables' importance to
+# the GPU route (the speed table is the compiled route's, the memory table the pool's). The
+# speed step stops itself MEMORY_SECONDS (and the stopping time) before the check's end, so
+# that the memory step after it keeps its time.
+QUICK_SECONDS = 450
+QUICK_TESTS = ("tests/backends/test_cuda_graph.py", "tests/ops", "tests/cache", "tests/core")
+QUICK_SIZES = "1024x1024,1152x896"
+MEMORY_SECONDS = 100
+DRY_RUN_SIZES = "64x64,64x96"
+
+
+def quick_plan(out: Path, deadline: float, dry_run: bool = False) -> list[Step]:
+    """The steps of ``--quick``: the CUDA tests of the graph pool, the cache and the
+    convolutions (with their durations); the thread probes; speed by strategy and size (an
+    SDXL-architecture UNet, fp16, batch 2), which stops itself by `deadline` (time.time()) less
+    the memory step's time; then memory over the six sizes of the loop. `dry_run`: the same
+    steps on the CPU with a tiny UNet (the memory step, which measures CUDA graph pools, is
+    left out)."""
+    python = sys.executable
+    device = "cpu" if dry_run else "cuda"
+    speed_until = deadline - 2 * STOP_SECONDS - (0 if dry_run else MEMORY_SECONDS + STOP_SECONDS)
+    steps = [
+        Step("cuda tests", (python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "--durations=0",
+                            *QUICK_TESTS), 100),
+        Step("probes", (python, "benchmarks/cuda_probes.py", "--device", device, "--out", str(out)), 60),
+        Step("speed", (python, "benchmarks/compiled_speed.py", "--model", "tiny" if dry_run else "sdxl",
+                       "--sizes", DRY_RUN_SIZES if dry_run else QUICK_SIZES, "--device", device, "--out", str(out),
+                       "--until", f"{speed_until:.0f}",
+                       "--strategies", "eager,cuda_graph,auto,torch_compile,compile_cuda_graph,reduce_overhead"),
+             10**6),  # its own --until ends it
+    ]
+    if not dry_run:
+        steps.append(Step("memory", (python, "benchmarks/cuda_graph_memory.py", "--model", "sdxl", "--calls", "3",
+                                     "--strategies", "naive_graphs,shapecache,largest_alone",
+                                     "--json", f"{out}/memory.json"), MEMORY_SECONDS))
+    return steps
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--out", default="gpu-check", help="folder for the report (default %(default)s)")
     parser.add_argument("--with-compile", action="store_true",
                         help="also the strategies that compile full-size UNets with inductor (limits x4)")
+    parser.add_argument("--quick", action="store_true",
+                        help="what fits a device lent for minutes: the environment, the graph tests, thread probes, "
+                             "speed by strategy and size, memory (docs/gpu.md)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="with --quick: the same steps on the CPU with a tiny UNet, before any device time is spent")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help=f"the whole check's limit, from the process's start (default {TOTAL_SECONDS}; "
+                             f"{QUICK_SECONDS} with --quick)")
 
 
-# What the steps import besides torch and shapecache, and which steps need it.
+# What the steps import besides torch and shapecache, and which steps need it (--quick's tests
+# leave out the pipelines' tests, which import transformers).
 NEEDED_MODULES = {"pytest": "cuda tests", "hypothesis": "cuda tests", "diffusers": "every UNet step",
                   "transformers": "every UNet step"}
+QUICK_NEEDED = ("pytest", "hypothesis", "diffusers")
 
 
-def unmet_needs() -> list[str]:
+def unmet_needs(quick: bool = False, dry_run: bool = False) -> list[str]:
     """What keeps the steps from checking the GPU path here, each with its fix: a build without
-    CUDA code (every step would measure eager calls only), a package a step imports."""
+    CUDA code (every step would measure eager calls only; a dry run runs on the CPU anyway), a
+    package a step imports."""
     import importlib.util
 
     from shapecache._built_with import cpu_only_reason
     from shapecache._extension import _C
 
     unmet = []
-    if not _C.has_cuda_graphs:
+    if not _C.has_cuda_graphs and not dry_run:
         unmet.append(cpu_only_reason() or "this shapecache has no CUDA code: it was built against a torch without CUDA")
-    missing = [name for name in NEEDED_MODULES if importlib.util.find_spec(name) is None]
+    needed = QUICK_NEEDED if quick else NEEDED_MODULES
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
         needed_by = sorted({NEEDED_MODULES[name] for name in missing})
         unmet.append(f"missing Python packages {', '.join(missing)} (needed by: {'; '.join(needed_by)}): "
@@ -102,10 +152,13 @@ def unmet_needs() -> list[str]:
 def run(args) -> int:
     import torch
 
-    if not torch.cuda.is_available():
+    if args.dry_run and not args.quick:
+        print("shapecache gpu-check: --dry-run is a dry run of --quick; add --quick", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available() and not args.dry_run:
         print("shapecache gpu-check: no CUDA device is visible; nothing was checked", file=sys.stderr)
         return 1
-    unmet = unmet_needs()
+    unmet = unmet_needs(args.quick, args.dry_run)
     if unmet:
         for need in unmet:
             print(f"shapecache gpu-check: {need}", file=sys.stderr)
@@ -116,15 +169,64 @@ def run(args) -> int:
               file=sys.stderr)
         return 1
     out = Path(args.out)
-    header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    steps = plan(out, args.with_compile)
-    total = TOTAL_SECONDS if not args.with_compile else sum(s.seconds + STOP_SECONDS for s in steps)
+    out.mkdir(parents=True, exist_ok=True)
+    environment = environment_table(args.dry_run)
+    (out / "environment.md").write_text(environment + "\n")
+    print(environment, flush=True)
+    header = {"device": "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.quick:
+        total = args.seconds or QUICK_SECONDS
+        steps = quick_plan(out, time.time() + total - seconds_since_process_start(), args.dry_run)
+    else:
+        steps = plan(out, args.with_compile)
+        total = args.seconds or (TOTAL_SECONDS if not args.with_compile else sum(s.seconds + STOP_SECONDS for s in steps))
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         report = run_steps(steps, out, header, total_seconds=total - seconds_since_process_start())
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0 if all(s["status"] == 0 for s in report["steps"]) else 1
+
+
+def environment_table(dry_run: bool = False) -> str:
+    """The first table: the device, torch, CUDA, cuDNN, the driver, how shapecache was built
+    (its compiler, the libraries its module needs) and whether it has CUDA code."""
+    import platform
+    import shutil
+
+    import torch
+
+    from shapecache._built_with import build_info
+    from shapecache._extension import _C
+
+    info = build_info()
+    rows = {"python": platform.python_version(), "torch": torch.__version__, "torch CUDA": torch.version.cuda,
+            "cuDNN": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+            "shapecache": info["shapecache"], "built against torch": info["built_against_torch"],
+            "compiler": info.get("compiler"), "cuda_code": info["cuda_code"]}
+    if torch.cuda.is_available() and not dry_run:
+        properties = torch.cuda.get_device_properties(0)
+        rows.update(device=f"{properties.name}, {properties.total_memory / 2**30:.1f} GiB, "
+                           f"compute capability {properties.major}.{properties.minor}",
+                    driver=_command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]))
+    else:
+        rows.update(device="cpu (dry run)" if dry_run else "no CUDA device")
+    readelf = shutil.which("readelf")
+    needed = "readelf not found"
+    if readelf:
+        dynamic = _command_output([readelf, "-d", _C.__file__]) or ""
+        needed = ", ".join(line.split("[")[1].rstrip("]") for line in dynamic.splitlines() if "(NEEDED)" in line)
+    rows["module's NEEDED libraries"] = needed
+    lines = ["# Environment and build", "", "| | |", "|---|---|"]
+    lines += [f"| {name} | {value} |" for name, value in rows.items()]
+    return "\n".join(lines)
+
+
+def _command_output(command: list[str]) -> str | None:
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=30).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def _exit_on_sigterm(signum, frame):
