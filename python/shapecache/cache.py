@@ -82,6 +82,13 @@ class CacheOptions:
                 f"compile_options: mode={compile_options['mode']!r} captures CUDA graphs of its own, inside the ones "
                 f"backend={backend!r} captures; use mode='max-autotune-no-cudagraphs' or 'default'"
             )
+        inductor_options = compile_options.get("options")
+        if backend in GRAPH_BACKENDS and isinstance(inductor_options, Mapping) and inductor_options.get("freezing"):
+            raise ValueError(
+                f"compile_options: freezing folds a copy of the weights into every bucket's graph (on a GPU one copy per "
+                f"size, about 5 GB each for an SDXL UNet in fp16); backend={backend!r} compiles graphs that read the "
+                "weights where they are: leave freezing out"
+            )
         if "dynamic" in compile_options:
             raise ValueError(
                 "compile_options: 'dynamic' is fixed to False; shapecache compiles one static graph per bucket"

@@ -24,6 +24,38 @@ def test_graph_backends_are_refused_clearly_where_they_cannot_run():
             sc.cached(torch.nn.Linear(2, 2), backend=backend)
 
 
+def test_a_graph_backend_refuses_freezing_naming_what_it_would_copy():
+    with pytest.raises(ValueError, match="freezing folds a copy of the weights into every bucket's graph"):
+        sc.cached(torch.nn.Linear(2, 2), backend="compile+cuda_graph", compile_options={"options": {"freezing": True}})
+
+
+def test_a_captured_compiled_graph_reads_the_live_weights_even_where_the_process_freezes():
+    # compile+cuda_graph's compile, as the CUDA builder makes it (graph_compile_options), run on
+    # the CPU against inductor itself: with freezing on process-wide (the CPU route's setting),
+    # a frozen graph would fold a copy of the weights into its constants, one per size, and
+    # answer with the old weights after an update in place. The captured graph's compile reads
+    # them where they are. The same compile without the override shows the copy.
+    from torch._inductor import config as inductor_config
+
+    from shapecache._backends.cuda_graph import graph_compile_options
+
+    def answers_after_an_update(options):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8).eval()
+        x = torch.randn(2, 8)
+        compiled = torch.compile(model, dynamic=False, **options)
+        with torch.no_grad(), inductor_config.patch(freezing=True):
+            compiled(x)
+            model.weight.copy_(torch.randn(8, 8))  # load_state_dict's update in place
+            return torch.allclose(compiled(x), model(x), atol=1e-5)
+
+    assert answers_after_an_update(graph_compile_options({}))
+    assert not answers_after_an_update({}), "inductor no longer folds weights under freezing: the test shows nothing"
+    assert graph_compile_options({"options": {"max_autotune": True}, "fullgraph": True}) == {
+        "options": {"max_autotune": True, "freezing": False}, "fullgraph": True}
+
+
 def test_auto_runs_eager_on_the_cpu():
     net = sc.cached(torch.nn.Linear(3, 3))
     net(torch.randn(2, 3))

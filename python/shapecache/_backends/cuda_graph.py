@@ -51,14 +51,26 @@ class CompiledCudaGraphBuilder(Builder):
         return _build_graph(function, args, kwargs, handle, context, compiled=True, keep_only_if_faster=False)
 
 
+def graph_compile_options(compile_options: dict) -> dict:
+    """torch.compile's arguments for a bucket's captured graph: the cache's `compile_options`
+    with inductor's freezing off, whatever the process's setting (the CPU route's builds turn it
+    on): a frozen graph holds a copy of the weights (folded into its constants), one per size,
+    which on a GPU is the growth the cache exists to prevent (an SDXL UNet's weights are about
+    5 GB in fp16). Unfrozen, inductor lifts parameters and buffers as graph inputs, read where
+    they are: N sizes cost N graphs' working memory and one set of weights, and an update in
+    place (load_state_dict) is read by the graph as it is. CacheOptions refuses freezing asked
+    for with a graph backend."""
+    return {**compile_options, "options": {**compile_options.get("options", {}), "freezing": False}}
+
+
 def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compiled: bool,
                  keep_only_if_faster: bool) -> BuiltEntry:
     if not handle.run_call:  # builds_in_background keeps graphs off the worker
         raise RuntimeError("a CUDA graph is captured on the caller's thread, not in the background")
     device = handle.device
     owner, call_args = (args[0], args[1:]) if context.has_owner else (None, args)
-    runnable = torch.compile(entry_point(function), dynamic=False, **context.compile_options) if compiled \
-        else function
+    runnable = torch.compile(entry_point(function), dynamic=False, **graph_compile_options(context.compile_options)) \
+        if compiled else function
     # Warm-up on a side stream: cuDNN's benchmarking, lazy initialisation and compilation
     # happen here, never inside capture. Its output is the call's result (the eager numbers).
     caller = torch.cuda.current_stream(device)
