@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -195,6 +196,26 @@ def test_the_fleet_view_skips_what_is_not_a_regular_file(tmp_path):
     (fleet / "zero.json").symlink_to("/dev/zero")
     states = NetReplica.fleet_view(tmp_path)
     assert [s.sizes for s in states] == [{(8, 8)}]
+
+
+def test_a_publication_sweeps_what_gone_replicas_and_killed_publishers_left(tmp_path):
+    from shapecache.ray_serve import _shared_dir
+
+    fleet = tmp_path / NetReplica.replicas_dir()
+    fleet.mkdir()
+    day_old = time.time() - _shared_dir.GONE_AFTER_S - 60
+    files = {"gone.json": day_old, "recent.json": time.time() - 600, ".gone.json.x.tmp": time.time() - 7200,
+             ".writing.json.y.tmp": time.time() - 60, "notes.txt": day_old}
+    for name, mtime in files.items():
+        (fleet / name).write_text("{}")
+        os.utime(fleet / name, (mtime, mtime))
+    replica = NetReplica(shared_dir=tmp_path)
+    replica(size=(8, 8))
+    replica.record_routing_stats()
+    left = {p.name for p in fleet.iterdir()}
+    assert not left & {"gone.json", ".gone.json.x.tmp"}
+    assert {".writing.json.y.tmp", "notes.txt", "recent.json"} <= left  # a write in flight; not a replica's
+    assert len(left) == 4  # and this replica's own
 
 
 def test_replicas_and_the_policy_import_nothing_of_ray():
