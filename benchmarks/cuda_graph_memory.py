@@ -142,6 +142,10 @@ def main(argv=None) -> int:
             results[strategy] = {"strategy": strategy, "error": why_it_failed(proc)}
             continue
         results[strategy] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"{strategy}: done", flush=True)
+        if args.json:  # after each strategy: a run stopped part-way keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
         if strategy == "largest_alone" and "pool_bytes" in results[strategy]:
             alone = results[strategy]
             budget = int(1.05 * (alone["pool_bytes"] + alone.get("entry_bytes", 0)))

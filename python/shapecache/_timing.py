@@ -43,7 +43,10 @@ def stream_seconds(call: Callable[[], object], stream: torch.cuda.Stream, repeat
     `stream`, or ordered after what it held and before what it is given next (a CUDA graph's
     replay on its own stream). Timed by CUDA events recorded on `stream`, so a gap while the
     host launched kernels counts; waiting for the last event waits for `stream` alone, never
-    the whole device, which may not be synchronised beside another thread's capture."""
+    the whole device, which may not be synchronised beside another thread's capture. What
+    `stream` held before is waited for first, so the first call's launches are not hidden
+    behind it."""
+    stream.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
     for start, end in events:
         start.record(stream)

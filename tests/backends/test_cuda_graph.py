@@ -54,6 +54,23 @@ def test_a_captured_compiled_graph_reads_the_live_weights_even_where_the_process
     assert not answers_after_an_update({}), "inductor no longer folds weights under freezing: the test shows nothing"
     assert graph_compile_options({"options": {"max_autotune": True}, "fullgraph": True}) == {
         "options": {"max_autotune": True, "freezing": False}, "fullgraph": True}
+    assert graph_compile_options({"options": None}) == {"options": {"freezing": False}}
+    assert graph_compile_options({"backend": "eager"}) == {"backend": "eager"}  # no inductor options for it
+
+
+def test_a_mode_asked_for_the_captured_graphs_compile_is_applied_as_its_options():
+    # torch.compile takes a mode or options, never both: a mode is folded into the options
+    # (what torch.compile applies for it), so the compile runs, with freezing still off.
+    from shapecache._backends.cuda_graph import graph_compile_options
+
+    options = graph_compile_options({"mode": "max-autotune-no-cudagraphs", "options": {"coordinate_descent_tuning": False}})
+    assert options == {"options": {"max_autotune": True, "coordinate_descent_tuning": False, "freezing": False}}
+    torch._dynamo.reset()
+    model = torch.nn.Linear(4, 4).eval()
+    compiled = torch.compile(model, dynamic=False, **graph_compile_options({"mode": "default"}))
+    with torch.no_grad():
+        x = torch.randn(2, 4)
+        assert torch.allclose(compiled(x), model(x), atol=1e-6)
 
 
 def test_auto_runs_eager_on_the_cpu():

@@ -405,6 +405,7 @@ class GraphDevice:
         self.inner_call = None
         self.too_large = set()  # sizes whose graph was given up: they run eager
         self.builds = 0
+        self.entries_at_build = set()  # the cache's entries as the last build began
         self.pays = None  # None: backend="cuda_graph"; else whether a new graph's replay beats eager ("auto")
         self.grown_under_a_replay = False  # a graph too large, captured beside a running one
         self.cache = _C.ShapeCache(lambda device: budget, None)
@@ -486,12 +487,15 @@ class GraphDevice:
                 assert runner(x) is not None  # timed replays
                 return self.pays
         running = any(pinned for _, _, pinned in handle.entries())
+        self.entries_at_build = {entry_id for entry_id, _, _ in handle.entries()}
         try:
             entry_bytes = graph_pool.keep_new_graph(handle, runner, runner.static_input_bytes, pool_before, pays=pays,
                                                     layer=self.layer())
         except graph_pool.NotKept as not_kept:
             if not_kept.reason is not None:
                 self.too_large.add(x.numel())
+            if running and self.pool_bytes() > BUDGET:
+                self.grown_under_a_replay = True  # a running graph's pool cannot be rebuilt
             return BuiltEntry((lambda y: y * 2), 0, x * 2, "eager")
         # What a graph too large grew a running graph's pool by stays until that pool is rebuilt
         # (docs/backends.md); the entry itself is not kept.
@@ -534,9 +538,22 @@ class PoolUnderBudget(RuleBasedStateMachine):
         finally:
             self.device.pays = None
         if self.device.builds > builds and not pays:
+            entries = {entry_id for entry_id, _, _ in handle.entries()}
+            assert self.device.entries_at_build <= entries, "a graph that was not kept evicted entries"
             assert not any(isinstance(r, BucketGraph) and r.size == size for _, r, _ in handle.entries())
             if not others_live:
                 assert self.device.pool_bytes() == 0, "a graph not kept left its pool reserved"
+
+    @rule(outer=SIZES, inner=SIZES, pays=st.booleans())
+    def call_a_size_with_auto_from_inside_a_replay(self, outer, inner, pays):
+        self.call(outer)
+        self.device.inner_call = inner
+        self.device.pays = pays  # the inner call's build, beside the running outer graph
+        try:
+            self.call(outer)
+        finally:
+            self.device.inner_call = None
+            self.device.pays = None
 
     @rule(outer=SIZES, inner=SIZES)
     def call_a_size_from_inside_a_replay(self, outer, inner):
@@ -661,5 +678,22 @@ def test_a_rebuilt_pool_leaves_room_for_the_bucket_that_was_called_on_the_cpu_mo
         assert any(isinstance(r, BucketGraph) and r.size == size for _, r, _ in handle.entries())
     assert machine.device.cache.stats()["pool_rebuilds"] == 2  # for 4 (past the budget too), then for 6
     assert sorted(r.size for _, r, _ in handle.entries()) == [1, 6]
+    machine.torch_never_asserts()
+    machine.every_live_graph_is_counted_in_its_generation()
+
+
+def test_a_graph_that_does_not_pay_evicts_nothing_and_leaves_the_pool_as_it_found_it_on_the_cpu_model():
+    machine = PoolUnderBudget(outputs_per_size=0)  # the figures below are the temporaries'
+    machine.call(4)  # temporaries 160
+    machine.call(1)  # 40, in the blocks the first left
+    handle = _C._testing.build_handle(machine.device.cache, CPU)
+    graphs = sorted(runner.size for _, runner, _ in handle.entries())
+    evictions = machine.device.cache.stats()["evictions"]
+    machine.device.pays = False  # backend="auto": size 5's graph (200) is slower than its eager call
+    machine.call(5)
+    machine.device.pays = None
+    assert sorted(r.size for _, r, _ in handle.entries() if isinstance(r, BucketGraph)) == graphs
+    assert machine.device.cache.stats()["evictions"] == evictions
+    assert machine.device.pool_bytes() == 160  # what its capture grew the shared pool by went back
     machine.torch_never_asserts()
     machine.every_live_graph_is_counted_in_its_generation()

@@ -6,6 +6,7 @@ eager warm-up on a side stream, and replayed from C++. The pool's size and rebui
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 
 import torch
@@ -17,15 +18,21 @@ from shapecache._backends.compile import entry_point
 from shapecache._backends.entry import BuildContext, Builder, BuiltEntry, described, register
 from shapecache._extension import _C
 
-_warm_up_streams: dict[torch.device, torch.cuda.Stream] = {}
+_warm_up_streams = threading.local()
 
 
 def warm_up_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for every warm-up: cuBLAS keeps a workspace per (handle,
-    stream) pair, outside any budget, so a new stream per build would leave one behind each."""
-    stream = _warm_up_streams.get(device)
+    """One side stream per building thread and device, for its warm-ups and `auto`'s timings:
+    the same stream for every build, since cuBLAS keeps a workspace per (handle, stream) pair,
+    outside any budget (a new stream per build would leave one behind each; handles are per
+    thread already, so a stream per thread adds none), and a stream no other thread queues
+    work on, so that the CUDA events timing a build's calls bracket that build's work alone."""
+    streams = getattr(_warm_up_streams, "by_device", None)
+    if streams is None:
+        streams = _warm_up_streams.by_device = {}
+    stream = streams.get(device)
     if stream is None:
-        stream = _warm_up_streams.setdefault(device, torch.cuda.Stream(device))
+        stream = streams[device] = torch.cuda.Stream(device)
     return stream
 
 
@@ -59,8 +66,19 @@ def graph_compile_options(compile_options: dict) -> dict:
     5 GB in fp16). Unfrozen, inductor lifts parameters and buffers as graph inputs, read where
     they are: N sizes cost N graphs' working memory and one set of weights, and an update in
     place (load_state_dict) is read by the graph as it is. CacheOptions refuses freezing asked
-    for with a graph backend."""
-    return {**compile_options, "options": {**compile_options.get("options", {}), "freezing": False}}
+    for with a graph backend.
+
+    torch.compile takes a `mode` or `options`, not both: a mode's options (inductor's own
+    list_mode_options, what torch.compile applies for it, 2.11 and 2.13) go into `options`
+    under the ones given. A backend other than inductor is given the options as they are."""
+    options = dict(compile_options)
+    if options.get("backend", "inductor") != "inductor":
+        return options
+    from torch._inductor import list_mode_options
+
+    mode = options.pop("mode", None)
+    inductor = {**list_mode_options(mode or "default", dynamic=False), **(options.pop("options", None) or {})}
+    return {**options, "options": {**inductor, "freezing": False}}
 
 
 def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compiled: bool,
@@ -124,10 +142,14 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
         return BuiltEntry(function, 0, output, "eager")
 
     def replay_pays() -> bool:
-        # Timed on the caller's stream, which the replay is ordered after and before; the best
-        # of several: the first replay of a graph includes its upload.
-        caller_stream = torch.cuda.current_stream(device)
-        return min(_timing.stream_seconds(lambda: runner(*handle.tensors), caller_stream, repeats=3)) < eager_seconds
+        # Replayed from the side stream as its caller (the replay is ordered after and before
+        # its caller's stream), so that the events bracket this replay and no other thread's
+        # work; the best of several: the first replay of a graph includes its upload.
+        side.wait_stream(caller)
+        with torch.cuda.device(device), torch.cuda.stream(side):
+            replay_seconds = min(_timing.stream_seconds(lambda: runner(*handle.tensors), side, repeats=3))
+        caller.wait_stream(side)
+        return replay_seconds < eager_seconds
 
     try:
         entry_bytes = graph_pool.keep_new_graph(handle, runner, entry_bytes, pool_before,

@@ -182,19 +182,25 @@ def keep_new_graph(handle, runner, entry_bytes: int, pool_before: int, *, pays: 
 
     The order is the rule: whether the graph pays (`pays()`, with ``backend="auto"``: its
     replay against the eager call) is asked before anything is charged, since a charge may
-    evict other entries for a graph that then goes; one that does not pay is released and the
-    pool's bytes it took given back. A kept graph whose pool leaves room is charged; otherwise
-    the pool is rebuilt largest first (`rebuild_largest_first`). Where a graph of the device
-    runs up the stack, the pool cannot be dropped: every unpinned entry goes and the new graph
-    is captured again alone."""
-    if pays is not None and not pays():
-        runner.release()
-        if not handle.could_fit(0, layer.shared_bytes(handle)):
-            # What its capture added to a pool other graphs share stays there (a pool shrinks
-            # only whole), and leaves no room: the pool is rebuilt without it.
-            rebuild_largest_first(handle, None, 0, layer=layer)
-        layer.release(handle)
-        raise NotKept(None)
+    evict other entries for a graph that then goes; one that does not pay (or whose timed
+    replays raise) is released and the pool left as it found it: where its capture grew the
+    pool, the pool is rebuilt without it (unless a graph of the device runs up the stack). A
+    kept graph whose pool leaves room is charged; otherwise the pool is rebuilt largest first
+    (`rebuild_largest_first`). Where a graph of the device runs up the stack, the pool cannot
+    be dropped: every unpinned entry goes and the new graph is captured again alone."""
+    if pays is not None:
+        try:
+            paid, reason = pays(), None
+        except Exception as error:  # noqa: BLE001  (its timed replays: the call's result is computed already)
+            paid, reason = False, f"its replay failed: {error!r}"
+        if not paid:
+            runner.release()
+            if layer.shared_bytes(handle) > pool_before:
+                # What its capture added to a pool other graphs share stays there (a pool shrinks
+                # only whole), where a charge would evict entries for it: rebuilt without it.
+                rebuild_largest_first(handle, None, 0, layer=layer)
+            layer.release(handle)
+            raise NotKept(reason)
     if not pool_over_budget(handle, entry_bytes, layer.shared_bytes(handle)):
         layer.charge(handle)
         return entry_bytes

@@ -98,7 +98,7 @@ def quick_plan(out: Path, deadline: float, dry_run: bool = False) -> list[Step]:
                        "--sizes", DRY_RUN_SIZES if dry_run else QUICK_SIZES, "--device", device, "--out", str(out),
                        "--until", f"{speed_until:.0f}",
                        "--strategies", "eager,cuda_graph,auto,torch_compile,compile_cuda_graph,reduce_overhead"),
-             10**6),  # its own --until ends it
+             max(1.0, round(speed_until - time.time() + STOP_SECONDS))),  # its own --until ends it first
     ]
     if not dry_run:
         steps.append(Step("memory", (python, "benchmarks/cuda_graph_memory.py", "--model", "sdxl", "--calls", "3",
