@@ -124,15 +124,16 @@ def measure(strategy: str, model: str, size: tuple, device_name: str, dtype_name
 
 
 def parse_sizes(text: str) -> list[tuple]:
-    sizes = []
-    for part in text.split(","):
-        try:
-            height, width = (int(v) for v in part.lower().split("x"))
-        except ValueError:
-            raise SystemExit(f"--sizes: {part!r} is not HEIGHTxWIDTH (e.g. 1024x1024)") from None
-        if height <= 0 or width <= 0 or height % 8 or width % 8:
-            raise SystemExit(f"--sizes: {part!r} must be positive multiples of 8")
-        sizes.append((height, width))
+    """The scenarios' size list (HEIGHTxWIDTH,...), each a multiple of 8 (latents are 1/8)."""
+    from shapecache.scenarios import parse_sizes as parse
+
+    try:
+        sizes = parse(text)
+    except ValueError as error:
+        raise SystemExit(f"--sizes: {error}") from None
+    for height, width in sizes:
+        if height % 8 or width % 8:
+            raise SystemExit(f"--sizes: {height}x{width} is not a multiple of 8")
     return sizes
 
 
