@@ -11,6 +11,7 @@ each strategy, each in a process of its own (so peaks and compile caches do not 
   reduce_overhead     torch.compile(mode="reduce-overhead", dynamic=False): that graph in CUDA graph trees
   cuda_graph          sc.cached(backend="cuda_graph"): the eager kernels captured
   compile_cuda_graph  sc.cached(backend="compile+cuda_graph"): inductor's graph captured
+  compile             sc.cached(backend="compile"): the bucket exported whole and compiled by inductor
   auto                sc.cached(backend="auto"), shapecache's default
 
 Per row: the first call's seconds (compiling and capturing included: "cold" is a compile with
@@ -39,9 +40,9 @@ import tempfile
 import time
 from pathlib import Path
 
-STRATEGIES = ["eager", "torch_compile", "reduce_overhead", "cuda_graph", "compile_cuda_graph", "auto"]
-COMPILING = {"torch_compile", "reduce_overhead", "compile_cuda_graph"}
-BACKENDS = {"cuda_graph": "cuda_graph", "compile_cuda_graph": "compile+cuda_graph", "auto": "auto"}
+STRATEGIES = ["eager", "torch_compile", "reduce_overhead", "cuda_graph", "compile_cuda_graph", "compile", "auto"]
+COMPILING = {"torch_compile", "reduce_overhead", "compile_cuda_graph", "compile"}
+BACKENDS = {"cuda_graph": "cuda_graph", "compile_cuda_graph": "compile+cuda_graph", "compile": "compile", "auto": "auto"}
 STOP_SECONDS = 3  # kept aside to stop a child that runs out of time (subprocess.run kills it at once)
 
 

@@ -97,7 +97,7 @@ def quick_plan(out: Path, deadline: float, dry_run: bool = False) -> list[Step]:
         Step("speed", (python, "benchmarks/compiled_speed.py", "--model", "tiny" if dry_run else "sdxl",
                        "--sizes", DRY_RUN_SIZES if dry_run else QUICK_SIZES, "--device", device, "--out", str(out),
                        "--until", f"{speed_until:.0f}",
-                       "--strategies", "eager,cuda_graph,auto,torch_compile,compile_cuda_graph,reduce_overhead"),
+                       "--strategies", "eager,cuda_graph,auto,torch_compile,compile_cuda_graph,compile,reduce_overhead"),
              max(1.0, round(speed_until - time.time() + STOP_SECONDS))),  # its own --until ends it first
     ]
     if not dry_run:
