@@ -17,7 +17,7 @@ build) and background builds (a miss is served uncached while the replica's comp
 Printed per build mode, kill and router: the hit rate after warm-up (mean and worst seed),
 p50 and p99 latency (medians over seeds; queueing included), builds and evictions (means),
 and the seconds from each of the killed replica's sizes' first request after the kill to its
-first hit elsewhere (median, worst).
+first hit elsewhere (median, worst). Last, what one routing choice costs the router's loop.
 """
 
 from __future__ import annotations
@@ -67,7 +67,34 @@ def main(argv=None) -> int:
                       f"{statistics.mean(r.builds for r in reports):>8.1f}{statistics.mean(r.evictions for r in reports):>8.1f}"
                       f"{statistics.median(rehomed):>12.1f}{max(rehomed):>8.1f}")
             print(f"{'':<27}p99 affinity / default: {p99['affinity'] / p99['default']:.2f}")
+    held, new = rank_cost()
+    print(f"the router's cost per request (Placement.rank; 8 replicas, 4096 sizes remembered, one process): "
+          f"held size {held:.2f} ms, new size {new:.2f} ms")
     return 0
+
+
+def rank_cost(replica_count: int = 8, remembered: int = 4096, ranks: int = 200) -> tuple:
+    """Milliseconds per Placement.rank on the router's loop, with as many sizes remembered as
+    it keeps (homes and request rates): for a size a replica was sent, and for a new size."""
+    import time
+
+    from shapecache.ray_serve import Placement, ReplicaState
+
+    now = 1000.0
+    replicas = [ReplicaState(f"r{i}", sizes=frozenset({(64 * i, 64)}), bytes=10, budget=1000, entries=1,
+                             published_at=now - 1, size_bytes={(64 * i, 64): 10}) for i in range(replica_count)]
+    placement = Placement()
+    for k in range(remembered):
+        placement.routed((k, k + 1), f"r{k % replica_count}", now - 0.5)
+        placement.requested((k, k + 1), now - 0.5)
+    timings = []
+    for sizes in ([(k * 20 % remembered, k * 20 % remembered + 1) for k in range(ranks)],
+                  [(10**6 + k, 1) for k in range(ranks)]):
+        start = time.perf_counter()
+        for size in sizes:
+            placement.rank(size, replicas, now)
+        timings.append((time.perf_counter() - start) / ranks * 1e3)
+    return tuple(timings)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ The rules, in the order they are applied:
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -101,6 +102,34 @@ def remember(memory: dict, key, value, limit: int = MAX_HOMES) -> None:
     memory[key] = value
     if len(memory) > limit:
         del memory[next(iter(memory))]
+
+
+class _SentTo:
+    """`homes` by replica: replica id -> [(size, unix seconds sent)], read once per rank, when
+    first asked (not once per replica)."""
+
+    def __init__(self, homes: Mapping):
+        self._homes, self._by_replica = homes, None
+
+    def __getitem__(self, replica_id: str) -> list:
+        if self._by_replica is None:
+            self._by_replica = collections.defaultdict(list)
+            for size, (rid, at) in self._homes.items():
+                self._by_replica[rid].append((size, at))
+        return self._by_replica.get(replica_id, [])
+
+
+class _Memo(dict):
+    """`function(key)`, each computed once (a rank reads a size's request rate per replica)."""
+
+    def __init__(self, function):
+        super().__init__()
+        self.function = function
+
+    def __call__(self, key):
+        if key not in self:
+            self[key] = self.function(key)
+        return self[key]
 
 
 def _mean_entry(replicas: Iterable[ReplicaState]) -> float:
@@ -229,7 +258,8 @@ class Placement:
         holders = [r for r in replicas if self._holds(r, size, fresh[r.replica_id])]
         if not holders and not any(fresh.values()):
             return None
-        order = self._new_size_order(size, replicas, fresh, now)
+        sent = _SentTo(self.homes)
+        order = self._new_size_order(size, replicas, fresh, now, sent)
         planned = None
         # The plan may move a size that no home holds or builds now; one a home lists without
         # holding it is building there, unless that home evicted it before (it keeps evicting it).
@@ -239,7 +269,8 @@ class Placement:
             if planned is not None and order(planned)[:2] != (False, False):
                 planned = None  # (it takes no new size now)
         if holders and (planned is None or planned.replica_id in {r.replica_id for r in holders}):
-            first = sorted(holders, key=lambda r: (r.full, self._crowding(r)))
+            first = holders if len(holders) == 1 else \
+                sorted(holders, key=lambda r: (r.full, self._crowding(r, sent[r.replica_id])))
         elif planned is not None:
             first, holders = [planned], []
         else:
@@ -331,54 +362,61 @@ class Placement:
         remember(self.evictions, size, {**where, replica.replica_id: where.get(replica.replica_id, 0) + 1})
         return False
 
-    def _new_size_order(self, size: Size, replicas: Sequence[ReplicaState], fresh: Mapping, now: float):
-        """Rule 3: a sort key over replicas, ascending, for placing `size`."""
+    def _new_size_order(self, size: Size, replicas: Sequence[ReplicaState], fresh: Mapping, now: float,
+                        sent: Mapping):
+        """Rule 3: a sort key over replicas, ascending, for placing `size`. `sent`: replica id ->
+        the (size, unix seconds) this router sent it (`homes` by replica)."""
         mean_entry = _mean_entry(r for r in replicas if fresh[r.replica_id])
         needed = self.size_bytes.get(size, mean_entry)
         evicted = self.evictions.get(size, {})
+        rates = _Memo(lambda s: self.requests_per_half_life(s, now))
+        keys = {}  # replica id -> its key: a rank sorts the replicas more than once
 
         def key(replica: ReplicaState) -> tuple:
+            found = keys.get(replica.replica_id)
+            if found is not None:
+                return found
             takes_new_sizes = (fresh[replica.replica_id] and replica.bytes_free() > 0 and replica.building == 0
                                and replica.pending_builds < self.max_pending_builds)
-            sizes = self._sizes_on(replica, fresh[replica.replica_id], size)
+            sizes = self._sizes_on(replica, fresh[replica.replica_id], size, sent[replica.replica_id])
             coming = sum(self._bytes_of(s, replica, mean_entry) for s in sizes if s not in replica.size_bytes)
-            displaced = self._displaced(replica, sizes, needed - (replica.bytes_free() - coming), mean_entry, now)
-            load = sum(self.requests_per_half_life(s, now) for s in sizes)
+            displaced = self._displaced(replica, sizes, needed - (replica.bytes_free() - coming), mean_entry, rates)
+            load = sum(rates(s) for s in sizes)
             evictions = max(evicted.get(replica.replica_id, 0), replica.evicted.get(size, 0))
-            return (replica.full, not takes_new_sizes, displaced, evictions, load, *self._crowding(replica))
+            found = keys[replica.replica_id] = (replica.full, not takes_new_sizes, displaced, evictions, load,
+                                                *self._crowding(replica, sent[replica.replica_id]))
+            return found
 
         return key
 
-    def _sizes_on(self, replica: ReplicaState, fresh: bool, other_than: Size) -> set:
-        """The sizes `replica` lists, and those this router sent it that its publication may
-        not show yet (rule 2's grace), but `other_than`."""
+    def _sizes_on(self, replica: ReplicaState, fresh: bool, other_than: Size, sent_here: Sequence) -> set:
+        """The sizes `replica` lists, and those this router sent it (`sent_here`: (size, unix
+        seconds)) that its publication may not show yet (rule 2's grace), but `other_than`."""
         listed = replica.sizes if fresh else frozenset()
-        sent = {s for s, (rid, at) in self.homes.items() if rid == replica.replica_id
-                and (replica.published_at is None or replica.published_at <= at + HOME_GRACE_S)}
+        sent = {s for s, at in sent_here if replica.published_at is None or replica.published_at <= at + HOME_GRACE_S}
         return (listed | sent) - {other_than}
 
     def _bytes_of(self, size: Size, replica: ReplicaState, mean_entry: float) -> float:
         return replica.size_bytes.get(size, self.size_bytes.get(size, mean_entry))
 
-    def _displaced(self, replica: ReplicaState, sizes: set, short: float, mean_entry: float, now: float) -> float:
-        """Rule 3b: the request rate of the least-requested `sizes` whose bytes make up `short`
-        bytes (0 where nothing is short)."""
+    def _displaced(self, replica: ReplicaState, sizes: set, short: float, mean_entry: float, rates) -> float:
+        """Rule 3b: the request rate (`rates(size)`) of the least-requested `sizes` whose bytes
+        make up `short` bytes (0 where nothing is short)."""
         if short <= 0:
             return 0.0
         displaced = 0.0
-        for s in sorted(sizes, key=lambda s: self.requests_per_half_life(s, now)):
-            displaced += self.requests_per_half_life(s, now)
+        for s in sorted(sizes, key=rates):
+            displaced += rates(s)
             short -= self._bytes_of(s, replica, mean_entry)
             if short <= 0:
                 break
         return displaced
 
-    def _crowding(self, replica: ReplicaState) -> tuple:
+    def _crowding(self, replica: ReplicaState, sent_here: Sequence) -> tuple:
         """Ascending: most room first. Sizes this router sent to the replica since it last
         published count as entries of the replica's mean entry size: its stats do not show
         them yet, and without them every new size of a stats period would go to one replica."""
         since = replica.published_at if replica.published_at is not None else -math.inf
-        placed = sum(1 for size, (rid, at) in self.homes.items()
-                     if rid == replica.replica_id and at > since and size not in replica.sizes)
+        placed = sum(1 for size, at in sent_here if at > since and size not in replica.sizes)
         mean_entry_bytes = replica.bytes / replica.entries if replica.entries else 0.0
         return (-(replica.bytes_free() - placed * mean_entry_bytes), replica.entries + placed, replica.replica_id)
