@@ -6,7 +6,9 @@
 # they are measured; where $OUT is set (a folder that is brought back, at most 8 files), the
 # tables and an archive of the whole folder are copied there every 15 s and at the end, so a
 # run stopped part-way keeps what it measured. --dry-run does the same on the CPU with a tiny
-# UNet (no device time is spent on a broken check).
+# UNet (no device time is spent on a broken check). DEVICE_CHECK_STEPS (comma-separated, of
+# "cuda tests,probes,speed,memory") runs only those: a second run, on a machine still warm
+# (its build folder kept), for what the first run's time left out.
 #
 #   scripts/device_check.sh [--dry-run]
 set -uo pipefail
@@ -54,7 +56,9 @@ step "gpu-check --quick ${dry_run[*]}"
 left=$((total - (SECONDS - started)))
 ( while sleep 15; do bring_back; done ) &
 copier=$!
-"$python" -m shapecache gpu-check --quick "${dry_run[@]}" --out "$out" --seconds "$left" 2>&1 | tee -a "$log"
+steps=()
+[[ -n "${DEVICE_CHECK_STEPS:-}" ]] && steps=(--steps "$DEVICE_CHECK_STEPS")
+"$python" -m shapecache gpu-check --quick "${dry_run[@]}" "${steps[@]}" --out "$out" --seconds "$left" 2>&1 | tee -a "$log"
 status=${PIPESTATUS[0]}
 kill "$copier" 2> /dev/null
 wait "$copier" 2> /dev/null

@@ -150,6 +150,9 @@ def test_the_quick_plan_keeps_the_memory_steps_time_and_fits_its_limit(tmp_path)
     startup = 30
     assert _gpu_check.QUICK_SECONDS - fixed - startup >= 120, "the speed step is left too little time"
     assert "sdxl" in speed and "cuda" in speed
+    again = _gpu_check.quick_plan(tmp_path, deadline, only=("speed",))  # a second run, for what time left out
+    assert [s.name for s in again] == ["speed"]
+    assert float(again[0].command[again[0].command.index("--until") + 1]) > until  # no memory step to keep time for
     dry = _gpu_check.quick_plan(tmp_path, deadline, dry_run=True)
     assert [s.name for s in dry] == ["cuda tests", "probes", "speed"]  # the memory step measures CUDA pools
     assert "tiny" in dry[2].command and "cpu" in dry[2].command
@@ -174,3 +177,11 @@ def test_the_quick_dry_run_runs_each_step_on_the_cpu_and_writes_its_tables(tmp_p
     assert "not available" in rows[("cuda_graph", "", (64, 64))]["error"]  # why a graph cannot run here
     assert all("error" in row or "median_ms" in row for row in rows.values())
     assert "| 64x64 | eager |" in (tmp_path / "speed.md").read_text()
+
+
+def test_the_quick_checks_steps_are_named_and_a_wrong_name_is_refused(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "shapecache", "gpu-check", "--quick", "--dry-run", "--steps",
+                           "probes,sped", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--steps='probes,sped': 'sped' is no step; expected some of cuda tests, probes, speed, memory" in proc.stderr
+    assert not (tmp_path / "report.json").exists()

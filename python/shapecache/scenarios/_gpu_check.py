@@ -80,16 +80,21 @@ MEMORY_SECONDS = 100
 DRY_RUN_SIZES = "64x64,64x96"
 
 
-def quick_plan(out: Path, deadline: float, dry_run: bool = False) -> list[Step]:
+QUICK_STEPS = ("cuda tests", "probes", "speed", "memory")
+
+
+def quick_plan(out: Path, deadline: float, dry_run: bool = False, only: tuple = QUICK_STEPS) -> list[Step]:
     """The steps of ``--quick``: the CUDA tests of the graph pool, the cache and the
     convolutions (with their durations); the thread probes; speed by strategy and size (an
     SDXL-architecture UNet, fp16, batch 2), which stops itself by `deadline` (time.time()) less
     the memory step's time; then memory over the six sizes of the loop. `dry_run`: the same
     steps on the CPU with a tiny UNet (the memory step, which measures CUDA graph pools, is
-    left out)."""
+    left out). `only`: the steps to run, of QUICK_STEPS (a second run on a machine still
+    warm, for what the first one's time left out)."""
     python = sys.executable
     device = "cpu" if dry_run else "cuda"
-    speed_until = deadline - 2 * STOP_SECONDS - (0 if dry_run else MEMORY_SECONDS + STOP_SECONDS)
+    memory_after = not dry_run and "memory" in only
+    speed_until = deadline - 2 * STOP_SECONDS - (MEMORY_SECONDS + STOP_SECONDS if memory_after else 0)
     steps = [
         Step("cuda tests", (python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "--durations=0",
                             *QUICK_TESTS), 100),
@@ -104,7 +109,7 @@ def quick_plan(out: Path, deadline: float, dry_run: bool = False) -> list[Step]:
         steps.append(Step("memory", (python, "benchmarks/cuda_graph_memory.py", "--model", "sdxl", "--calls", "3",
                                      "--strategies", "naive_graphs,shapecache,largest_alone",
                                      "--json", f"{out}/memory.json"), MEMORY_SECONDS))
-    return steps
+    return [step for step in steps if step.name in only]
 
 
 def add_arguments(parser) -> None:
@@ -116,6 +121,9 @@ def add_arguments(parser) -> None:
                              "speed by strategy and size, memory (docs/gpu.md)")
     parser.add_argument("--dry-run", action="store_true",
                         help="with --quick: the same steps on the CPU with a tiny UNet, before any device time is spent")
+    parser.add_argument("--steps", default=None,
+                        help="with --quick: the steps to run, comma-separated, of: " + ", ".join(QUICK_STEPS) +
+                             " (default: all)")
     parser.add_argument("--seconds", type=float, default=None,
                         help=f"the whole check's limit, from the process's start (default {TOTAL_SECONDS}; "
                              f"{QUICK_SECONDS} with --quick)")
@@ -152,8 +160,14 @@ def unmet_needs(quick: bool = False, dry_run: bool = False) -> list[str]:
 def run(args) -> int:
     import torch
 
-    if args.dry_run and not args.quick:
-        print("shapecache gpu-check: --dry-run is a dry run of --quick; add --quick", file=sys.stderr)
+    if (args.dry_run or args.steps) and not args.quick:
+        print("shapecache gpu-check: --dry-run and --steps are --quick's; add --quick", file=sys.stderr)
+        return 2
+    only = QUICK_STEPS if not args.steps else tuple(name.strip() for name in args.steps.split(","))
+    unknown = [name for name in only if name not in QUICK_STEPS]
+    if unknown:
+        print(f"shapecache gpu-check: --steps={args.steps!r}: {', '.join(map(repr, unknown))} is no step; expected "
+              f"some of {', '.join(QUICK_STEPS)}", file=sys.stderr)
         return 2
     if not torch.cuda.is_available() and not args.dry_run:
         print("shapecache gpu-check: no CUDA device is visible; nothing was checked", file=sys.stderr)
@@ -176,7 +190,7 @@ def run(args) -> int:
     header = {"device": "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(), "torch": torch.__version__}
     if args.quick:
         total = args.seconds or QUICK_SECONDS
-        steps = quick_plan(out, time.time() + total - seconds_since_process_start(), args.dry_run)
+        steps = quick_plan(out, time.time() + total - seconds_since_process_start(), args.dry_run, only)
     else:
         steps = plan(out, args.with_compile)
         total = args.seconds or (TOTAL_SECONDS if not args.with_compile else sum(s.seconds + STOP_SECONDS for s in steps))
