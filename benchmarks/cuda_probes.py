@@ -15,7 +15,8 @@
 
 `--device cpu` runs the same code on the CPU (the dry run of ``gpu-check --quick``), where
 ``auto`` runs eager and the graph backend reports why it cannot run. The table is written to
-`--out` (probes.md, probes.json).
+`--out` (probes.md, probes.json). Exits 1 when a count is not 0, but for draws from the
+default generator (torch 2.11's limit, reported).
 """
 
 from __future__ import annotations
@@ -159,6 +160,16 @@ def main(argv=None) -> int:
     text = "\n".join(lines)
     (out / "probes.md").write_text(text + "\n")
     print(text)
+    # Every count is shapecache's to keep at 0 but one: draws from the default generator during
+    # a capture on torch 2.11, a limit of that torch (docs/gpu.md), reported and not failed.
+    failed = {"build errors": builds["errors"] + rng["build_errors"], "wrong answers": builds["mismatches"],
+              "own generator errors": rng["errors"]["own generator"],
+              "default generator after the captures": [rng["default_generator_after"]] if rng["default_generator_after"]
+              else []}
+    failed = {name: found for name, found in failed.items() if found}
+    if failed:
+        print(f"cuda_probes: {', '.join(failed)} not 0", file=sys.stderr)
+        return 1
     return 0
 
 
