@@ -28,6 +28,7 @@ import torch
 
 import shapecache as sc
 from shapecache import _checks
+from shapecache._backends import builds_in_background
 from shapecache.cache import entries_served, holder_of
 from shapecache.ray_serve._placement import remember, routing_stats
 from shapecache.ray_serve._request_size import PIPELINE_SIZE_KEYS, check_size, check_size_keys, request_size
@@ -363,11 +364,18 @@ class CachedReplica:
 
 
 def _build_mode(cached) -> str | None:
-    """The ``build`` option `cached` was made with ("inline" or "background"); None where it
-    has none."""
+    """How `cached` builds a size it does not hold: "background" where its ``build`` option says
+    so and its backend lets builds leave the caller's thread on its device (a CUDA graph is
+    captured inline, whatever the option: _backends.builds_in_background), else "inline"; None
+    where it has no such option."""
     holder = holder_of(cached, "build")
     options = getattr(holder, "options", None) or getattr(getattr(holder, "wrapper", None), "options", None)
-    return getattr(options, "build", None)
+    build = getattr(options, "build", None)
+    if build == "background":
+        device = torch.device("cuda") if _on_cuda(cached) else torch.device("cpu")
+        if not builds_in_background(options.backend, device):
+            return "inline"
+    return build
 
 
 def _on_cuda(cached) -> bool:
