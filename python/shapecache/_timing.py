@@ -5,7 +5,6 @@ thread's capture."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 
@@ -18,9 +17,9 @@ def synchronize(device: torch.device) -> None:
     or break, that capture (csrc/cache/cuda/cuda_graph_runner.h). Every synchronisation of the
     library goes through here or holds that lock (tests/backends/test_device_rules.py)."""
     if device.type == "cuda":
-        from shapecache._extension import _C
+        from shapecache._backends.graph_pool import device_lock
 
-        with _C.cuda_device_lock(device) if _C.has_cuda_graphs else contextlib.nullcontext():
+        with device_lock(device):
             torch.cuda.synchronize(device)
 
 
@@ -45,12 +44,13 @@ def stream_seconds(call: Callable[[], object], stream: torch.cuda.Stream, repeat
     host launched kernels counts; waiting for the last event waits for `stream` alone, never
     the whole device, which may not be synchronised beside another thread's capture. What
     `stream` held before is waited for first, so the first call's launches are not hidden
-    behind it."""
+    behind it. The calls run with `stream` (and its device) current."""
     stream.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    for start, end in events:
-        start.record(stream)
-        call()
-        end.record(stream)
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        for start, end in events:
+            start.record(stream)
+            call()
+            end.record(stream)
     events[-1][1].synchronize()
     return [start.elapsed_time(end) / 1e3 for start, end in events]

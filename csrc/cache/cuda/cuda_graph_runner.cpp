@@ -402,13 +402,14 @@ py::object CudaGraphRunner::run(const Call& call) {
     // the graphs' stream too, and any reuse of their memory after the caller frees them is
     // queued on the caller's stream, after that wait.
     auto lock = lock_device(graphs);
+    const c10::cuda::CUDAStream stream = graphs.stream();
     for (const at::Tensor& s : static_outputs_) outputs.push_back(at::empty_like(s));
-    order_after(caller, graphs.stream(), graphs.caller_done);
-    c10::cuda::CUDAStreamGuard stream_guard(graphs.stream());
+    order_after(caller, stream, graphs.caller_done);
+    c10::cuda::CUDAStreamGuard stream_guard(stream);
     for (size_t i = 0; i < inputs.size(); ++i) static_inputs_[i].copy_(inputs[i], /*non_blocking=*/true);
     graph_->replay();
     for (size_t i = 0; i < outputs.size(); ++i) outputs[i].copy_(static_outputs_[i], /*non_blocking=*/true);
-    order_after(graphs.stream(), caller, graphs.graphs_done);
+    order_after(stream, caller, graphs.graphs_done);
   }
   size_t next = 0;  // the outputs' structure, rebuilt around the copies (in the same walk order)
   return map_tensors(output_structure_, [&](const at::Tensor&) { return outputs.at(next++); });

@@ -114,9 +114,8 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
         # On the warm-up's stream too: the caching allocator keeps freed blocks per stream, so
         # eager runs on the caller's stream would cache a second set of the call's temporaries
         # beside the warm-up's, outside any budget.
-        with torch.cuda.device(device), torch.cuda.stream(side):
-            eager_seconds = min(_timing.stream_seconds(
-                lambda: _C.run_user_code(runnable, tuple(args), dict(kwargs)), side, repeats=2))
+        eager_seconds = min(_timing.stream_seconds(
+            lambda: _C.run_user_code(runnable, tuple(args), dict(kwargs)), side, repeats=2))
 
     # What the warm-up and the eager timing cached on the side stream goes back to the device,
     # as torch.cuda.graph does before each capture: a graph's private pool takes no blocks
@@ -146,8 +145,7 @@ def _build_graph(function, args, kwargs, handle, context: BuildContext, *, compi
         # its caller's stream), so that the events bracket this replay and no other thread's
         # work; the best of several: the first replay of a graph includes its upload.
         side.wait_stream(caller)
-        with torch.cuda.device(device), torch.cuda.stream(side):
-            replay_seconds = min(_timing.stream_seconds(lambda: runner(*handle.tensors), side, repeats=3))
+        replay_seconds = min(_timing.stream_seconds(lambda: runner(*handle.tensors), side, repeats=3))
         caller.wait_stream(side)
         return replay_seconds < eager_seconds
 

@@ -195,11 +195,10 @@ def keep_new_graph(handle, runner, entry_bytes: int, pool_before: int, *, pays: 
             paid, reason = False, f"its replay failed: {error!r}"
         if not paid:
             runner.release()
-            if layer.shared_bytes(handle) > pool_before:
-                # What its capture added to a pool other graphs share stays there (a pool shrinks
-                # only whole), where a charge would evict entries for it: rebuilt without it.
-                rebuild_largest_first(handle, None, 0, layer=layer)
-            layer.release(handle)
+            # What its capture added to a pool other graphs share stays there (a pool shrinks
+            # only whole), where a charge would evict entries for it: rebuilt without it.
+            if not (layer.shared_bytes(handle) > pool_before and rebuild_without_new(handle, layer)):
+                layer.release(handle)
             raise NotKept(reason)
     if not pool_over_budget(handle, entry_bytes, layer.shared_bytes(handle)):
         layer.charge(handle)
@@ -219,9 +218,47 @@ def keep_new_graph(handle, runner, entry_bytes: int, pool_before: int, *, pays: 
     return rebuilt
 
 
+def rebuild_without_new(handle, layer: PoolLayer = CUDA_LAYER) -> bool:
+    """Drops every graph of the handle's device in its cache, lets the pool empty and captures
+    them again largest first (as `rebuild_largest_first` does where the new graph cannot stay),
+    charged once done. False (nothing rebuilt) where a graph of the device runs up the stack."""
+    queue = _dropped_graphs(handle, layer)
+    if queue is None:
+        return False
+    _recapture_alone(handle, _Rounds(handle, layer), _largest_inputs_first(queue))
+    return True
+
+
+def _dropped_graphs(handle, layer: PoolLayer) -> list | None:
+    """Releases every valid graph of the handle's device and erases the stale ones; returns the
+    released ones' (entry id, runner), or None (nothing released) where one is pinned."""
+    graphs = [(entry_id, runner, pinned) for entry_id, runner, pinned in handle.entries()
+              if layer.graphs_of(runner)]
+    if any(pinned for _, _, pinned in graphs):
+        return None
+    queue = []
+    for entry_id, runner, _ in graphs:
+        if runner.valid():
+            queue.append((entry_id, runner))
+        else:
+            handle.erase_entry(entry_id)  # stale: rebuilt from the caller's call when next used
+    handle.count_pool_rebuild()
+    for _, runner in queue:
+        runner.release()
+    return queue
+
+
+def _recapture_alone(handle, rounds, others: list) -> None:
+    """Captures the released `others` (largest first) into the emptied pool, without the new
+    graph, and charges each once the rounds are over."""
+    rounds.release(handle)
+    captured = rounds.largest_first(others, room_for=0)
+    rounds.release(handle)  # charges the pool as the round left it
+    _settle(handle, captured)
+
+
 def rebuild_largest_first(handle, new_runner, pool_before: int, *, layer: PoolLayer = CUDA_LAYER) -> int | None:
-    """Drops every graph of the handle's device in its cache and `new_runner`'s (None: there is
-    none, and the others are captured again largest first), lets the pool
+    """Drops every graph of the handle's device in its cache and `new_runner`'s, lets the pool
     empty, and captures `new_runner` alone first: its capture is what took the pool past the
     budget, and alone in the empty pool it needs what it will ever need. A graph that leaves
     no room even then is given up: released, the pool emptied again, the others captured, and
@@ -240,31 +277,11 @@ def rebuild_largest_first(handle, new_runner, pool_before: int, *, layer: PoolLa
     device's capture lock (`layer.lock`) up to the figure read after it, so that another
     thread's capture is not counted as its.
     """
-    recapture, release = layer.recapture, layer.release
-
-    def shared_bytes():
-        return layer.shared_bytes(handle)
-
-    graphs = [(entry_id, runner, pinned) for entry_id, runner, pinned in handle.entries()
-              if layer.graphs_of(runner)]
-    if any(pinned for _, _, pinned in graphs):
+    queue = _dropped_graphs(handle, layer)
+    if queue is None:
         return None
-    queue = []
-    for entry_id, runner, _ in graphs:
-        if runner.valid():
-            queue.append((entry_id, runner))
-        else:
-            handle.erase_entry(entry_id)  # stale: rebuilt from the caller's call when next used
-    del graphs
-    handle.count_pool_rebuild()
-    for _, runner in queue:
-        runner.release()
-    rounds = _Rounds(handle, recapture, release, shared_bytes, layer.lock)
-    if new_runner is None:
-        release(handle)
-        captured = rounds.largest_first(_largest_inputs_first(queue), room_for=0)
-        release(handle)  # charges the pool as the round left it
-        return _settle(handle, captured)
+    rounds = _Rounds(handle, layer)
+    release = layer.release
     new_runner.release()
     release(handle)
 
@@ -272,15 +289,12 @@ def rebuild_largest_first(handle, new_runner, pool_before: int, *, layer: PoolLa
     # pool is charged: a charge past the budget would evict every entry for a graph that
     # cannot stay. Captures below are charged once a round is over, for the same reason.
     with layer.lock(handle.device):
-        new_bytes = recapture(new_runner, handle, False)
-        alone = shared_bytes()
+        new_bytes = layer.recapture(new_runner, handle, False)
+        alone = rounds.shared_bytes()
     others = _largest_inputs_first(queue)
     if not handle.could_fit(new_bytes, alone):
         new_runner.release()
-        release(handle)
-        captured = rounds.largest_first(others, room_for=0)
-        release(handle)  # charges the pool as the round left it
-        _settle(handle, captured)
+        _recapture_alone(handle, rounds, others)
         raise GraphTooLarge(new_bytes, alone)
     # Every other graph needed at most the pool as it was before the new one (`pool_before`):
     # a new graph that needs at least that alone stays first, and the others reuse its blocks.
@@ -313,9 +327,9 @@ class _Captured(NamedTuple):
 class _Rounds:
     """Capture rounds of one rebuild, charging nothing (the rebuild charges once they end)."""
 
-    def __init__(self, handle, recapture, release, shared_bytes, lock):
-        self.handle, self.recapture, self.release, self.shared_bytes, self.lock = (
-            handle, recapture, release, shared_bytes, lock)
+    def __init__(self, handle, layer: PoolLayer):
+        self.handle, self.recapture, self.release, self.lock = handle, layer.recapture, layer.release, layer.lock
+        self.shared_bytes = lambda: layer.shared_bytes(handle)  # the device's pool and workspace now
 
     def largest_first(self, order: list, room_for: int) -> list:
         """`within_budget` of `order` (sorted by input bytes); where the pool then leaves no

@@ -58,6 +58,7 @@ The rules, in the order they are applied:
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -117,19 +118,6 @@ class _SentTo:
             for size, (rid, at) in self._homes.items():
                 self._by_replica[rid].append((size, at))
         return self._by_replica.get(replica_id, [])
-
-
-class _Memo(dict):
-    """`function(key)`, each computed once (a rank reads a size's request rate per replica)."""
-
-    def __init__(self, function):
-        super().__init__()
-        self.function = function
-
-    def __call__(self, key):
-        if key not in self:
-            self[key] = self.function(key)
-        return self[key]
 
 
 def _mean_entry(replicas: Iterable[ReplicaState]) -> float:
@@ -369,7 +357,7 @@ class Placement:
         mean_entry = _mean_entry(r for r in replicas if fresh[r.replica_id])
         needed = self.size_bytes.get(size, mean_entry)
         evicted = self.evictions.get(size, {})
-        rates = _Memo(lambda s: self.requests_per_half_life(s, now))
+        rates = functools.cache(lambda s: self.requests_per_half_life(s, now))  # a size's, once per rank
         keys = {}  # replica id -> its key: a rank sorts the replicas more than once
 
         def key(replica: ReplicaState) -> tuple:

@@ -32,7 +32,7 @@ import heapq
 import itertools
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shapecache.ray_serve._placement import Placement, ReplicaState
 
@@ -219,11 +219,8 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
         if router == "affinity":
             states = []
             for r in alive:
-                state = r.published or ReplicaState(r.rid)
-                states.append(ReplicaState(state.replica_id, state.sizes, state.bytes, state.budget, state.entries,
-                                           state.pending_builds, state.published_at,
-                                           r.queue() >= fleet.max_ongoing_requests, state.building,
-                                           state.size_bytes, evicted=state.evicted))
+                states.append(replace(r.published or ReplicaState(r.rid),
+                                     full=r.queue() >= fleet.max_ongoing_requests))
             ranks = placement.rank(request.size, states, now, waited_s=now - request.arrived)
             if ranks is not None:
                 placement.routed(request.size, ranks[0][0], now)
