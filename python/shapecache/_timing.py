@@ -5,6 +5,7 @@ thread's capture."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -17,9 +18,10 @@ def synchronize(device: torch.device) -> None:
     or break, that capture (csrc/cache/cuda/cuda_graph_runner.h). Every synchronisation of the
     library goes through here or holds that lock (tests/backends/test_device_rules.py)."""
     if device.type == "cuda":
-        from shapecache._backends.graph_pool import device_lock
+        from shapecache._extension import _C
 
-        with device_lock(device):
+        # (graph_pool.device_lock's rule; that module is the backends' own, not this one's to import)
+        with _C.cuda_device_lock(device) if _C.has_cuda_graphs else contextlib.nullcontext():
             torch.cuda.synchronize(device)
 
 
