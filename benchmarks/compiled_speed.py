@@ -13,6 +13,10 @@ each strategy, each in a process of its own (so peaks and compile caches do not 
   compile_cuda_graph  sc.cached(backend="compile+cuda_graph"): inductor's graph captured
   compile             sc.cached(backend="compile"): the bucket exported whole and compiled by inductor
   auto                sc.cached(backend="auto"), shapecache's default
+  auto_upgrade        sc.cached(backend="auto", upgrade=True): auto's entry at once, then inductor's
+                      graph of the bucket compiled in the background, kept where it is faster; its
+                      row adds the calls served while it compiled (their p99 against eager's median)
+                      and the seconds until the upgrade was decided
 
 Per row: the first call's seconds (compiling and capturing included: "cold" is a compile with
 an empty inductor cache, "warm" the same strategy again over the cache the cold run filled),
@@ -40,9 +44,12 @@ import tempfile
 import time
 from pathlib import Path
 
-STRATEGIES = ["eager", "torch_compile", "reduce_overhead", "cuda_graph", "compile_cuda_graph", "compile", "auto"]
-COMPILING = {"torch_compile", "reduce_overhead", "compile_cuda_graph", "compile"}
-BACKENDS = {"cuda_graph": "cuda_graph", "compile_cuda_graph": "compile+cuda_graph", "compile": "compile", "auto": "auto"}
+STRATEGIES = ["eager", "torch_compile", "reduce_overhead", "cuda_graph", "compile_cuda_graph", "compile", "auto",
+              "auto_upgrade"]
+COMPILING = {"torch_compile", "reduce_overhead", "compile_cuda_graph", "compile", "auto_upgrade"}
+BACKENDS = {"cuda_graph": "cuda_graph", "compile_cuda_graph": "compile+cuda_graph", "compile": "compile", "auto": "auto",
+            "auto_upgrade": "auto"}
+UPGRADE_WAIT_S = 1800  # the most an upgrade is waited for (the run's own deadline stops it sooner)
 STOP_SECONDS = 3  # kept aside to stop a child that runs out of time (subprocess.run kills it at once)
 
 
@@ -92,35 +99,47 @@ def measure(strategy: str, model: str, size: tuple, device_name: str, dtype_name
             options = {"mode": "reduce-overhead"} if strategy == "reduce_overhead" else {}
             call = torch.compile(unet, dynamic=False, **options)
         else:
-            call = sc.cached(unet, backend=BACKENDS[strategy])
+            call = sc.cached(unet, backend=BACKENDS[strategy], upgrade=strategy == "auto_upgrade")
 
         synchronize()
         start = time.perf_counter()
         output = call(**inputs)[0]
         synchronize()
         first = time.perf_counter() - start
-        times = []
-        for _ in range(calls):
+
+        def timed_call() -> float:
+            nonlocal output
             if cuda:
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 begin.record()
                 output = call(**inputs)[0]
                 end.record()
                 end.synchronize()
-                times.append(begin.elapsed_time(end))
-            else:
-                begin_s = time.perf_counter()
-                output = call(**inputs)[0]
-                times.append((time.perf_counter() - begin_s) * 1e3)
+                return begin.elapsed_time(end)
+            begin_s = time.perf_counter()
+            output = call(**inputs)[0]
+            return (time.perf_counter() - begin_s) * 1e3
+
+        upgrading = {}
+        if strategy == "auto_upgrade":  # served while the bucket compiles, until the upgrade is decided
+            during, start = [], time.perf_counter()
+            while sc.stats(unet)["pending_builds"] and time.perf_counter() - start < UPGRADE_WAIT_S:
+                during.append(timed_call())
+            sc.wait(unet, timeout=UPGRADE_WAIT_S)
+            upgrading = {"upgrade_s": time.perf_counter() - start, "calls_while_upgrading": len(during),
+                         "p99_while_upgrading_ms": statistics.quantiles(during, n=100)[98] if len(during) > 1
+                         else (during or [float("nan")])[0]}
+        times = [timed_call() for _ in range(calls)]
         difference = (output.float().cpu() - reference).abs().max().item()
     row = {"strategy": strategy, "size": list(size), "first_s": first, "median_ms": statistics.median(times),
            "max_abs_difference": difference, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-           "torch": torch.__version__}
+           "torch": torch.__version__, **upgrading}
     if cuda:
         row.update(peak_bytes=torch.cuda.max_memory_reserved(device), held_bytes=torch.cuda.memory_reserved(device))
     if strategy in BACKENDS:
         stats = sc.stats(unet)
-        row.update(entries=[entry["backend"] for entry in stats["entries"]], pool_bytes=stats["pool_bytes"])
+        row.update(entries=[entry["backend"] for entry in stats["entries"]], pool_bytes=stats["pool_bytes"],
+                   upgrades=stats["upgrades"], upgrades_not_kept=stats["upgrades_not_kept"])
     return row
 
 
@@ -192,6 +211,17 @@ def table(rows: list[dict]) -> str:
         held = f"{r['held_bytes'] / gib:.2f}" if "held_bytes" in r else "-"
         lines.append(f"{head} {r['first_s']:.2f} | {r['median_ms']:.2f} | {ratio:.3f} | {peak} | {held} | "
                      f"{r['max_abs_difference']:.3g} |")
+    upgraded = [r for r in rows if "upgrade_s" in r]
+    if upgraded:
+        lines += ["", "auto_upgrade while its bucket compiled (p99 against eager's median at the size):", "",
+                  "| size | compile | calls served | p99 ms | p99 vs eager | decided after s | entry after |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in upgraded:
+            size = tuple(r["size"])
+            ratio = r["p99_while_upgrading_ms"] / eager[size] if size in eager else float("nan")
+            lines.append(f"| {'x'.join(map(str, size))} | {r.get('compile') or '-'} | {r['calls_while_upgrading']} | "
+                         f"{r['p99_while_upgrading_ms']:.2f} | {ratio:.3f} | {r['upgrade_s']:.1f} | "
+                         f"{', '.join(r.get('entries', [])) or '-'} |")
     return "\n".join(lines)
 
 

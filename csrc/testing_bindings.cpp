@@ -193,6 +193,7 @@ void bind_testing(py::module_& m) {
       .def("unpin", [](IntLru& lru, int64_t key) { return evicted_keys(lru.unpin(key)); })
       .def("pin_count", &IntLru::pin_count)
       .def("could_fit", &IntLru::could_fit)
+      .def("fits_in_place", &IntLru::fits_in_place, py::arg("key"), py::arg("bytes"))
       .def(
           "make_room_for", [](IntLru& lru, int64_t bytes) { return evicted_keys(lru.make_room_for(bytes)); },
           py::arg("bytes"))

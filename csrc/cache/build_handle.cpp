@@ -8,10 +8,12 @@ py::object BuildHandle::to_python(BuildHandle handle) {
   py::object device = py::reinterpret_steal<py::object>(THPDevice_New(handle.device_));
   const bool run_call = handle.run_call_;
   py::tuple tensors = handle.tensors_;
+  py::object upgrading = handle.upgrading_;
   py::object object = py::cast(std::move(handle));
   object.attr("device") = device;
   object.attr("run_call") = py::bool_(run_call);
   object.attr("tensors") = tensors;
+  object.attr("upgrading") = upgrading;
   return object;
 }
 

@@ -23,12 +23,19 @@ class BuildHandle {
  public:
   // `run_call`: whether the build is to run the call and return its output (inline), or only
   // build (in the background, where the call already ran uncached). `tensors`: the call's
-  // tensors in key order (Call::tensors), the inputs a graph is traced with.
-  BuildHandle(std::shared_ptr<ShapeCache> cache, c10::Device device, bool run_call, py::tuple tensors = py::tuple())
-      : cache_(std::move(cache)), device_(device), run_call_(run_call), tensors_(std::move(tensors)) {}
+  // tensors in key order (Call::tensors), the inputs a graph is traced with. `upgrading`:
+  // None, or for an upgrade (miss_policy.h) the bucket's entry as it is, (backend, runner):
+  // what the entry's builder returned as its runner (the function, a graph, a C++ runner).
+  BuildHandle(std::shared_ptr<ShapeCache> cache, c10::Device device, bool run_call, py::tuple tensors = py::tuple(),
+              py::object upgrading = py::none())
+      : cache_(std::move(cache)),
+        device_(device),
+        run_call_(run_call),
+        tensors_(std::move(tensors)),
+        upgrading_(std::move(upgrading)) {}
 
-  // As a builder gets it: `device`, `run_call` and `tensors` are plain attributes of the
-  // Python object, which a builder reads without a call back into C++.
+  // As a builder gets it: `device`, `run_call`, `tensors` and `upgrading` are plain attributes
+  // of the Python object, which a builder reads without a call back into C++.
   static py::object to_python(BuildHandle handle);
 
   // Charges the device's shared bytes; a figure not given stays as it is. May evict.
@@ -53,6 +60,7 @@ class BuildHandle {
   c10::Device device_;
   bool run_call_;
   py::tuple tensors_;
+  py::object upgrading_;
 };
 
 }  // namespace shapecache

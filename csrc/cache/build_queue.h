@@ -75,6 +75,8 @@ struct BuildJob {
   // queue_build). Started while its call runs, the build would compete with that call for the
   // cores, and would read state the call has not finished updating (BatchNorm's statistics).
   bool ready = false;
+  // The id of the entry this job upgrades (miss_policy.h, Upgrade); 0: the bucket's first build.
+  uint64_t upgrades = 0;
 
   // A job for `call`'s bucket: its key, device, arguments, owner, tensors and modes, as above.
   // Who runs it, for which function, generation and readiness are the queuer's to fill.

@@ -48,8 +48,9 @@ BuildRun::BuildRun(py::object function, py::object builder, std::shared_ptr<Shap
       release_device_memory_(std::move(release_device_memory)) {}
 
 std::optional<BuiltEntry> BuildRun::operator()(const c10::Device& device, const py::tuple& args,
-                                               const py::dict& kwargs, const py::tuple& tensors, bool run_call) {
-  py::object handle = BuildHandle::to_python(BuildHandle(cache_, device, run_call, tensors));
+                                               const py::dict& kwargs, const py::tuple& tensors, bool run_call,
+                                               py::object upgrading) {
+  py::object handle = BuildHandle::to_python(BuildHandle(cache_, device, run_call, tensors, std::move(upgrading)));
   for (int attempt = 0;; ++attempt) {
     try {
       py::object result;

@@ -39,8 +39,9 @@ class BuildRun {
 
   // The entry the builder made on `device` (inline, `run_call`: with the call's output);
   // nullopt where it ran out of memory twice. Any other error of the builder propagates.
+  // `upgrading`: BuildHandle's (an upgrade's builder measures the entry it would replace).
   std::optional<BuiltEntry> operator()(const c10::Device& device, const py::tuple& args, const py::dict& kwargs,
-                                       const py::tuple& tensors, bool run_call);
+                                       const py::tuple& tensors, bool run_call, py::object upgrading = py::none());
 
   // After the build ran out of memory twice, inline: the call uncached. Its own out-of-memory
   // error is raised with the cache's state on `device`, since the cache may be what left no room.

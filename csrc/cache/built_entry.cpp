@@ -43,6 +43,7 @@ BuiltEntry BuiltEntry::from_python(const py::handle& returned) {
   built.backend = field(returned, "backend").cast<std::string>();
   built.failure = field(returned, "failure").cast<std::string>();
   built.guard = guard_of(field(returned, "guard"));
+  built.upgrade = field(returned, "upgrade").cast<bool>();
   const int serving = int(!runner.is_none()) + int(!graph.is_none()) + int(!entry_runner.is_none());
   if (serving > 1) {
     throw py::value_error("shapecache: a BuiltEntry has one of a runner, a graph and an entry_runner, not several");

@@ -45,6 +45,8 @@ struct BuiltEntry {
   std::shared_ptr<StateGuard> guard;  // what the entry was built from (state_guard.h), or null
   std::string failure;  // with no runner: why
   bool started_stale = false;  // `built_from` no longer held: `guard` is that guard, and says what changed
+  // The builder asks for the bucket's upgrade once the entry is in (miss_policy.h, Upgrade).
+  bool upgrade = false;
 
   // Reads what a builder returned. Raises TypeError for an object that is not a BuiltEntry and
   // ValueError for one that names neither a runner nor a failure.

@@ -24,7 +24,11 @@ namespace shapecache {
   X(oom_retries, "builds retried after an out-of-memory error")                                            \
   X(invalidations, "entries found stale (what they were built from changed) and rebuilt")                 \
   X(busy_misses,                                                                                           \
-    "calls of a bucket being built (by another thread, a recursion, or a background worker): ran uncached")
+    "calls of a bucket being built (by another thread, a recursion, or a background worker): ran uncached") \
+  X(upgrades, "entries replaced by their bucket's compiled form, measured faster (backend='auto', upgrade=True)") \
+  X(upgrades_not_kept,                                                                                     \
+    "compiled forms built and not kept: not faster by the threshold, stale, no room beside the entries, "  \
+    "or failed")
 
 struct FunctionCounters {
 #define SHAPECACHE_COUNTER_FIELD(name, what) int64_t name = 0;

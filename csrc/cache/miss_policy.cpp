@@ -75,12 +75,14 @@ py::object MissPolicy::serve(Call& call, bool stale) {
     return cropped(call, run_uncached(call.entry_args, call.entry_kwargs));
   }
   py::object out;
+  uint64_t upgrade = 0;
   {
     ShapeCache::BuildMark building(*cache_, call.device, call.key);
     ++counters_.misses;
     out = build(call.key, call.device, call.entry_args, call.entry_kwargs, call.tensor_tuple(), /*run_call=*/true,
-                generation_);
+                generation_, upgrade);
   }
+  if (upgrade != 0) queue_upgrade(BuildJob::of_call(call), upgrade, /*ready=*/false);
   return cropped(call, std::move(out));
 }
 
@@ -193,26 +195,36 @@ bool MissPolicy::queue_build(Call& call) {
 }
 
 void MissPolicy::run_queued(BuildJob& job) {
-  ShapeCache::BuildMark building(*cache_, job.device, job.key);
-  if (job.generation != generation_) return;  // cleared since it was queued
-  py::tuple args = job.args;
-  if (!job.owner_ref.is_none()) {
-    py::object owner = job.owner_ref();
-    if (owner.is_none()) return;  // the module was let go of: nothing will call this entry
-    args = with_owner(owner, job.args);
-  }
-  InBackgroundBuild in_background;
-  EnteredContext context(job.context);
-  CallModesScope modes(job.modes);
-  ++counters_.background_builds;
+  if (job.upgrades != 0) return run_upgrade(job);
+  InBackgroundBuild in_background;  // no caller sees a warning: it is reported, never raised
+  uint64_t upgrade = 0;
   std::string failure;
-  try {
-    build(job.key, job.device, args, job.kwargs, job.tensors, /*run_call=*/false, job.generation);
+  {
+    ShapeCache::BuildMark building(*cache_, job.device, job.key);
+    if (job.generation != generation_) return;  // cleared since it was queued
+    py::tuple args = job.args;
+    if (!job.owner_ref.is_none()) {
+      py::object owner = job.owner_ref();
+      if (owner.is_none()) return;  // the module was let go of: nothing will call this entry
+      args = with_owner(owner, job.args);
+    }
+    EnteredContext context(job.context);
+    CallModesScope modes(job.modes);
+    ++counters_.background_builds;
+    try {
+      build(job.key, job.device, args, job.kwargs, job.tensors, /*run_call=*/false, job.generation, upgrade);
+    } catch (py::error_already_set& error) {
+      failure = describe_error(error);
+    } catch (const std::exception& error) {  // a builder that returned something else (py::type_error)
+      failure = error.what();
+    }
+  }  // the bucket's build mark ends here: its upgrade marks it again
+  if (failure.empty()) {
+    if (upgrade == 0) return;
+    BuildJob next = job;
+    next.context = next.context.attr("copy")();  // a context is entered by one job at a time
+    queue_upgrade(std::move(next), upgrade, /*ready=*/true);
     return;
-  } catch (py::error_already_set& error) {
-    failure = describe_error(error);
-  } catch (const std::exception& error) {  // a builder that returned something else (py::type_error)
-    failure = error.what();
   }
   // No call waits for this build: whatever it raised, its bucket runs uncached, as an inline
   // build that fails where the plain call does not (unless it was cleared meanwhile).
@@ -222,7 +234,8 @@ void MissPolicy::run_queued(BuildJob& job) {
 }
 
 py::object MissPolicy::build(const ShapeKey& key, const c10::Device& device, const py::tuple& args,
-                             const py::dict& kwargs, const py::tuple& tensors, bool run_call, uint64_t generation) {
+                             const py::dict& kwargs, const py::tuple& tensors, bool run_call, uint64_t generation,
+                             uint64_t& upgrade) {
   {
     auto last = last_build_bytes_.find(device);
     auto evicted = cache_->lru(device).make_room_for(last == last_build_bytes_.end() ? 0 : last->second);
@@ -263,8 +276,85 @@ py::object MissPolicy::build(const ShapeKey& key, const c10::Device& device, con
             "no entry could be built for " + describe_key(key) + " (" + first_line(built.failure) + ")");
     return output;
   }
-  insert(key, device, std::move(built), seconds);
+  const bool wants_upgrade = built.upgrade && upgrade_tried_.count(key) == 0;
+  const uint64_t id = insert(key, device, std::move(built), seconds);
+  if (wants_upgrade) upgrade = id;
   return output;
+}
+
+void MissPolicy::queue_upgrade(BuildJob job, uint64_t entry_id, bool ready) {
+  const c10::Device device = job.device;
+  const ShapeKey key = job.key;
+  if (!cache_->begin_build(device, key)) return;  // a build of the bucket runs: its entry asks again
+  job.function_ref = py::weakref(self_object_());
+  job.runner = this;
+  job.cache = cache_;
+  job.function_id = function_id_;
+  job.generation = generation_;
+  job.ready = ready;
+  job.upgrades = entry_id;
+  if (!BuildQueue::instance().push(std::move(job))) {
+    cache_->end_build(device, key);  // a full queue: not upgraded, nothing lost
+    return;
+  }
+  if (!ready) {
+    make_ready_when_outermost_returns(function_id_, device, key, services_.wake_build_worker);
+  } else if (!services_.wake_build_worker.is_none()) {
+    services_.wake_build_worker(py::reinterpret_steal<py::object>(THPDevice_New(device)));
+  }
+}
+
+void MissPolicy::run_upgrade(BuildJob& job) {
+  InBackgroundBuild in_background;
+  ShapeCache::BuildMark building(*cache_, job.device, job.key);
+  if (job.generation != generation_) return;  // cleared since it was queued
+  EntryLru& lru = cache_->lru(job.device);
+  Entry* entry = lru.find(job.key);
+  if (entry == nullptr || entry->id != job.upgrades) return;  // gone: the bucket's next entry asks again
+  py::tuple upgrading = py::make_tuple(entry->backend, entry->handle);
+  py::tuple args = job.args;
+  if (!job.owner_ref.is_none()) {
+    py::object owner = job.owner_ref();
+    if (owner.is_none()) return;
+    args = with_owner(owner, job.args);
+  }
+  std::optional<BuiltEntry> maybe_built;
+  std::string failure;
+  {
+    EnteredContext context(job.context);
+    CallModesScope modes(job.modes);
+    ++counters_.background_builds;
+    try {
+      maybe_built = run_build_(job.device, args, job.kwargs, job.tensors, /*run_call=*/false, std::move(upgrading));
+    } catch (py::error_already_set& error) {
+      failure = describe_error(error);
+    } catch (const std::exception& error) {
+      failure = error.what();
+    }
+  }
+  if (job.generation != generation_) return;  // cleared while building: dropped
+  entry = lru.find(job.key);  // Python ran: look again
+  const bool kept = failure.empty() && maybe_built && maybe_built->runner && !maybe_built->started_stale &&
+                    (!maybe_built->guard || maybe_built->guard->check()) && entry != nullptr &&
+                    entry->id == job.upgrades && lru.fits_in_place(job.key, maybe_built->bytes);
+  if (!kept) {
+    ++counters_.upgrades_not_kept;
+    if (upgrade_tried_.size() >= kMaxKeysRemembered) upgrade_tried_.clear();
+    upgrade_tried_.insert(job.key);
+    if (!failure.empty()) {
+      warn_once(Warning::kUpgradeFailed, "shapecache: the upgrade of " + describe_key(job.key) + " failed (" +
+                                             first_line(failure) + "); its entry stays as it was");
+    }
+    return;  // what was built is released here
+  }
+  BuiltEntry& built = *maybe_built;
+  // The old runner goes when the last call running it returns (a hit holds its own reference).
+  entry->runner = std::move(built.runner);
+  entry->handle = std::move(built.handle);
+  entry->backend = std::move(built.backend);
+  entry->checked_after_first_run = false;  // its first hit checks that the run leaves it valid
+  auto evicted = lru.set_entry_bytes(job.key, built.bytes);  // fits in place: evicts nothing
+  ++counters_.upgrades;
 }
 
 void MissPolicy::warn_out_of_memory(const c10::Device& device) {
@@ -274,7 +364,7 @@ void MissPolicy::warn_out_of_memory(const c10::Device& device) {
                                        "cache); such calls run uncached");
 }
 
-void MissPolicy::insert(const ShapeKey& key, const c10::Device& device, BuiltEntry built, double seconds) {
+uint64_t MissPolicy::insert(const ShapeKey& key, const c10::Device& device, BuiltEntry built, double seconds) {
   ++counters_.builds;
   Entry entry;
   entry.id = ShapeCache::next_entry_id();
@@ -296,7 +386,8 @@ void MissPolicy::insert(const ShapeKey& key, const c10::Device& device, BuiltEnt
   const bool present = lru.contains(key);
   auto result = lru.insert(key, std::move(entry), bytes);
   if (result.inserted && !in_background_build()) note_entry_served(id, /*built=*/true);  // the call's
-  if (result.inserted || present) return;  // `result` (evicted, returned entries) is destroyed on return
+  if (result.inserted) return id;  // `result` (evicted, returned entries) is destroyed on return
+  if (present) return 0;
   ++counters_.fallbacks;
   bool never_fits = false;
   std::string message = "shapecache: the entry for " + describe_key(key) + " was not kept: " +
@@ -312,6 +403,7 @@ void MissPolicy::insert(const ShapeKey& key, const c10::Device& device, BuiltEnt
       PyErr_WarnEx(PyExc_RuntimeWarning, message.c_str(), 1) < 0) {
     PyErr_WriteUnraisable(function_.ptr());
   }
+  return 0;
 }
 
 void MissPolicy::give_up_if_unstable(const ShapeKey& key, const std::string& changed) {
@@ -353,6 +445,7 @@ void MissPolicy::clear() {
   auto cancelled = BuildQueue::instance().cancel(function_id_);
   uncached_buckets_.clear();
   invalidations_in_a_row_.clear();
+  upgrade_tried_.clear();
 }
 
 int MissPolicy::traverse(visitproc visit, void* arg) const {

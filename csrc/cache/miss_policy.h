@@ -32,6 +32,19 @@
 //     same change, or its first run made it stale (the call updates what it reads: checked
 //     right after an inline build, at the first hit of an entry built without running the
 //     call). The plain call's own exceptions reach the user as themselves.
+//   - Upgrade (backend="auto", upgrade=True): an entry whose builder asks for it
+//     (BuiltEntry.upgrade) queues, once inserted, a second build of its bucket for the
+//     device's worker, whatever build= says, ready once the call that built the entry has
+//     returned. Its builder is given the entry as it is (BuildHandle.upgrading), compiles the
+//     bucket and measures both forms (python/shapecache/_backends/upgrade.py). Meanwhile the
+//     entry serves the bucket's calls, and the bucket is marked as building (one build per
+//     bucket: were the entry evicted, its calls run uncached until the upgrade ends). What it
+//     returns replaces the entry in place (its pins and recency kept; a call running the old
+//     runner finishes with it) where the entry is still the one it upgrades, the new form's
+//     guard holds, and its added bytes fit in the budget's free room: an upgrade never evicts.
+//     Otherwise (or where its builder found it not faster, or it failed) the entry stays as it
+//     is and the bucket is not upgraded again until clear(). An entry rebuilt later (evicted,
+//     stale) asks again.
 //   - Transparent: inside a build or a trace nothing is built (call_scope.h).
 //   - Warnings: each kind once per function. Inline, a warning turned into an error (-W error)
 //     raises from the call; in the background, where no caller would see it, it is reported
@@ -116,7 +129,8 @@ class MissPolicy : public QueuedBuildRunner {
   // Queues the build of a call's bucket without running the call (pre-warming in the
   // background); false when the bucket has an entry, is being built, or runs uncached.
   bool queue_build(Call& call);
-  // On the worker's thread: builds a queued job's entry and inserts it.
+  // On the worker's thread: builds a queued job's entry and inserts it, or upgrades the
+  // bucket's entry (the Upgrade rule).
   void run_queued(BuildJob& job) override;
   int64_t pending_builds() const { return BuildQueue::instance().pending(function_id_); }
 
@@ -128,18 +142,24 @@ class MissPolicy : public QueuedBuildRunner {
 
  private:
   enum class Warning { kUnkeyable, kRejected, kOutOfMemory, kUncroppable, kEntryFailed, kBuildFailed, kUnstable,
-                       kBackgroundFailed };
+                       kBackgroundFailed, kUpgradeFailed };
   enum class Queued { kQueued, kBusy, kFull };  // queued; being built already; the queue is full
 
   bool builds_in_background(const c10::Device& device);
   Queued queue(const Call& call, bool ready);
   // Builds the bucket's entry (build_run.h) and inserts it (unless cleared since `generation`).
-  // Inline (`run_call`), returns the call's output; in the background, None.
+  // Inline (`run_call`), returns the call's output; in the background, None. `upgrade` is set
+  // to the inserted entry's id where its builder asked for an upgrade.
   py::object build(const ShapeKey& key, const c10::Device& device, const py::tuple& args, const py::dict& kwargs,
-                   const py::tuple& tensors, bool run_call, uint64_t generation);
+                   const py::tuple& tensors, bool run_call, uint64_t generation, uint64_t& upgrade);
+  // Queues the upgrade of entry `entry_id`: `job` holds its bucket's call (BuildJob::of_call).
+  void queue_upgrade(BuildJob job, uint64_t entry_id, bool ready);
+  // Builds the bucket's compiled form and puts it in place of the entry `job` upgrades.
+  void run_upgrade(BuildJob& job);
   // A build ran out of memory twice: a fallback, with its one warning.
   void warn_out_of_memory(const c10::Device& device);
-  void insert(const ShapeKey& key, const c10::Device& device, BuiltEntry built, double seconds);
+  // Returns the entry's id where it is in the cache now (0: not kept).
+  uint64_t insert(const ShapeKey& key, const c10::Device& device, BuiltEntry built, double seconds);
   void give_up_if_unstable(const ShapeKey& key, const std::string& changed);
   // The bucket runs uncached until clear(), with the kind's one warning: `what` happened, and
   // that bucket runs uncached from now on. `fallback`: this call fell back (it is counted).
@@ -166,6 +186,9 @@ class MissPolicy : public QueuedBuildRunner {
   // change was. Different changes in a row (a user trying settings) are not counted together.
   static constexpr int kInvalidationsBeforeUncached = 3;
   std::unordered_map<ShapeKey, std::pair<int, std::string>, ShapeKeyHash> invalidations_in_a_row_;
+  // Buckets whose upgrade was built and not kept (the Upgrade rule): not tried again until
+  // clear(). Emptied at kMaxKeysRemembered keys.
+  std::unordered_set<ShapeKey, ShapeKeyHash> upgrade_tried_;
   // Bytes of this function's last build per device: the estimate room is made for before the
   // next build. The last one, not the largest: sizes served together are usually alike, and
   // an overestimate evicts entries the user keeps calling.

@@ -183,6 +183,14 @@ class BudgetedLru {
     return evicted;
   }
 
+  // Whether `key`'s entry could hold `bytes` instead of what it holds, in the room the budget
+  // has free now, without evicting anything.
+  bool fits_in_place(const Key& key, int64_t bytes) const {
+    auto it = index_.find(key);
+    if (it == index_.end()) return false;
+    return bytes - it->second->bytes <= budget_bytes_ - shared_bytes_ - entry_bytes_;
+  }
+
   // Removes `key` unless it is pinned; returns it.
   std::optional<Evicted> erase(const Key& key) {
     auto it = index_.find(key);

@@ -57,10 +57,12 @@ class CacheOptions:
     compile_options: dict = field(default_factory=dict)
     tune_convs: bool = False
     build: str = "inline"
+    upgrade: bool = False
 
     @classmethod
     def from_arguments(
-        cls, *, budget, backend, buckets, max_entries, compile_options, tune_convs=False, build="inline"
+        cls, *, budget, backend, buckets, max_entries, compile_options, tune_convs=False, build="inline",
+        upgrade=False,
     ) -> CacheOptions:
         parsed = parse_budget(budget)
         if not isinstance(backend, str) or backend not in BACKENDS:
@@ -99,8 +101,13 @@ class CacheOptions:
                              "miss runs uncached while a worker thread builds)")
         if build == "background":
             background_compiler()  # SHAPECACHE_BACKGROUND_COMPILER, checked here
+        _checks.boolean("upgrade", upgrade)
+        if upgrade and backend != "auto":
+            raise ValueError(f"upgrade=True was given with backend={backend!r}; it upgrades what backend='auto' "
+                             "builds to a compiled graph where that is faster: use backend='auto', or leave upgrade "
+                             "out")
         check_available(backend)  # last: the options are checked even where the backend cannot run
-        return cls(parsed, backend, buckets, max_entries, dict(compile_options), tune_convs, build)
+        return cls(parsed, backend, buckets, max_entries, dict(compile_options), tune_convs, build, upgrade)
 
 
 BUILDS = ("inline", "background")
@@ -119,7 +126,7 @@ class CachedFunction(_C.ShapeDispatcher, CacheHolder):
         names = positional_parameter_names(function, skip_first=has_owner)
         if cache is None:  # a cache of its own; functions given one share its budget
             cache = make_cache(options)
-        context = BuildContext(has_owner, tuple(names), options.compile_options)
+        context = BuildContext(has_owner, tuple(names), options.compile_options, options.upgrade)
         builder = make_builder(function, options.backend, context)
         if options.tune_convs:
             builder = _charging_workspace(builder)
@@ -247,6 +254,7 @@ class CachedOptions(TypedDict, total=False):
     compile_options: Mapping | None
     tune_convs: bool
     build: str
+    upgrade: bool
     disable: bool
 
 
@@ -265,6 +273,7 @@ def cached(
     compile_options: Mapping | None = None,
     tune_convs: bool = False,
     build: str = "inline",
+    upgrade: bool = False,
     disable: bool = False,
 ):
     """Serve `function` (or an ``nn.Module``'s forward) from one compiled entry per shape bucket.
@@ -284,6 +293,10 @@ def cached(
             call uncached at once and queues the build for the device's worker thread; the
             bucket's calls run uncached until its entry is ready (``shapecache.wait`` waits for
             them). CUDA graphs are captured inline either way.
+        upgrade: with backend "auto": once a bucket's entry is built, a worker thread compiles
+            the bucket with inductor (freezing off: no copy of the weights) and measures both;
+            the compiled form replaces the entry where it is at least 3% faster and fits in the
+            budget's free room (docs/backends.md). ``shapecache.wait`` waits for upgrades too.
         disable: return `function` unchanged.
 
     Returns:
@@ -291,7 +304,7 @@ def cached(
     """
     options = CacheOptions.from_arguments(
         budget=budget, backend=backend, buckets=buckets, max_entries=max_entries, compile_options=compile_options,
-        tune_convs=tune_convs, build=build,
+        tune_convs=tune_convs, build=build, upgrade=upgrade,
     )
     _checks.boolean("disable", disable)
     if function is None:

@@ -47,7 +47,7 @@ class DeviceStats(TypedDict):
 
 class CacheStats(TypedDict):
     """``sc.stats`` of a cached function or module: the function's counters (``calls`` to
-    ``busy_misses``, defined in ``csrc/cache/function_counters.h``), then the device figures
+    ``upgrades_not_kept``, defined in ``csrc/cache/function_counters.h``), then the device figures
     summed over devices (``bytes`` to ``pool_rebuilds``, ``csrc/cache/cache_figures.h``). A
     test checks that these lists agree with the C++ ones."""
 
@@ -61,6 +61,8 @@ class CacheStats(TypedDict):
     oom_retries: int
     invalidations: int
     busy_misses: int
+    upgrades: int
+    upgrades_not_kept: int
     pending_builds: int  # background builds of this function waiting or running now
     bytes: int
     entry_bytes: int

@@ -274,3 +274,19 @@ def test_room_made_before_an_entry_exists_bounds_what_is_held_while_it_is_built(
     assert lru.keys() == [4, 3, 2]
     with pytest.raises(ValueError, match="bytes must be >= 0, got -1"):
         lru.make_room_for(-1)
+
+
+def test_an_entry_fits_in_place_only_in_the_room_free_now():
+    # What an upgrade asks before it replaces an entry (miss_policy.h): never evict for it.
+    lru = _C._testing.IntLru(budget=100)
+    lru.insert(1, 1, 30)
+    lru.insert(2, 2, 40)
+    lru.set_shared_bytes(10)
+    assert lru.fits_in_place(1, 50)  # 30 -> 50: 20 more, in the 20 free
+    assert not lru.fits_in_place(1, 51)  # one byte past the free room: evicting 2 would make room, and is not done
+    assert lru.fits_in_place(2, 0)  # smaller always fits
+    assert not lru.fits_in_place(3, 0)  # no such entry
+    unlimited = _C._testing.IntLru(budget=None)
+    unlimited.insert(1, 1, 5)
+    assert unlimited.fits_in_place(1, 2**62)
+    assert lru.keys() == [2, 1] and lru.total_bytes == 80  # asking changed nothing

@@ -8,6 +8,8 @@
 - ``"auto"``: for CUDA inputs, a CUDA graph when its replay is faster than the eager call
   (measured when the bucket is built), else eager; ``"eager"`` elsewhere (on the CPU,
   inductor's builds cost seconds per bucket and need a C++ toolchain, for a smaller gain).
+  With ``upgrade=True``, each bucket's entry is then upgraded in the background to inductor's
+  compiled graph where that is faster (``upgrade.py``).
 
 Each backend's builder is a ``Builder`` (entry.py) registered under the backend's name; the
 C++ cache calls the one ``make_builder`` returns on a miss, with the call's arguments and a
@@ -17,6 +19,7 @@ C++ cache calls the one ``make_builder`` returns on a miss, with the call's argu
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 
@@ -25,6 +28,7 @@ import torch
 import shapecache._backends.compile
 import shapecache._backends.cuda_graph
 import shapecache._backends.eager  # noqa: F401  (each of the three registers its builders)
+from shapecache._backends import upgrade
 from shapecache._backends.compile_process import resident_bytes as compiler_resident_bytes
 from shapecache._backends.compilers import background_compiler
 from shapecache._backends.disk_cache import disk_cache_counts, disk_cache_state
@@ -82,6 +86,8 @@ def make_builder(function: Callable, backend: str, context: BuildContext) -> Cal
 
     def build(args: tuple, kwargs: dict, handle) -> BuiltEntry:
         device = handle.device
+        if handle.upgrading is not None:
+            return upgrade.build(function, args, kwargs, handle, context)
         if device.type == "cuda" and not _C.has_cuda_graphs:
             from shapecache._built_with import warn_if_cpu_only_on_cuda
 
@@ -96,7 +102,10 @@ def make_builder(function: Callable, backend: str, context: BuildContext) -> Cal
                              "ran there, and what that build had half made (a module half imported, the compiler's "
                              "state) has no thread here to finish it; shapecache.wait on the parent's cached objects "
                              "before forking avoids it", run_call=handle.run_call)
-        return BUILDERS[chosen].build(function, args, kwargs, handle, context, backend)
+        built = BUILDERS[chosen].build(function, args, kwargs, handle, context, backend)
+        if backend == "auto" and context.upgrade and built.failure == "":
+            built = dataclasses.replace(built, upgrade=True)
+        return built
 
     return build
 

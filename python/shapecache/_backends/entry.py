@@ -41,6 +41,9 @@ class BuiltEntry:
     # Instead of `runner`: a runner made in C++ already (a _C.CudaGraphRunner), which holds its
     # own guard (`guard` and `built_from` are None then).
     entry_runner: Any = None
+    # Once the entry is in, the device's worker builds the bucket's upgrade, which replaces it
+    # where it is faster (upgrade.py; csrc/cache/miss_policy.h, the Upgrade rule).
+    upgrade: bool = False
 
 @dataclass(frozen=True)
 class BuildContext:
@@ -49,6 +52,7 @@ class BuildContext:
     has_owner: bool  # the call's first argument is the module a method belongs to
     parameter_names: tuple  # positional parameter names (without the owner), as keys use them
     compile_options: dict
+    upgrade: bool = False  # backend "auto": each bucket's entry is upgraded where it pays (upgrade.py)
 
 
 class Builder:
@@ -60,7 +64,8 @@ class Builder:
     Inline (``handle.run_call``) the builder runs the call and returns its output in the
     entry; in the background the call has run already, uncached, and it only builds, running
     nothing that would repeat the call's effects. `asked` is the backend the user asked for
-    ("auto" keeps a graph only where it is faster)."""
+    ("auto" keeps a graph only where it is faster). An upgrade's build (``handle.upgrading``
+    set) is upgrade.py's, not a backend's."""
 
     name: ClassVar[str]
 

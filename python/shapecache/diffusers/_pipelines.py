@@ -95,6 +95,7 @@ def wrap(
     text_length: int | None = None,
     progress: bool | None = None,
     build: str = "inline",
+    upgrade: bool = False,
 ):
     """Caches `pipe`'s denoiser and VAE decoder under one `budget`; returns `pipe`.
 
@@ -113,13 +114,15 @@ def wrap(
         build: as for ``sc.cached``. With "background", pre-warming queues each size's
             builds, largest first, and returns at once; ``sc.wait(pipe)`` waits for them.
             (CUDA graphs are captured inline: with them, pre-warming waits as inline does.)
+        upgrade: as for ``sc.cached``: each size's entries are upgraded to compiled graphs in
+            the background where that is faster; ``sc.wait(pipe)`` waits for the upgrades.
     """
     family = family_of(pipe)
     if isinstance(holder_on(pipe), PipelineHolder):
         raise ValueError(f"{type(pipe).__name__} is wrapped already; call shapecache.uncached(pipe) first")
     options = CacheOptions.from_arguments(
         budget=budget, backend=backend, buckets=None, max_entries=max_entries, compile_options=compile_options,
-        tune_convs=tune_convs, build=build,
+        tune_convs=tune_convs, build=build, upgrade=upgrade,
     )
     checked_sizes = _check_sizes(pipe, family, sizes) if sizes is not None else []
     components = {"denoiser": getattr(pipe, family.denoiser_attribute)}

@@ -1,0 +1,179 @@
+"""backend="auto", upgrade=True: a bucket is served at once by what "auto" builds, and a worker
+compiles it with inductor and measures both forms; the compiled form replaces the entry where
+it pays (python/shapecache/_backends/upgrade.py; csrc/cache/miss_policy.h, the Upgrade rule).
+
+On the CPU "auto" builds the eager entry, so each test compares the upgraded bucket with the
+plain call. The functions here are chains of pointwise operations, which inductor fuses into
+one loop where eager makes a pass over memory per operation: their compiled form is several
+times faster, far past the threshold, whatever else the machine runs.
+"""
+
+import threading
+
+import pytest
+import torch
+
+import shapecache as sc
+from shapecache import _background
+from shapecache._backends import upgrade
+
+pytestmark = pytest.mark.slow
+
+WAIT = 240  # seconds: a bound on an inductor compile of a small graph on a loaded 2-core machine
+
+
+def chain(x):
+    for _ in range(12):
+        x = torch.sin(x) * 1.01 + 0.1
+    return x
+
+
+class ChainModel(torch.nn.Module):
+    """A linear layer, then a pointwise chain: weights the compiled form must read where they are."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return chain(self.linear(x))
+
+
+def counts(cached_thing) -> dict:
+    stats = sc.stats(cached_thing)
+    return {key: stats[key] for key in ("upgrades", "upgrades_not_kept", "pending_builds")}
+
+
+def backends(cached_thing) -> list:
+    return [entry["backend"] for entry in sc.stats(cached_thing)["entries"]]
+
+
+def test_the_threshold_is_a_gain_of_three_percent():
+    assert upgrade.MIN_SPEEDUP == 1.03
+    assert upgrade.pays(1.0, 1 / 1.03)
+    assert not upgrade.pays(1.0, 0.98)
+    assert not upgrade.pays(1.0, 1.5)
+
+
+def test_a_bucket_is_served_at_once_then_by_its_compiled_graph():
+    cached = sc.cached(chain, upgrade=True)
+    x = torch.randn(256, 256)
+    expected = chain(x)
+    assert torch.equal(cached(x), expected)  # the first call is the eager entry's: the plain call
+    assert sc.wait(cached, timeout=WAIT)
+    assert counts(cached) == {"upgrades": 1, "upgrades_not_kept": 0, "pending_builds": 0}
+    [entry] = sc.stats(cached)["entries"]
+    assert entry["backend"] == "compile"
+    assert entry["bytes"] == 0  # a function of its input alone: the graph holds nothing
+    for _ in range(3):
+        torch.testing.assert_close(cached(x), expected, rtol=1e-5, atol=1e-5)
+    stats = sc.stats(cached)
+    assert (stats["misses"], stats["hits"], stats["builds"]) == (1, 3, 1)
+
+
+def test_an_upgraded_module_reads_its_weights_where_they_are():
+    torch.manual_seed(0)
+    model = ChainModel().eval()
+    plain = ChainModel().eval()
+    plain.load_state_dict(model.state_dict())
+    x = torch.randn(32, 64)
+    with torch.no_grad():
+        sc.cached(model, upgrade=True)
+        torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+        assert sc.wait(model, timeout=WAIT)
+        assert counts(model)["upgrades"] == 1 and backends(model) == ["compile"]
+        # Freezing off: no copy of the linear layer's weights is charged to (or held by) the entry.
+        assert sc.stats(model)["entries"][0]["bytes"] == 0
+        torch.testing.assert_close(model(x), plain(x), rtol=1e-5, atol=1e-5)
+        # New weights, loaded in place: the answer is the new weights', as the plain call's.
+        state = {k: v * 2 for k, v in model.state_dict().items()}
+        model.load_state_dict(state)
+        plain.load_state_dict(state)
+        torch.testing.assert_close(model(x), plain(x), rtol=1e-5, atol=1e-5)
+        assert sc.wait(model, timeout=WAIT)
+        torch.testing.assert_close(model(x), plain(x), rtol=1e-5, atol=1e-5)
+    assert backends(model) == ["compile"]
+
+
+def test_a_bucket_that_cannot_be_compiled_keeps_its_entry_and_is_not_tried_again():
+    def branchy(x):
+        if x.sum() > 0:  # data-dependent: torch.export cannot capture it as one graph
+            return x * 2
+        return x - 1
+
+    cached = sc.cached(branchy, upgrade=True, max_entries=1)
+    a, b = torch.ones(3), torch.ones(4)
+    assert torch.equal(cached(a), a * 2)
+    assert sc.wait(cached, timeout=WAIT)
+    assert counts(cached) == {"upgrades": 0, "upgrades_not_kept": 1, "pending_builds": 0}
+    assert backends(cached) == ["eager"]
+    assert torch.equal(cached(-a), -a - 1)  # the eager entry still answers, both ways
+    assert torch.equal(cached(b), b * 2)  # evicts a's entry; b's is tried
+    assert sc.wait(cached, timeout=WAIT)
+    assert counts(cached)["upgrades_not_kept"] == 2
+    background_builds = sc.stats(cached)["background_builds"]
+    assert torch.equal(cached(a), a * 2)  # a's entry built again: its upgrade is not tried again
+    assert sc.wait(cached, timeout=WAIT)
+    assert sc.stats(cached)["background_builds"] == background_builds
+    assert counts(cached)["upgrades_not_kept"] == 2
+    sc.clear(cached)  # clear forgets it: the next entry of a is tried again
+    assert torch.equal(cached(a), a * 2)
+    assert sc.wait(cached, timeout=WAIT)
+    assert counts(cached)["upgrades_not_kept"] == 3
+
+
+def test_an_entry_evicted_while_its_upgrade_waits_is_not_replaced():
+    cached = sc.cached(chain, upgrade=True, max_entries=1)
+    a, b = torch.randn(64, 64), torch.randn(96, 96)
+    with _background.build_lock():  # compiled builds wait for it: a's upgrade cannot finish
+        assert torch.equal(cached(a), chain(a))
+        assert torch.equal(cached(b), chain(b))  # evicts a's entry
+    assert sc.wait(cached, timeout=WAIT)
+    stats = sc.stats(cached)
+    # b's entry, upgraded; a's upgrade found its entry gone (before or after compiling) and
+    # put nothing back.
+    assert [(e["bucket"], e["backend"]) for e in stats["entries"]] == [(stats["entries"][0]["bucket"], "compile")]
+    assert "96" in stats["entries"][0]["bucket"]
+    assert stats["upgrades"] == 1 and stats["evictions"] == 1
+    torch.testing.assert_close(cached(b), chain(b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cached(a), chain(a), rtol=1e-5, atol=1e-5)  # built again, eager
+
+
+def test_threads_get_the_plain_answer_before_during_and_after_upgrades():
+    cached = sc.cached(chain, upgrade=True)
+    inputs = [torch.randn(128, 128), torch.randn(160, 96)]
+    expected = [chain(x) for x in inputs]
+    errors = []
+
+    def serve():
+        try:
+            for _ in range(40):
+                for x, want in zip(inputs, expected):
+                    torch.testing.assert_close(cached(x), want, rtol=1e-5, atol=1e-5)
+        except BaseException as error:  # noqa: BLE001  (reported by the test)
+            errors.append(error)
+
+    threads = [threading.Thread(target=serve) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT)
+    assert not errors, errors[0]
+    assert sc.wait(cached, timeout=WAIT)
+    assert counts(cached) == {"upgrades": 2, "upgrades_not_kept": 0, "pending_builds": 0}
+    assert backends(cached) == ["compile", "compile"]
+    for x, want in zip(inputs, expected):
+        torch.testing.assert_close(cached(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_upgrade_is_checked_where_the_cache_is_made():
+    with pytest.raises(ValueError, match=r"upgrade=True was given with backend='eager'.*use backend='auto'"):
+        sc.cached(chain, backend="eager", upgrade=True)
+    with pytest.raises(TypeError, match=r"upgrade='yes' \(str\): expected True or False"):
+        sc.cached(chain, upgrade="yes")
+    cached = sc.cached(chain)  # off unless asked for
+    x = torch.randn(8, 8)
+    cached(x)
+    assert sc.wait(cached, timeout=WAIT)
+    assert counts(cached) == {"upgrades": 0, "upgrades_not_kept": 0, "pending_builds": 0}
+    assert backends(cached) == ["eager"]
