@@ -298,3 +298,21 @@ def test_wrap_takes_compile_options_and_buckets_per_component_as_cached_does():
     compiled = tp.stable_diffusion()
     sc.wrap(compiled, backend="compile", compile_options={"options": {"freezing": False}})
     assert compiled.unet.forward.options.compile_options == {"options": {"freezing": False}}
+
+
+@pytest.mark.slow
+def test_wrap_with_upgrade_tries_each_entry_once_and_the_images_stay_the_plain_ones():
+    pipe = tp.stable_diffusion()
+    size = (32, 32)
+    expected = run(pipe, text_inputs(), size)
+    sc.wrap(pipe, sizes=[size], upgrade=True)
+    assert sc.wait(pipe, timeout=600)
+    stats = sc.stats(pipe)
+    # The denoiser's and the decoder's entries, each compiled and measured once, kept or not.
+    assert stats["builds"] == 2 and stats["pending_builds"] == 0
+    assert stats["upgrades"] + stats["upgrades_not_kept"] == 2
+    assert sorted(e["backend"] for e in stats["entries"]) == sorted(
+        ["compile"] * stats["upgrades"] + ["eager"] * stats["upgrades_not_kept"])
+    torch.testing.assert_close(run(pipe, text_inputs(), size), expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="upgrade=True was given with backend='eager'"):
+        sc.wrap(tp.stable_diffusion(), backend="eager", upgrade=True)
