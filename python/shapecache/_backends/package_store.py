@@ -47,7 +47,6 @@ import os
 import platform
 import shutil
 import tempfile
-import time
 import zipfile
 from pathlib import Path
 
@@ -58,6 +57,7 @@ from shapecache._backends import compile_process, disk_cache, package_trust
 from shapecache._backends.compile_settings import CompileSettings
 from shapecache._backends.compilers import CompiledGraph, NotForThisGraph
 from shapecache._backends.entry import described
+from shapecache._old_files import remove_old_files
 
 logger = logging.getLogger("shapecache")
 
@@ -309,7 +309,7 @@ def copy_in(key: str, package: str, target: Path, secret: bytes | None = None) -
         if key not in _unloadable and (target / f"{key}.pt2").is_file():
             return  # another process's: replacing it could fail a reader on a network file system
         target.mkdir(mode=0o755, parents=True, exist_ok=True)  # (never writable by others, whatever the umask)
-        _remove_abandoned_copies(target)
+        remove_old_files(target, ((f".*{_COPYING}", _ABANDONED_AFTER_S),))
         descriptor, temporary = tempfile.mkstemp(dir=target, prefix=f".{key}.", suffix=_COPYING)  # (0600)
         if secret is not None:  # shared between users on purpose: its group reads it too
             os.fchmod(descriptor, 0o640)
@@ -334,21 +334,7 @@ def copy_in(key: str, package: str, target: Path, secret: bytes | None = None) -
 
 
 _COPYING = ".tmp"  # the suffix of a package being copied in
-_ABANDONED_AFTER_S = 3600  # how old a copy is before it counts as a killed publisher's
-_swept_directories: set[Path] = set()
-
-
-def _remove_abandoned_copies(target: Path) -> None:
-    """Removes, once per directory and process, the temporary copies that publishers killed
-    mid-copy (SIGKILL, as Ray stops a replica) left in `target` over an hour ago: each holds up
-    to a copy of the weights. (The hour spares a copy still being written elsewhere.)"""
-    if target in _swept_directories:
-        return
-    _swept_directories.add(target)
-    for path in target.glob(f".*{_COPYING}"):
-        with contextlib.suppress(OSError):
-            if time.time() - path.lstat().st_mtime > _ABANDONED_AFTER_S:
-                path.unlink()
+_ABANDONED_AFTER_S = 3600  # how old a copy is before it counts as a killed publisher's (each holds up to a copy of the weights)
 
 
 class _Publication(_background.Publication):

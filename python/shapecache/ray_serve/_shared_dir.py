@@ -16,7 +16,7 @@ Layout under the directory:
 - ``replicas.<replica class>/<replica id>.json``: the routing stats each replica of that class
   last published (``CachedReplica.record_routing_stats``), written under a temporary name and
   renamed into place every stats period: the fleet view (``fleet``) reads them. A process's
-  first publication there removes the files of replicas gone for a day (``_sweep``).
+  first publication there removes the files of replicas gone for a day (``remove_old_files``).
 - ``sizes.<replica class>.jsonl``: one line per size a replica of that class built on request,
   ``{"size": [...], "at": unix seconds}``,
   appended with one ``write`` on a file opened ``O_APPEND``. On a local file system each line
@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 from shapecache._backends import SHARED_DIR_VARIABLE, shared_packages_directory, untrusted_shared_directory
+from shapecache._old_files import remove_old_files
 from shapecache.ray_serve._placement import ReplicaState
 from shapecache.ray_serve._request_size import MAX_DIMENSIONS, MAX_SIDE
 
@@ -52,22 +53,6 @@ ENVIRONMENT_VARIABLE = SHARED_DIR_VARIABLE  # read by the package store, set by 
 _REPLICA_FILE = re.compile(r"[^A-Za-z0-9_.-]")  # what a replica's file name may not hold
 GONE_AFTER_S = 24 * 3600  # a replica's file not written for this long is a replica that is gone
 ABANDONED_AFTER_S = 3600  # a temporary file this old is a publisher's that was killed mid-write
-_swept: set = set()  # the fleet directories this process swept
-
-
-def _sweep(directory) -> None:
-    """Removes from a fleet directory the files of replicas gone for GONE_AFTER_S (a replica
-    id is never reused, so without this each replica Serve ever started would leave one) and
-    the temporary files of publishers killed mid-write over ABANDONED_AFTER_S ago. Only
-    regular files this user owns, by their modification time (the file server's clock: the
-    bounds are far longer than any skew)."""
-    now = time.time()
-    for pattern, after in (("*.json", GONE_AFTER_S), (".*.tmp", ABANDONED_AFTER_S)):
-        for path in directory.glob(pattern):
-            with contextlib.suppress(OSError):
-                status = path.lstat()
-                if stat.S_ISREG(status.st_mode) and status.st_uid == os.geteuid() and now - status.st_mtime > after:
-                    path.unlink()
 _REPLICA_FILE_LIMIT = 4 << 20  # bytes: a replica's stats file larger than this is not read
 REMOTE_CACHE_VARIABLES = ("TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "TORCHINDUCTOR_REDIS_HOST", "TORCHINDUCTOR_REDIS_PORT")
 
@@ -122,12 +107,11 @@ class SharedDir:
     def publish_replica(self, name: str, replica_id: str, stats: dict) -> None:
         """Writes what replica `replica_id` published to the fleet's directory `name` (one per
         replica class, ``CachedReplica.replicas_dir()``), renamed into place whole. The first
-        publication of a process there removes what replicas long gone left (`_sweep`)."""
+        publication of a process there removes what replicas long gone left (`remove_old_files`)."""
         directory = self.path / name
         directory.mkdir(mode=0o755, exist_ok=True)
-        if directory not in _swept:
-            _swept.add(directory)
-            _sweep(directory)
+        # Replica ids are never reused: without this, each replica Serve ever started would leave one.
+        remove_old_files(directory, (("*.json", GONE_AFTER_S), (".*.tmp", ABANDONED_AFTER_S)))
         path = directory / (_REPLICA_FILE.sub("_", replica_id) + ".json")
         fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
         try:
