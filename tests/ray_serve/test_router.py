@@ -143,3 +143,20 @@ def test_a_failing_policy_falls_back_to_ray_s_default(caplog):
 def test_bad_router_options_are_named(options, match):
     with pytest.raises((TypeError, ValueError), match=match):
         make_router(Replica("a"), **options)
+
+
+def test_a_publication_is_parsed_once_and_a_new_one_is_seen():
+    async def run():
+        a, b = Replica("a", [(8, 8)]), Replica("b")
+        router = make_router(a, b)
+        first = router._states_of([a, b])
+        again = router._states_of([a, b])
+        assert first[0] is again[0] and first[0].sizes == {(8, 8)}  # the same publication: not parsed again
+        # a publishes again (a later published_at): its new sizes are what the router sees
+        a._replica_info = Replica("a", [(8, 8), (16, 16)])._replica_info
+        assert router._states_of([a, b])[0].sizes == {(8, 8), (16, 16)}
+        assert ids(await router.choose_replicas([a, b], request(1, size=(16, 16)))) == [["a"]]
+        router.update_replicas([b])  # a is gone: what it published is forgotten
+        assert set(router._parsed) <= {"b"}
+
+    asyncio.run(run())

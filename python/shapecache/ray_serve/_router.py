@@ -17,13 +17,14 @@ that is full is retried with backoff, not in a busy loop; there is no public set
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
 
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, RequestRouter
 
-from shapecache.ray_serve._placement import SPILL_AFTER_S, Placement, ReplicaState
+from shapecache.ray_serve._placement import FORMAT_KEY, SPILL_AFTER_S, Placement, ReplicaState
 from shapecache.ray_serve._request_size import PIPELINE_SIZE_KEYS, check_size_keys, request_size
 
 logger = logging.getLogger("shapecache")
@@ -58,6 +59,9 @@ class SizeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 raise ValueError(f"{name}={value!r}: expected a positive number of seconds")
         self._placement = Placement(max_pending_builds=max_pending_builds, stats_max_age_s=float(stats_max_age_s),
                                     spill_after_s=float(spill_after_s))
+        # replica id -> (the publication's published_at, its state as parsed): a replica
+        # publishes every few seconds, and requests come far more often.
+        self._parsed: dict[str, tuple[object, ReplicaState]] = {}
 
     def _size_of(self, pending_request) -> tuple[int, ...] | None:
         if pending_request is None:
@@ -68,8 +72,25 @@ class SizeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # Full: its last known queue is at max_ongoing_requests (what select_available_replicas
         # leaves out; an unknown queue counts as room).
         available = {replica.replica_id for replica in self.select_available_replicas(replicas)}
-        return [ReplicaState.from_routing_stats(r.replica_id.unique_id, r.routing_stats,
-                                                full=r.replica_id not in available) for r in replicas]
+        states = []
+        for r in replicas:
+            state, full = self._published(r.replica_id.unique_id, r.routing_stats), r.replica_id not in available
+            states.append(state if state.full == full else dataclasses.replace(state, full=full))
+        return states
+
+    def _published(self, replica_id: str, stats: object) -> ReplicaState:
+        """What `replica_id` published, parsed once per publication (one published_at)."""
+        try:
+            stamp = stats[FORMAT_KEY]["published_at"]
+            hash(stamp)
+        except (KeyError, TypeError, IndexError):
+            stamp = None  # not a publication of this format: parsed each time (it holds nothing)
+        kept = self._parsed.get(replica_id)
+        if stamp is not None and kept is not None and kept[0] == stamp:
+            return kept[1]
+        state = ReplicaState.from_routing_stats(replica_id, stats)
+        self._parsed[replica_id] = (stamp, state)
+        return state
 
     def _power_of_two_choices(self, pending_request):
         """Ray's default policy (its PowerOfTwoChoicesRequestRouter.choose_replicas): two replicas
@@ -121,4 +142,7 @@ class SizeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._forget_gone_replicas()
 
     def _forget_gone_replicas(self) -> None:
-        self._placement.keep_only(replica_id.unique_id for replica_id in self.curr_replicas)
+        current = {replica_id.unique_id for replica_id in self.curr_replicas}
+        self._placement.keep_only(current)
+        for gone in set(self._parsed) - current:
+            del self._parsed[gone]
