@@ -12,6 +12,10 @@
   default generator, and a draw from it on another thread during the capture raises "Offset
   increment outside graph capture"; a generator of the caller's own is not registered
   (docs/gpu.md). torch 2.13 keeps generator state per capture.
+- upgrades: one thread serves a model with ``backend="auto", upgrade=True`` at two sizes while
+  the worker compiles and measures their upgrades, and another thread builds new buckets of a
+  second model (captures, on CUDA) meanwhile. Counted: calls that raised, wrong answers, and
+  upgrades that failed; reported: upgrades kept and not kept.
 
 `--device cpu` runs the same code on the CPU (the dry run of ``gpu-check --quick``), where
 ``auto`` runs eager and the graph backend reports why it cannot run. The table is written to
@@ -133,6 +137,69 @@ def probe_random_numbers(device, dtype) -> dict:
             "entries": sorted(e["backend"] for e in sc.stats(model)["entries"])}
 
 
+def small_net(device, dtype):
+    """A graph inductor compiles in seconds: what the probe is about is where the compile runs."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.SiLU(), torch.nn.Conv2d(8, 4, 3, padding=1))
+    return net.to(device=device, dtype=dtype).eval()
+
+
+def probe_upgrades(device, dtype) -> dict:
+    import shapecache as sc
+
+    plain = small_net(device, dtype)
+    upgraded = sc.cached(small_net(device, dtype), backend="auto", upgrade=True)
+    building = sc.cached(small_net(device, dtype), backend="auto")
+    errors, mismatches, calls = [], [], [0]
+    start = threading.Barrier(2)
+
+    def call(model, size):
+        x = latents(size, device, dtype, seed=size[0])
+        try:
+            with torch.no_grad():
+                out = model(x)
+            calls[0] += 1
+        except Exception as error:  # noqa: BLE001  (counted: the probe's subject)
+            errors.append(f"{size}: {error!r}"[:200])
+            return
+        with torch.no_grad():
+            expected = plain(x)
+        if not torch.allclose(out.float(), expected.float(), atol=1e-2, rtol=1e-2):
+            mismatches.append(str(size))
+
+    def serve_upgraded():
+        start.wait()
+        deadline = time.monotonic() + 300
+        for size in [(64, 64), (96, 80)] * 2:  # both buckets built, their upgrades queued
+            call(upgraded, size)
+        while sc.stats(upgraded)["pending_builds"] and time.monotonic() < deadline:
+            for size in [(64, 64), (96, 80)]:
+                call(upgraded, size)
+            time.sleep(0.005)  # a request stream with gaps, not a loop that starves the compile
+
+    def build_new_buckets():
+        start.wait()
+        for side in range(48, 48 + 8 * 10, 8):
+            call(building, (side, side + 8))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        threads = [threading.Thread(target=serve_upgraded), threading.Thread(target=build_new_buckets)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        finished = sc.wait(upgraded, timeout=300)
+    stats = sc.stats(upgraded)
+    failed = [str(w.message)[:200] for w in caught if "upgrade" in str(w.message)]
+    if not finished:
+        failed.append("the upgrades did not finish within 300 s")
+    return {"probe": "upgrades compiled and measured beside another thread's new buckets", "calls": calls[0],
+            "errors": errors, "mismatches": mismatches, "upgrades": stats["upgrades"],
+            "upgrades_not_kept": stats["upgrades_not_kept"], "upgrade_failures": failed,
+            "entries": sorted(e["backend"] for e in stats["entries"])}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -140,12 +207,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    results = [probe_builds(device, dtype), probe_random_numbers(device, dtype)]
+    results = [probe_builds(device, dtype), probe_random_numbers(device, dtype), probe_upgrades(device, dtype)]
     header = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "probes.json").write_text(json.dumps({**header, "probes": results}, indent=1))
-    builds, rng = results
+    builds, rng, upgrades = results
     lines = [f"# Thread probes: {header['device']}, torch {header['torch']}", "",
              "| probe | calls or draws | errors | eager fallbacks | wrong answers | entries |", "|---|---|---|---|---|---|",
              f"| {builds['probe']} | {builds['calls']} | {len(builds['errors'])} | {len(builds['fallbacks'])} | "
@@ -153,8 +220,13 @@ def main(argv=None) -> int:
     for name, count in rng["draws"].items():
         lines.append(f"| {rng['probe']}: {name} | {count} | {rng['error_counts'][name]} | {len(rng['fallbacks'])} | - | "
                      f"{', '.join(rng['entries'])} |")
-    lines += ["", f"default generator after the captures: {rng['default_generator_after'] or 'draws'}"]
-    for label, found in (("build errors", builds["errors"] + rng["build_errors"]), ("fallbacks", builds["fallbacks"]),
+    lines.append(f"| {upgrades['probe']} | {upgrades['calls']} | {len(upgrades['errors'])} | - | "
+                 f"{len(upgrades['mismatches'])} | {', '.join(upgrades['entries'])} |")
+    lines += ["", f"default generator after the captures: {rng['default_generator_after'] or 'draws'}",
+              f"upgrades: {upgrades['upgrades']} kept, {upgrades['upgrades_not_kept']} not kept, "
+              f"{len(upgrades['upgrade_failures'])} failed"]
+    for label, found in (("build errors", builds["errors"] + rng["build_errors"] + upgrades["errors"]),
+                         ("fallbacks", builds["fallbacks"]), ("upgrade failures", upgrades["upgrade_failures"]),
                          ("random-number errors", [e for errors in rng["errors"].values() for e in errors])):
         lines += [f"- {label}: {item}" for item in found[:5]]
     text = "\n".join(lines)
@@ -162,7 +234,9 @@ def main(argv=None) -> int:
     print(text)
     # Every count is shapecache's to keep at 0 but one: draws from the default generator during
     # a capture on torch 2.11, a limit of that torch (docs/gpu.md), reported and not failed.
-    failed = {"build errors": builds["errors"] + rng["build_errors"], "wrong answers": builds["mismatches"],
+    failed = {"build errors": builds["errors"] + rng["build_errors"] + upgrades["errors"],
+              "wrong answers": builds["mismatches"] + upgrades["mismatches"],
+              "upgrade failures": upgrades["upgrade_failures"],
               "own generator errors": rng["errors"]["own generator"],
               "default generator after the captures": [rng["default_generator_after"]] if rng["default_generator_after"]
               else []}
