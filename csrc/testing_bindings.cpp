@@ -189,6 +189,10 @@ void bind_testing(py::module_& m) {
         const int64_t* v = lru.find(key);
         return v ? std::optional<int64_t>(*v) : std::nullopt;
       })
+      .def("peek", [](IntLru& lru, int64_t key) -> std::optional<int64_t> {
+        const int64_t* v = lru.peek(key);
+        return v ? std::optional<int64_t>(*v) : std::nullopt;
+      })
       .def("pin", &IntLru::pin)
       .def("unpin", [](IntLru& lru, int64_t key) { return evicted_keys(lru.unpin(key)); })
       .def("pin_count", &IntLru::pin_count)

@@ -75,14 +75,12 @@ py::object MissPolicy::serve(Call& call, bool stale) {
     return cropped(call, run_uncached(call.entry_args, call.entry_kwargs));
   }
   py::object out;
-  uint64_t upgrade = 0;
   {
     ShapeCache::BuildMark building(*cache_, call.device, call.key);
     ++counters_.misses;
     out = build(call.key, call.device, call.entry_args, call.entry_kwargs, call.tensor_tuple(), /*run_call=*/true,
-                generation_, upgrade);
+                generation_);
   }
-  if (upgrade != 0) queue_upgrade(BuildJob::of_call(call), upgrade, /*ready=*/false);
   return cropped(call, std::move(out));
 }
 
@@ -196,35 +194,26 @@ bool MissPolicy::queue_build(Call& call) {
 
 void MissPolicy::run_queued(BuildJob& job) {
   if (job.upgrades != 0) return run_upgrade(job);
-  InBackgroundBuild in_background;  // no caller sees a warning: it is reported, never raised
-  uint64_t upgrade = 0;
+  ShapeCache::BuildMark building(*cache_, job.device, job.key);
+  if (job.generation != generation_) return;  // cleared since it was queued
+  py::tuple args = job.args;
+  if (!job.owner_ref.is_none()) {
+    py::object owner = job.owner_ref();
+    if (owner.is_none()) return;  // the module was let go of: nothing will call this entry
+    args = with_owner(owner, job.args);
+  }
+  InBackgroundBuild in_background;
+  EnteredContext context(job.context);
+  CallModesScope modes(job.modes);
+  ++counters_.background_builds;
   std::string failure;
-  {
-    ShapeCache::BuildMark building(*cache_, job.device, job.key);
-    if (job.generation != generation_) return;  // cleared since it was queued
-    py::tuple args = job.args;
-    if (!job.owner_ref.is_none()) {
-      py::object owner = job.owner_ref();
-      if (owner.is_none()) return;  // the module was let go of: nothing will call this entry
-      args = with_owner(owner, job.args);
-    }
-    EnteredContext context(job.context);
-    CallModesScope modes(job.modes);
-    ++counters_.background_builds;
-    try {
-      build(job.key, job.device, args, job.kwargs, job.tensors, /*run_call=*/false, job.generation, upgrade);
-    } catch (py::error_already_set& error) {
-      failure = describe_error(error);
-    } catch (const std::exception& error) {  // a builder that returned something else (py::type_error)
-      failure = error.what();
-    }
-  }  // the bucket's build mark ends here: its upgrade marks it again
-  if (failure.empty()) {
-    if (upgrade == 0) return;
-    BuildJob next = job;
-    next.context = next.context.attr("copy")();  // a context is entered by one job at a time
-    queue_upgrade(std::move(next), upgrade, /*ready=*/true);
+  try {
+    build(job.key, job.device, args, job.kwargs, job.tensors, /*run_call=*/false, job.generation);
     return;
+  } catch (py::error_already_set& error) {
+    failure = describe_error(error);
+  } catch (const std::exception& error) {  // a builder that returned something else (py::type_error)
+    failure = error.what();
   }
   // No call waits for this build: whatever it raised, its bucket runs uncached, as an inline
   // build that fails where the plain call does not (unless it was cleared meanwhile).
@@ -234,8 +223,7 @@ void MissPolicy::run_queued(BuildJob& job) {
 }
 
 py::object MissPolicy::build(const ShapeKey& key, const c10::Device& device, const py::tuple& args,
-                             const py::dict& kwargs, const py::tuple& tensors, bool run_call, uint64_t generation,
-                             uint64_t& upgrade) {
+                             const py::dict& kwargs, const py::tuple& tensors, bool run_call, uint64_t generation) {
   {
     auto last = last_build_bytes_.find(device);
     auto evicted = cache_->lru(device).make_room_for(last == last_build_bytes_.end() ? 0 : last->second);
@@ -276,32 +264,30 @@ py::object MissPolicy::build(const ShapeKey& key, const c10::Device& device, con
             "no entry could be built for " + describe_key(key) + " (" + first_line(built.failure) + ")");
     return output;
   }
-  const bool wants_upgrade = built.upgrade && upgrade_tried_.count(key) == 0;
-  const uint64_t id = insert(key, device, std::move(built), seconds);
-  if (wants_upgrade) upgrade = id;
+  insert(key, device, std::move(built), seconds);
   return output;
 }
 
-void MissPolicy::queue_upgrade(BuildJob job, uint64_t entry_id, bool ready) {
-  const c10::Device device = job.device;
-  const ShapeKey key = job.key;
-  if (!cache_->begin_build(device, key)) return;  // a build of the bucket runs: its entry asks again
+void MissPolicy::queue_upgrade(const Call& call, uint64_t entry_id) {
+  EntryLru& lru = cache_->lru(call.device);
+  Entry* entry = lru.peek(call.key);  // the run was Python code: it may be gone or rebuilt
+  if (entry == nullptr || entry->id != entry_id || !entry->wants_upgrade) return;
+  // Never more than half the queue: an upgrade never keeps a first build out.
+  if (BuildQueue::instance().pending() >= static_cast<int64_t>(BuildQueue::kMaxWaiting / 2)) return;
+  if (!cache_->begin_build(call.device, call.key)) return;  // a hit of another thread queued it
+  BuildJob job = BuildJob::of_call(call);
   job.function_ref = py::weakref(self_object_());
   job.runner = this;
   job.cache = cache_;
   job.function_id = function_id_;
   job.generation = generation_;
-  job.ready = ready;
   job.upgrades = entry_id;
   if (!BuildQueue::instance().push(std::move(job))) {
-    cache_->end_build(device, key);  // a full queue: not upgraded, nothing lost
+    cache_->end_build(call.device, call.key);  // full: a later hit asks again
     return;
   }
-  if (!ready) {
-    make_ready_when_outermost_returns(function_id_, device, key, services_.wake_build_worker);
-  } else if (!services_.wake_build_worker.is_none()) {
-    services_.wake_build_worker(py::reinterpret_steal<py::object>(THPDevice_New(device)));
-  }
+  entry->wants_upgrade = false;
+  make_ready_when_outermost_returns(function_id_, call.device, call.key, services_.wake_build_worker);
 }
 
 void MissPolicy::run_upgrade(BuildJob& job) {
@@ -309,7 +295,7 @@ void MissPolicy::run_upgrade(BuildJob& job) {
   ShapeCache::BuildMark building(*cache_, job.device, job.key);
   if (job.generation != generation_) return;  // cleared since it was queued
   EntryLru& lru = cache_->lru(job.device);
-  Entry* entry = lru.find(job.key);
+  Entry* entry = lru.peek(job.key);  // (looking is not a use: its recency stays)
   if (entry == nullptr || entry->id != job.upgrades) return;  // gone: the bucket's next entry asks again
   py::tuple upgrading = py::make_tuple(entry->backend, entry->handle);
   py::tuple args = job.args;
@@ -320,6 +306,7 @@ void MissPolicy::run_upgrade(BuildJob& job) {
   }
   std::optional<BuiltEntry> maybe_built;
   std::string failure;
+  const auto start = std::chrono::steady_clock::now();
   {
     EnteredContext context(job.context);
     CallModesScope modes(job.modes);
@@ -332,11 +319,16 @@ void MissPolicy::run_upgrade(BuildJob& job) {
       failure = error.what();
     }
   }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (job.generation != generation_) return;  // cleared while building: dropped
-  entry = lru.find(job.key);  // Python ran: look again
+  entry = lru.peek(job.key);  // Python ran: look again
+  if (entry == nullptr || entry->id != job.upgrades) return;  // gone meanwhile: its next entry asks again
+  // Kept where it was built, its measurement left its guard holding (the measurement ran it:
+  // that was its first run, checked here), and it fits where the entry is. Else the bucket
+  // is not tried again.
   const bool kept = failure.empty() && maybe_built && maybe_built->runner && !maybe_built->started_stale &&
-                    (!maybe_built->guard || maybe_built->guard->check()) && entry != nullptr &&
-                    entry->id == job.upgrades && lru.fits_in_place(job.key, maybe_built->bytes);
+                    (!maybe_built->guard || maybe_built->guard->check()) &&
+                    lru.fits_in_place(job.key, maybe_built->bytes);
   if (!kept) {
     ++counters_.upgrades_not_kept;
     if (upgrade_tried_.size() >= kMaxKeysRemembered) upgrade_tried_.clear();
@@ -352,7 +344,8 @@ void MissPolicy::run_upgrade(BuildJob& job) {
   entry->runner = std::move(built.runner);
   entry->handle = std::move(built.handle);
   entry->backend = std::move(built.backend);
-  entry->checked_after_first_run = false;  // its first hit checks that the run leaves it valid
+  entry->build_seconds += seconds;
+  entry->checked_after_first_run = true;
   auto evicted = lru.set_entry_bytes(job.key, built.bytes);  // fits in place: evicts nothing
   ++counters_.upgrades;
 }
@@ -364,7 +357,7 @@ void MissPolicy::warn_out_of_memory(const c10::Device& device) {
                                        "cache); such calls run uncached");
 }
 
-uint64_t MissPolicy::insert(const ShapeKey& key, const c10::Device& device, BuiltEntry built, double seconds) {
+void MissPolicy::insert(const ShapeKey& key, const c10::Device& device, BuiltEntry built, double seconds) {
   ++counters_.builds;
   Entry entry;
   entry.id = ShapeCache::next_entry_id();
@@ -377,6 +370,7 @@ uint64_t MissPolicy::insert(const ShapeKey& key, const c10::Device& device, Buil
   entry.build_seconds = seconds;
   entry.last_use = unix_seconds();
   entry.checked_after_first_run = built.ran_call;
+  entry.wants_upgrade = built.upgrade && upgrade_tried_.count(key) == 0;
   const int64_t bytes = built.bytes;
   if (bytes >= 0) last_build_bytes_[device] = bytes;
 
@@ -386,8 +380,7 @@ uint64_t MissPolicy::insert(const ShapeKey& key, const c10::Device& device, Buil
   const bool present = lru.contains(key);
   auto result = lru.insert(key, std::move(entry), bytes);
   if (result.inserted && !in_background_build()) note_entry_served(id, /*built=*/true);  // the call's
-  if (result.inserted) return id;  // `result` (evicted, returned entries) is destroyed on return
-  if (present) return 0;
+  if (result.inserted || present) return;  // `result` (evicted, returned entries) is destroyed on return
   ++counters_.fallbacks;
   bool never_fits = false;
   std::string message = "shapecache: the entry for " + describe_key(key) + " was not kept: " +
@@ -403,7 +396,6 @@ uint64_t MissPolicy::insert(const ShapeKey& key, const c10::Device& device, Buil
       PyErr_WarnEx(PyExc_RuntimeWarning, message.c_str(), 1) < 0) {
     PyErr_WriteUnraisable(function_.ptr());
   }
-  return 0;
 }
 
 void MissPolicy::give_up_if_unstable(const ShapeKey& key, const std::string& changed) {

@@ -33,18 +33,21 @@
 //     right after an inline build, at the first hit of an entry built without running the
 //     call). The plain call's own exceptions reach the user as themselves.
 //   - Upgrade (backend="auto", upgrade=True): an entry whose builder asks for it
-//     (BuiltEntry.upgrade) queues, once inserted, a second build of its bucket for the
-//     device's worker, whatever build= says, ready once the call that built the entry has
-//     returned. Its builder is given the entry as it is (BuildHandle.upgrading), compiles the
-//     bucket and measures both forms (python/shapecache/_backends/upgrade.py). Meanwhile the
-//     entry serves the bucket's calls, and the bucket is marked as building (one build per
-//     bucket: were the entry evicted, its calls run uncached until the upgrade ends). What it
-//     returns replaces the entry in place (its pins and recency kept; a call running the old
-//     runner finishes with it) where the entry is still the one it upgrades, the new form's
-//     guard holds, and its added bytes fit in the budget's free room: an upgrade never evicts.
-//     Otherwise (or where its builder found it not faster, or it failed) the entry stays as it
-//     is and the bucket is not upgraded again until clear(). An entry rebuilt later (evicted,
-//     stale) asks again.
+//     (BuiltEntry.upgrade) wants an upgrade; its first hit queues a second build of its bucket
+//     for the device's worker, whatever build= says, ready once that call has returned (a
+//     size called once is never compiled). Upgrades take at most half the queue (a first build
+//     always has room); one that finds no room is asked for again by the next hit. Its builder
+//     is given the entry as it is (BuildHandle.upgrading), compiles the bucket and measures
+//     both forms (python/shapecache/_backends/upgrade.py). Meanwhile the entry serves the
+//     bucket's calls, and the bucket is marked as building (one build per bucket: were the
+//     entry evicted, its calls run uncached until the upgrade ends). What it returns replaces
+//     the entry in place (its pins and recency kept: an upgrade is not a use; a call running
+//     the old runner finishes with it) where the new form's guard still holds after its
+//     measurement and its added bytes fit in the budget's free room: an upgrade never evicts.
+//     Where its builder found it not faster, or refused or failed to build it, the entry
+//     stays as it is and the bucket is not upgraded again until clear(). Where the entry it
+//     upgrades is gone (evicted, stale, cleared), the upgrade is dropped, and the bucket's
+//     next entry asks again.
 //   - Transparent: inside a build or a trace nothing is built (call_scope.h).
 //   - Warnings: each kind once per function. Inline, a warning turned into an error (-W error)
 //     raises from the call; in the background, where no caller would see it, it is reported
@@ -120,6 +123,9 @@ class MissPolicy : public QueuedBuildRunner {
   py::object entry_failed(Call& call, const std::string& failure);
   // After the first run of an entry built without running the call.
   void after_first_run(const Call& call);
+  // After a hit of entry `entry_id`, which wanted an upgrade when the hit began (Entry::
+  // wants_upgrade): queues the upgrade (the Upgrade rule).
+  void queue_upgrade(const Call& call, uint64_t entry_id);
 
   // Calls that run uncached without a try: an argument that cannot be keyed (`what`), a padded
   // call whose outputs cannot be cropped (`reason`).
@@ -148,18 +154,14 @@ class MissPolicy : public QueuedBuildRunner {
   bool builds_in_background(const c10::Device& device);
   Queued queue(const Call& call, bool ready);
   // Builds the bucket's entry (build_run.h) and inserts it (unless cleared since `generation`).
-  // Inline (`run_call`), returns the call's output; in the background, None. `upgrade` is set
-  // to the inserted entry's id where its builder asked for an upgrade.
+  // Inline (`run_call`), returns the call's output; in the background, None.
   py::object build(const ShapeKey& key, const c10::Device& device, const py::tuple& args, const py::dict& kwargs,
-                   const py::tuple& tensors, bool run_call, uint64_t generation, uint64_t& upgrade);
-  // Queues the upgrade of entry `entry_id`: `job` holds its bucket's call (BuildJob::of_call).
-  void queue_upgrade(BuildJob job, uint64_t entry_id, bool ready);
+                   const py::tuple& tensors, bool run_call, uint64_t generation);
   // Builds the bucket's compiled form and puts it in place of the entry `job` upgrades.
   void run_upgrade(BuildJob& job);
   // A build ran out of memory twice: a fallback, with its one warning.
   void warn_out_of_memory(const c10::Device& device);
-  // Returns the entry's id where it is in the cache now (0: not kept).
-  uint64_t insert(const ShapeKey& key, const c10::Device& device, BuiltEntry built, double seconds);
+  void insert(const ShapeKey& key, const c10::Device& device, BuiltEntry built, double seconds);
   void give_up_if_unstable(const ShapeKey& key, const std::string& changed);
   // The bucket runs uncached until clear(), with the kind's one warning: `what` happened, and
   // that bucket runs uncached from now on. `fallback`: this call fell back (it is counted).

@@ -55,6 +55,8 @@ struct Entry {
   // Whether the runner was checked after its first run (its builder ran the call and
   // checked; else the miss policy checks after the first hit: MissPolicy::after_first_run).
   bool checked_after_first_run = true;
+  // Its builder asked for an upgrade, not yet queued (miss_policy.h, Upgrade).
+  bool wants_upgrade = false;
 
   // After the runner was found stale: what changed.
   std::string changed() const {

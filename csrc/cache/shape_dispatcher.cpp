@@ -110,6 +110,7 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
   miss_.note_hit(call.key);
   const bool eager = entry->backend == "eager";
   const bool first_run_unchecked = !entry->checked_after_first_run;
+  const uint64_t upgrade = entry->wants_upgrade ? entry->id : 0;
   py::object out;
   try {
     out = runner->run(call);
@@ -120,6 +121,7 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
   }
   pin.release();
   if (first_run_unchecked) miss_.after_first_run(call);  // unpinned now: a stale entry can go
+  if (upgrade != 0) miss_.queue_upgrade(call, upgrade);
   return miss_.cropped(call, std::move(out));
 }
 

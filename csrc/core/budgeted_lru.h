@@ -13,7 +13,7 @@
 //   - A pinned entry (one that is running) is never evicted, erased or cleared. While one
 //     is pinned the invariant may not hold (nothing else could be evicted); `unpin` restores
 //     it, so it holds whenever no entry is pinned.
-//   - `find` counts a hit or a miss and makes the entry most recently used.
+//   - `find` makes the entry most recently used; `peek` leaves it where it is.
 // Not thread-safe: the owner serialises access.
 #pragma once
 
@@ -66,6 +66,13 @@ class BudgetedLru {
     if (it == index_.end()) return nullptr;
     order_.splice(order_.begin(), order_, it->second);
     return &it->second->value;
+  }
+
+  // The entry for `key`, or nullptr, left where it is in the order (what a background job
+  // looks at is not a use).
+  Value* peek(const Key& key) {
+    auto it = index_.find(key);
+    return it == index_.end() ? nullptr : &it->second->value;
   }
 
   bool contains(const Key& key) const { return index_.count(key) != 0; }

@@ -290,3 +290,6 @@ def test_an_entry_fits_in_place_only_in_the_room_free_now():
     unlimited.insert(1, 1, 5)
     assert unlimited.fits_in_place(1, 2**62)
     assert lru.keys() == [2, 1] and lru.total_bytes == 80  # asking changed nothing
+    assert lru.peek(1) == 1 and lru.peek(3) is None
+    assert lru.keys() == [2, 1]  # a look is not a use
+    assert lru.find(1) == 1 and lru.keys() == [1, 2]  # a find is

@@ -307,6 +307,9 @@ def test_wrap_with_upgrade_tries_each_entry_once_and_the_images_stay_the_plain_o
     expected = run(pipe, text_inputs(), size)
     sc.wrap(pipe, sizes=[size], upgrade=True)
     assert sc.wait(pipe, timeout=600)
+    assert sc.stats(pipe)["upgrades"] + sc.stats(pipe)["upgrades_not_kept"] == 0  # pre-warmed, not yet called
+    torch.testing.assert_close(run(pipe, text_inputs(), size), expected, rtol=1e-4, atol=1e-4)  # hits: upgrades asked for
+    assert sc.wait(pipe, timeout=600)
     stats = sc.stats(pipe)
     # The denoiser's and the decoder's entries, each compiled and measured once, kept or not.
     assert stats["builds"] == 2 and stats["pending_builds"] == 0

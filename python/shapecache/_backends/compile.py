@@ -68,7 +68,7 @@ class CompiledBuilder(Builder):
                     return not_built(function, args, kwargs, f"torch.export could not capture it as one graph ({failure}), "
                                      "and Dynamo compiles only by running the call again", run_call=False)
                 _C.run_user_code(function, tuple(args), dict(kwargs))  # a call that fails by itself raises its own error here
-                _warn_once(function, context, args, f"torch.export could not capture it as one graph ({failure}); its "
+                warn_once(function, context, args, f"torch.export could not capture it as one graph ({failure}); its "
                            "buckets are compiled by Dynamo, whose compiled code stays in memory after eviction")
             except trace.ReadsUnguardedState as read:
                 return not_built(function, args, kwargs, f"it reads inference tensors kept in a list, a dict, a global "
@@ -95,7 +95,7 @@ class CompiledBuilder(Builder):
             return not_built(function, args, kwargs, f"{why}, and Dynamo compiles only by running the call again",
                              run_call=False)
         if hooks:
-            _warn_once(function, context, args, f"{why}; its buckets are compiled by Dynamo, whose compiled code stays in memory "
+            warn_once(function, context, args, f"{why}; its buckets are compiled by Dynamo, whose compiled code stays in memory "
                        "after eviction")
         return _build_with_dynamo(function, context, args, kwargs, device, roots)
 
@@ -166,7 +166,7 @@ def _settle(device) -> None:
 _warned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cached model or function -> reasons warned of
 
 
-def _warn_once(function, context: BuildContext, args: tuple, text: str) -> None:
+def warn_once(function, context: BuildContext, args: tuple, text: str) -> None:
     """Warns of `text` once per reason and cached model (its owner: every Sequential shares
     one forward function), or per function where there is none."""
     reason = text.split(" (")[0]  # a failure's details (its shapes) differ from bucket to bucket

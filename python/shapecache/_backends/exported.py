@@ -16,7 +16,7 @@ from typing import NamedTuple
 from shapecache import _background
 from shapecache._backends import compilers
 from shapecache._backends.compile_process import SavedProgram
-from shapecache._backends.trace import dropping_tracing_leftovers, trace_call
+from shapecache._backends.trace import dropping_tracing_leftovers, effects, trace_call
 
 
 class CompiledCall(NamedTuple):
@@ -30,17 +30,25 @@ class CompiledCall(NamedTuple):
     constant_bytes: int = 0  # bytes the graph holds besides `constants` (a package's constants)
 
 
+class HasEffects(Exception):
+    """The traced graph does more than compute its outputs (trace.effects says what)."""
+
+
 def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, roots: dict, context,
-                 in_background: bool) -> CompiledCall:
+                 in_background: bool, without_effects: bool = False) -> CompiledCall:
     """The compiled graph of later calls of `function` spelled like this one, at these shapes.
     `tensors` are the call's tensors in key order (``BuildHandle.tensors``), `roots` its module
     trees (guards.call_roots), `context` the cached function's BuildContext; `in_background`:
-    the build runs on a background worker.
+    the build runs on a background worker. `without_effects`: a graph that writes tensors or
+    draws random numbers (trace.effects) raises HasEffects before it is compiled.
 
     Raises trace.py's refusals; the last compiler's own errors propagate."""
     name = getattr(function, "__qualname__", repr(function))
     with _background.build_lock(), dropping_tracing_leftovers():
         traced = trace_call(function, args, kwargs, tensors, roots, context.parameter_names, context.has_owner)
+        if without_effects and (what := effects(traced.program)):
+            traced = None  # (the error's traceback holds this frame)
+            raise HasEffects(what)
         route = compilers.choose_route(traced, context.compile_options, in_background, name)
         saved = SavedProgram(traced.program)
         try:

@@ -58,6 +58,48 @@ class WritesState(Exception):
     end of the traced call itself)."""
 
 
+def effects(program: torch.export.ExportedProgram) -> str:
+    """What running `program` does besides computing its outputs, in words; "" for nothing: it
+    writes into a buffer of the model or a tensor it was given (BatchNorm's running statistics
+    in training, an input updated in place), or draws random numbers (dropout in training),
+    whose draws a compiled graph makes differently from the plain call. Read from the program
+    functionalized (its in-place writes show only then, as in compile_process), which traces
+    the graph once more."""
+    with torch.no_grad():
+        functional = program.run_decompositions(decomp_table={})
+    signature = functional.graph_signature
+    if signature.buffers_to_mutate:
+        return f"writes the buffer {sorted(signature.buffers_to_mutate.values())[0]}"
+    if signature.user_inputs_to_mutate:
+        return f"writes its input {sorted(signature.user_inputs_to_mutate.values())[0]}"
+    for node in functional.graph.nodes:
+        if _draws(node):
+            return f"draws random numbers ({node.target.name()})"
+    return ""
+
+
+def _draws(node: torch.fx.Node) -> bool:
+    """Whether `node` draws random numbers: an operator torch tags as seeded, unless its draws
+    are turned off by its own arguments, as attention's and dropout's are by a probability of 0
+    or a `train` of False (scaled_dot_product_attention is tagged for its dropout_p, which
+    inference leaves at 0)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    for position, argument in enumerate(target._schema.arguments):
+        if argument.name in node.kwargs:
+            value = node.kwargs[argument.name]
+        elif position < len(node.args) and not argument.kwarg_only:
+            value = node.args[position]
+        else:
+            value = argument.default_value if argument.has_default_value() else None
+        if argument.name in ("dropout_p", "p") and isinstance(value, (int, float)) and value == 0:
+            return False
+        if argument.name == "train" and value is False:
+            return False
+    return True
+
+
 
 # How long a trace that runs alone waits for the runs of user code in progress on other
 # threads to end, before it traces beside them (_apart_from_other_threads).
