@@ -98,10 +98,19 @@ def test_an_upgraded_module_reads_its_weights_where_they_are():
         state = {k: v * 2 for k, v in model.state_dict().items()}
         model.load_state_dict(state)
         plain.load_state_dict(state)
+        for _ in range(4):  # read as it is: nothing is rebuilt, the bucket is never given up
+            torch.testing.assert_close(model(x), plain(x), rtol=1e-5, atol=1e-5)
+            model.load_state_dict(state := {k: v + 0.01 for k, v in model.state_dict().items()})
+            plain.load_state_dict(state)
+        # A weight replaced (a new Parameter) is a change: the entry is rebuilt (eager, then upgraded again).
+        model.linear.weight = torch.nn.Parameter(model.linear.weight * 0.5)
+        plain.linear.weight = torch.nn.Parameter(plain.linear.weight * 0.5)
         for _ in range(2):
             torch.testing.assert_close(model(x), plain(x), rtol=1e-5, atol=1e-5)
         assert sc.wait(model, timeout=WAIT)
         torch.testing.assert_close(model(x), plain(x), rtol=1e-5, atol=1e-5)
+    stats = sc.stats(model)
+    assert (stats["invalidations"], stats["upgrades"], stats["uncached_calls"]) == (1, 2, 0)
     assert backends(model) == ["compile"]
 
 

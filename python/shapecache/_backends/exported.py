@@ -28,6 +28,9 @@ class CompiledCall(NamedTuple):
     built_from: object  # the guard over the live state the trace started from (trace.Trace.built_from)
     constants: list  # the tensors the graph holds that the model does not (compilers.CompiledGraph)
     constant_bytes: int = 0  # bytes the graph holds besides `constants` (a package's constants)
+    # The model's parameters and buffers the traced graph holds, the live tensors themselves:
+    # a graph compiled without freezing is given them on every call, reading them where they are.
+    weights: tuple = ()
 
 
 class HasEffects(Exception):
@@ -54,7 +57,7 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
         try:
             compiled = compilers.compile_on(route, traced, saved, owner=function)
             result = CompiledCall(compiled.run, traced.rebuild, traced.guard, traced.built_from, compiled.constants,
-                                  compiled.constant_bytes)
+                                  compiled.constant_bytes, (*traced.graph.parameters(), *traced.graph.buffers()))
         finally:
             saved.remove()
             # What the trace left (its copies of the model, the exported program: cycles) is

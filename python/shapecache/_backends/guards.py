@@ -341,6 +341,17 @@ def guard(roots: dict, functions: Iterable[Callable] = (), **options) -> _C.Stat
     return _C.StateGuard(record(roots, functions, **options))
 
 
+def read_where_they_are(record: GuardRecord, tensors: Iterable[torch.Tensor]) -> GuardRecord:
+    """`record` with `tensors` guarded by their object and memory, not their version (-1: the
+    guard does not check it): for a graph that is given them on every call and so reads what an
+    update in place wrote, as the plain call does (a graph compiled without freezing, given the
+    model's parameters and buffers). Replacing one (a new Parameter, ``.data =``, ``.to()``)
+    still makes the entry stale."""
+    live = {id(tensor) for tensor in tensors}
+    record.tensors = [(tensor, path, -1 if id(tensor) in live else version) for tensor, path, version in record.tensors]
+    return record
+
+
 def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensors: Iterable = (),
            python_only: bool = False, collect: list | None = None, called=None,
            hooks_state: bool = True) -> GuardRecord:

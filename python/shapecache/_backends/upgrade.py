@@ -8,7 +8,8 @@ bytes fitting in the budget's free room (an upgrade never evicts).
 
 The compiled form is inductor's graph of the traced call (exported.py's route), built with
 freezing off: it reads the model's weights where they are, so N upgraded sizes cost no copy of
-the weights.
+the weights, and its guard does not count an update of them in place as a change
+(guards.read_where_they_are): ``load_state_dict`` rebuilds nothing.
 
 Measuring runs both forms again on the call's inputs, so only a bucket whose graph computes
 its outputs and nothing else is upgraded: one that writes a buffer or an input (BatchNorm's
@@ -97,9 +98,12 @@ def build(function, args: tuple, kwargs: dict, handle, context: BuildContext) ->
     if not pays(entry_seconds, compiled_seconds):
         return _not_kept(f"{compiled_seconds * 1e3:.3g} ms per call against the entry's {entry_seconds * 1e3:.3g} ms "
                          f"({backend}), under the {MIN_SPEEDUP}x it must gain")
+    # Compiled without freezing, the graph is given the model's weights on every call: an
+    # update in place (load_state_dict) is read as it is, and rebuilds nothing.
     return BuiltEntry(runner=None, graph=compiled.graph, rebuild=compiled.rebuild,
                       bytes=held_bytes(compiled.constants, device) + compiled.constant_bytes, backend="compile",
-                      guard=compiled.guard, built_from=compiled.built_from, ran_call=False)
+                      guard=guards.read_where_they_are(compiled.guard, compiled.weights),
+                      built_from=compiled.built_from, ran_call=False)
 
 
 def _measure(run_entry, run_compiled, device: torch.device) -> tuple[float, float]:
