@@ -18,9 +18,10 @@ compiled graph makes differently from the plain call) keeps its entry as it is
 (trace.effects). What the trace refuses (Python state written, hooks) is refused here too.
 
 Where it runs: the compile on the worker thread, as any background build; the measurement on
-the worker too. On CUDA the measurement holds the device's capture lock (its first run
+the worker too. On CUDA the compiled form's first run holds the device's capture lock (it
 autotunes inductor's kernels, which synchronises the device, and no capture may run beside
-that) and is timed by CUDA events on the worker's own stream (cuda_graph.warm_up_stream).
+that), and both forms are timed by CUDA events on the worker's own stream
+(cuda_graph.warm_up_stream).
 """
 
 from __future__ import annotations
@@ -118,13 +119,16 @@ def _measure(run_entry, run_compiled, device: torch.device) -> tuple[float, floa
             compiled_times.append(_timing.seconds(run_compiled, device))
         return min(entry_times), min(compiled_times)
     stream = warm_up_stream(device)
-    with graph_pool.device_lock(device):
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            run_compiled()
-        for _ in range(REPEATS):
-            entry_times += _timing.stream_seconds(run_entry, stream, 1)
-            compiled_times += _timing.stream_seconds(run_compiled, stream, 1)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    # The first run under the device's lock: inductor autotunes its kernels there, and its
+    # benchmarking synchronises the device, which must not happen beside a capture. The lock
+    # holds other threads' captures and replays off for that run alone; the timed runs need no
+    # lock (stream_seconds waits for its own stream only).
+    with graph_pool.device_lock(device), torch.cuda.device(device), torch.cuda.stream(stream):
+        run_compiled()
+    for _ in range(REPEATS):
+        entry_times += _timing.stream_seconds(run_entry, stream, 1)
+        compiled_times += _timing.stream_seconds(run_compiled, stream, 1)
     return min(entry_times), min(compiled_times)
 
 
