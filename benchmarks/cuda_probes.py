@@ -50,30 +50,41 @@ def latents(size, device, dtype, seed):
     return torch.randn(2, 4, *size, generator=generator).to(device=device, dtype=dtype)
 
 
+class CheckedCalls:
+    """Calls of cached models at sizes, each checked against the plain model's answer: counts
+    the calls that answered, and keeps the errors and the sizes answered wrongly."""
+
+    def __init__(self, plain, device, dtype):
+        self.plain, self.device, self.dtype = plain, device, dtype
+        self.errors, self.mismatches, self.calls = [], [], 0
+
+    def __call__(self, model, size) -> None:
+        x = latents(size, self.device, self.dtype, seed=size[0])
+        try:
+            with torch.no_grad():
+                out = model(x)
+            self.calls += 1
+        except Exception as error:  # noqa: BLE001  (counted: the probe's subject)
+            self.errors.append(f"{size}: {error!r}"[:200])
+            return
+        with torch.no_grad():
+            expected = self.plain(x)
+        if not torch.allclose(out.float(), expected.float(), atol=1e-2, rtol=1e-2):
+            self.mismatches.append(str(size))
+
+
 def probe_builds(device, dtype) -> dict:
     import shapecache as sc
 
-    plain = conv_net(device, dtype)
     model = sc.cached(conv_net(device, dtype), backend="auto")
     sizes = {0: [(64, 64), (96, 80), (128, 112)], 1: [(72, 72), (104, 88), (136, 120)]}
-    errors, mismatches, calls = [], [], [0]
+    call = CheckedCalls(conv_net(device, dtype), device, dtype)
     start = threading.Barrier(2)
 
     def serve(thread):
         start.wait()
         for size in sizes[thread] * 3:
-            x = latents(size, device, dtype, seed=size[0])
-            try:
-                with torch.no_grad():
-                    out = model(x)
-                calls[0] += 1
-            except Exception as error:  # noqa: BLE001  (counted: the probe's subject)
-                errors.append(f"{size}: {error!r}"[:200])
-                continue
-            with torch.no_grad():
-                expected = plain(x)
-            if not torch.allclose(out.float(), expected.float(), atol=1e-2, rtol=1e-2):
-                mismatches.append(str(size))
+            call(model, size)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -84,8 +95,8 @@ def probe_builds(device, dtype) -> dict:
             t.join()
     fallbacks = [str(w.message)[:200] for w in caught if "runs eager" in str(w.message)]
     backends = sorted(e["backend"] for e in sc.stats(model)["entries"])
-    return {"probe": "two threads building new buckets with auto", "calls": calls[0], "errors": errors,
-            "fallbacks": fallbacks, "mismatches": mismatches, "entries": backends}
+    return {"probe": "two threads building new buckets with auto", "calls": call.calls, "errors": call.errors,
+            "fallbacks": fallbacks, "mismatches": call.mismatches, "entries": backends}
 
 
 def probe_random_numbers(device, dtype) -> dict:
@@ -147,25 +158,10 @@ def small_net(device, dtype):
 def probe_upgrades(device, dtype) -> dict:
     import shapecache as sc
 
-    plain = small_net(device, dtype)
     upgraded = sc.cached(small_net(device, dtype), backend="auto", upgrade=True)
     building = sc.cached(small_net(device, dtype), backend="auto")
-    errors, mismatches, calls = [], [], [0]
+    call = CheckedCalls(small_net(device, dtype), device, dtype)
     start = threading.Barrier(2)
-
-    def call(model, size):
-        x = latents(size, device, dtype, seed=size[0])
-        try:
-            with torch.no_grad():
-                out = model(x)
-            calls[0] += 1
-        except Exception as error:  # noqa: BLE001  (counted: the probe's subject)
-            errors.append(f"{size}: {error!r}"[:200])
-            return
-        with torch.no_grad():
-            expected = plain(x)
-        if not torch.allclose(out.float(), expected.float(), atol=1e-2, rtol=1e-2):
-            mismatches.append(str(size))
 
     def serve_upgraded():
         start.wait()
@@ -194,8 +190,8 @@ def probe_upgrades(device, dtype) -> dict:
     failed = [str(w.message)[:200] for w in caught if "upgrade" in str(w.message)]
     if not finished:
         failed.append("the upgrades did not finish within 300 s")
-    return {"probe": "upgrades compiled and measured beside another thread's new buckets", "calls": calls[0],
-            "errors": errors, "mismatches": mismatches, "upgrades": stats["upgrades"],
+    return {"probe": "upgrades compiled and measured beside another thread's new buckets", "calls": call.calls,
+            "errors": call.errors, "mismatches": call.mismatches, "upgrades": stats["upgrades"],
             "upgrades_not_kept": stats["upgrades_not_kept"], "upgrade_failures": failed,
             "entries": sorted(e["backend"] for e in stats["entries"])}
 

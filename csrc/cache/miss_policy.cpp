@@ -159,14 +159,19 @@ bool MissPolicy::builds_in_background(const c10::Device& device) {
   return background;
 }
 
-MissPolicy::Queued MissPolicy::queue(const Call& call, bool ready) {
-  if (!cache_->begin_build(call.device, call.key)) return Queued::kBusy;
+BuildJob MissPolicy::job_of(const Call& call) {
   BuildJob job = BuildJob::of_call(call);
   job.function_ref = py::weakref(self_object_());
   job.runner = this;
   job.cache = cache_;
   job.function_id = function_id_;
   job.generation = generation_;
+  return job;
+}
+
+MissPolicy::Queued MissPolicy::queue(const Call& call, bool ready) {
+  if (!cache_->begin_build(call.device, call.key)) return Queued::kBusy;
+  BuildJob job = job_of(call);
   job.ready = ready;
   if (!BuildQueue::instance().push(std::move(job))) {
     cache_->end_build(call.device, call.key);
@@ -275,12 +280,7 @@ void MissPolicy::queue_upgrade(const Call& call, uint64_t entry_id) {
   // Never more than half the queue: an upgrade never keeps a first build out.
   if (BuildQueue::instance().pending() >= static_cast<int64_t>(BuildQueue::kMaxWaiting / 2)) return;
   if (!cache_->begin_build(call.device, call.key)) return;  // a hit of another thread queued it
-  BuildJob job = BuildJob::of_call(call);
-  job.function_ref = py::weakref(self_object_());
-  job.runner = this;
-  job.cache = cache_;
-  job.function_id = function_id_;
-  job.generation = generation_;
+  BuildJob job = job_of(call);
   job.upgrades = entry_id;
   if (!BuildQueue::instance().push(std::move(job))) {
     cache_->end_build(call.device, call.key);  // full: a later hit asks again

@@ -152,6 +152,8 @@ class MissPolicy : public QueuedBuildRunner {
   enum class Queued { kQueued, kBusy, kFull };  // queued; being built already; the queue is full
 
   bool builds_in_background(const c10::Device& device);
+  // A job of `call`'s bucket run by this policy, in its current generation (BuildJob::of_call).
+  BuildJob job_of(const Call& call);
   Queued queue(const Call& call, bool ready);
   // Builds the bucket's entry (build_run.h) and inserts it (unless cleared since `generation`).
   // Inline (`run_call`), returns the call's output; in the background, None.
