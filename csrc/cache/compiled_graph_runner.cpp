@@ -2,6 +2,20 @@
 
 namespace shapecache {
 
+bool CompiledGraphRunner::runs_now() {
+  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> storage;
+  const py::object& compiler =
+      storage.call_once_and_store_result([] { return py::module_::import("torch.compiler"); }).get_stored();
+  PyObject* flag = PyObject_GetAttrString(compiler.ptr(), "_is_exporting_flag");
+  if (flag == nullptr) {  // a torch without the flag: nothing to wait for
+    PyErr_Clear();
+    return true;
+  }
+  const bool exporting = flag == Py_True;
+  Py_DECREF(flag);
+  return !exporting;
+}
+
 py::object CompiledGraphRunner::run(const Call& call) {
   py::tuple inputs = call.tensor_tuple();
   PyObject* out = PyObject_Call(graph_.ptr(), inputs.ptr(), nullptr);

@@ -29,6 +29,13 @@ class CompiledGraphRunner : public EntryRunner {
 
   py::object run(const Call& call) override;
   bool valid() override { return !guard_ || guard_->check(); }
+  // Not while torch.export traces, on any thread: it sets torch.compiler._is_exporting_flag for
+  // the whole process, and the compiled graph's Dynamo-disabled wrappers then enter
+  // fx_traceback.annotate, writing a global dict the tracing thread writes too (torch 2.13,
+  // _dynamo/eval_frame.py, DisableContext): a call beside another thread's export can raise
+  // KeyError and leave torch's trace metadata behind. (A build's trace runs on a worker while
+  // compiled entries serve.)
+  bool runs_now() override;
   std::string changed() const override { return guard_ ? guard_->changed() : std::string(); }
   const std::shared_ptr<StateGuard>& guard() const override { return guard_; }
 

@@ -28,6 +28,10 @@ class EntryRunner {
   // moved): it must be rebuilt, never run. May run Python code.
   virtual bool valid() = 0;
 
+  // Whether a call may run it now; false: the call runs uncached, the entry stays
+  // (compiled_graph_runner.h has the one case).
+  virtual bool runs_now() { return true; }
+
   // After valid() returned false: what changed, for counters and warnings.
   virtual std::string changed() const = 0;
 

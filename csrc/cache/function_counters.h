@@ -19,8 +19,9 @@ namespace shapecache {
     "failed, or the entry raised where the uncached call did not")                                         \
   X(uncached_calls,                                                                                        \
     "ran uncached without trying: an argument that cannot be keyed, padded outputs that cannot be "       \
-    "cropped, a bucket given up (too large, failed, or rebuilt on every call), or a miss whose build "     \
-    "could not be queued (the background queue was full)")                                                 \
+    "cropped, a bucket given up (too large, failed, or rebuilt on every call), a miss whose build "        \
+    "could not be queued (the background queue was full), or a compiled graph's call while torch.export "  \
+    "traced on another thread")                                                                            \
   X(oom_retries, "builds retried after an out-of-memory error")                                            \
   X(invalidations, "entries found stale (what they were built from changed) and rebuilt")                 \
   X(busy_misses,                                                                                           \

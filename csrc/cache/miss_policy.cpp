@@ -143,6 +143,11 @@ py::object MissPolicy::run_unkeyable(const py::tuple& args_with_owner, const py:
   return run_uncached(args_with_owner, kwargs);
 }
 
+py::object MissPolicy::run_uncached_now(const Call& call) {
+  ++counters_.uncached_calls;
+  return run_uncached(call.entry_args, call.entry_kwargs);
+}
+
 py::object MissPolicy::run_unpadded(const Call& call, const std::string& reason) {
   ++counters_.uncached_calls;
   warn_once(Warning::kUncroppable, "shapecache: cannot tell the sizes of a padded call's outputs (" + first_line(reason) +
@@ -325,13 +330,20 @@ void MissPolicy::run_upgrade(BuildJob& job) {
   if (entry == nullptr || entry->id != job.upgrades) return;  // gone meanwhile: its next entry asks again
   // Kept where it was built, its measurement left its guard holding (the measurement ran it:
   // that was its first run, checked here), and it fits where the entry is. Else the bucket
-  // is not tried again.
-  const bool kept = failure.empty() && maybe_built && maybe_built->runner && !maybe_built->started_stale &&
-                    (!maybe_built->guard || maybe_built->guard->check()) &&
+  // is not tried again, but once where the model changed while it was built (a weight
+  // replaced): that says nothing of whether it pays, and the entry's next hit asks again.
+  const bool stale = maybe_built && maybe_built->runner &&
+                     (maybe_built->started_stale || (maybe_built->guard && !maybe_built->guard->check()));
+  const bool kept = failure.empty() && maybe_built && maybe_built->runner && !stale &&
                     lru.fits_in_place(job.key, maybe_built->bytes);
   if (!kept) {
     ++counters_.upgrades_not_kept;
+    if (stale && upgrade_retried_.insert(job.key).second) {
+      entry->wants_upgrade = true;
+      return;
+    }
     if (upgrade_tried_.size() >= kMaxKeysRemembered) upgrade_tried_.clear();
+    if (upgrade_retried_.size() >= kMaxKeysRemembered) upgrade_retried_.clear();
     upgrade_tried_.insert(job.key);
     if (!failure.empty()) {
       warn_once(Warning::kUpgradeFailed, "shapecache: the upgrade of " + describe_key(job.key) + " failed (" +
@@ -438,6 +450,7 @@ void MissPolicy::clear() {
   uncached_buckets_.clear();
   invalidations_in_a_row_.clear();
   upgrade_tried_.clear();
+  upgrade_retried_.clear();
 }
 
 int MissPolicy::traverse(visitproc visit, void* arg) const {

@@ -45,7 +45,8 @@
 //     the old runner finishes with it) where the new form's guard still holds after its
 //     measurement and its added bytes fit in the budget's free room: an upgrade never evicts.
 //     Where its builder found it not faster, or refused or failed to build it, the entry
-//     stays as it is and the bucket is not upgraded again until clear(). Where the entry it
+//     stays as it is and the bucket is not upgraded again until clear(); where the model
+//     changed while it was built, its entry's next hit asks once more. Where the entry it
 //     upgrades is gone (evicted, stale, cleared), the upgrade is dropped, and the bucket's
 //     next entry asks again.
 //   - Transparent: inside a build or a trace nothing is built (call_scope.h).
@@ -128,7 +129,9 @@ class MissPolicy : public QueuedBuildRunner {
   void queue_upgrade(const Call& call, uint64_t entry_id);
 
   // Calls that run uncached without a try: an argument that cannot be keyed (`what`), a padded
-  // call whose outputs cannot be cropped (`reason`).
+  // call whose outputs cannot be cropped (`reason`), a call whose entry cannot run now
+  // (EntryRunner::runs_now).
+  py::object run_uncached_now(const Call& call);
   py::object run_unkeyable(const py::tuple& args_with_owner, const py::dict& kwargs, const std::string& what);
   py::object run_unpadded(const Call& call, const std::string& reason);
 
@@ -193,6 +196,8 @@ class MissPolicy : public QueuedBuildRunner {
   // Buckets whose upgrade was built and not kept (the Upgrade rule): not tried again until
   // clear(). Emptied at kMaxKeysRemembered keys.
   std::unordered_set<ShapeKey, ShapeKeyHash> upgrade_tried_;
+  // Buckets whose upgrade found the model changed while it was built, and was asked for again.
+  std::unordered_set<ShapeKey, ShapeKeyHash> upgrade_retried_;
   // Bytes of this function's last build per device: the estimate room is made for before the
   // next build. The last one, not the largest: sizes served together are usually alike, and
   // an overestimate evicts entries the user keeps calling.

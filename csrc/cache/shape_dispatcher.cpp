@@ -103,6 +103,10 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
     pin.release();
     return miss_.serve(call, /*stale=*/true);
   }
+  if (!runner->runs_now()) {
+    pin.release();
+    return miss_.cropped(call, miss_.run_uncached_now(call));
+  }
   ++counters_.hits;
   ++entry->hits;
   entry->last_use = unix_seconds();

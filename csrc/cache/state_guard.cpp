@@ -198,12 +198,16 @@ void StateGuard::add_tensor(const py::object& tensor, std::string path, bool che
   const at::Tensor& t = THPVariable_Unpack(tensor.ptr());
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   const bool has_storage = impl->has_storage();
+  const bool strided = t.layout() == c10::kStrided && !t.is_nested();  // (others have no strides to read)
   GuardedTensor guarded{tensor,
                         impl,
                         has_storage ? impl->unsafe_storage().unsafeGetStorageImpl() : nullptr,
                         has_storage ? impl->unsafe_storage().data() : nullptr,
                         has_storage ? impl->storage_offset() : 0,
                         check_version && !t.is_inference() ? static_cast<int64_t>(t._version()) : -1,
+                        t.requires_grad(),
+                        strided ? t.sizes().vec() : std::vector<int64_t>(),
+                        strided ? t.strides().vec() : std::vector<int64_t>(),
                         std::move(path)};
   tensors_.push_back(std::move(guarded));
 }
@@ -288,6 +292,13 @@ bool StateGuard::tensor_unchanged(const GuardedTensor& guarded) {
   }
   if (guarded.version >= 0 && static_cast<int64_t>(t._version()) != guarded.version) {
     return fail(guarded.path + " was updated in place");
+  }
+  if (guarded.version < 0 && !guarded.strides.empty() &&
+      (t.sizes() != c10::IntArrayRef(guarded.sizes) || t.strides() != c10::IntArrayRef(guarded.strides))) {
+    return fail(guarded.path + " changed its sizes or strides in place");
+  }
+  if (t.requires_grad() != guarded.requires_grad) {
+    return fail(guarded.path + "'s requires_grad was set to " + (t.requires_grad() ? "True" : "False"));
   }
   return true;
 }

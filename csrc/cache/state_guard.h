@@ -113,6 +113,11 @@ class StateGuard {
     const void* data;
     int64_t offset;
     int64_t version;  // -1: not checked
+    bool requires_grad;  // what autograd records of it: a graph traced without it computes no gradient
+    // Checked where the version is not: a change of them in place (.t_(), as_strided_) moves
+    // the version counter, and is seen by it where it is checked. Empty for a tensor that has
+    // no strides (sparse, nested): not checked.
+    std::vector<int64_t> sizes, strides;
     std::string path;
   };
   struct GuardedList {

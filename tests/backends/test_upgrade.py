@@ -283,6 +283,8 @@ def test_what_a_graph_does_besides_computing_is_read_from_its_trace():
         "attention with dropout": (lambda q: torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1),
                                    "draws random numbers"),
         "noise": (lambda q: q + torch.randn_like(q), "draws random numbers"),
+        "rrelu in eval": (lambda q: torch.nn.functional.rrelu(q, training=False), ""),
+        "rrelu in training": (lambda q: torch.nn.functional.rrelu(q, training=True), "draws random numbers"),
         "an input written": (lambda q: q.mul_(2), "writes its input"),
     }
     for name, (function, said) in cases.items():
@@ -290,3 +292,102 @@ def test_what_a_graph_does_besides_computing_is_read_from_its_trace():
         assert found.startswith(said) and bool(found) == bool(said), (name, found)
     assert effects(torch.export.export(norm.train(), (torch.randn(8, 4),))).startswith("writes the buffer")
     assert effects(torch.export.export(norm.eval(), (torch.randn(8, 4),))) == ""
+
+
+class LayerDrop(torch.nn.Module):
+    """Skips its layer at random, drawing from Python's or numpy's random numbers."""
+
+    def __init__(self, draw):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear, self.draw = torch.nn.Linear(16, 16), draw
+
+    def forward(self, x):
+        return chain(self.linear(x) if self.draw() < 0.5 else x)
+
+
+class ScaledInPlace(torch.nn.Module):
+    """Writes its own parameter in place on every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(16), requires_grad=False)
+
+    def forward(self, x):
+        self.scale.mul_(1.5)
+        return chain(x * self.scale)
+
+
+@pytest.mark.parametrize("case", ["python random", "numpy random", "a parameter written"])
+def test_randomness_outside_torch_and_writes_of_a_parameter_are_not_upgraded(case):
+    import random
+
+    import numpy
+
+    make = {"python random": lambda: LayerDrop(random.random), "numpy random": lambda: LayerDrop(numpy.random.rand),
+            "a parameter written": ScaledInPlace}[case]
+    cached, plain = sc.cached(make(), upgrade=True), make()
+    reason = {"python random": "draws Python's random numbers", "numpy random": "draws numpy's random numbers",
+              "a parameter written": "writes the parameter scale,"}[case]
+    x = torch.randn(8, 16)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match=f"a bucket is not upgraded: its graph {reason}"):
+        for seed in range(6):
+            random.seed(seed)
+            numpy.random.seed(seed)
+            got = cached(x)
+            random.seed(seed)
+            numpy.random.seed(seed)
+            torch.testing.assert_close(got, plain(x), rtol=0, atol=0)
+            if seed == 1:
+                assert sc.wait(cached, timeout=WAIT)
+    assert counts(cached) == {"upgrades": 0, "upgrades_not_kept": 1, "pending_builds": 0}
+    if case == "a parameter written":
+        # the calls' writes, and no more (the trace wrote its copy; nothing else ran the call)
+        assert torch.equal(cached.scale, plain.scale)
+
+
+def test_a_compiled_entry_is_not_run_while_torch_export_traces_another_call():
+    # torch.export marks the whole process as exporting, and a compiled graph run meanwhile can
+    # fail in torch's trace metadata: its call runs uncached, and the entry stays.
+    cached = sc.cached(chain, upgrade=True)
+    x = torch.randn(64, 64)
+    for _ in range(2):
+        cached(x)
+    assert sc.wait(cached, timeout=WAIT) and backends(cached) == ["compile"]
+    before = sc.stats(cached)
+    torch.compiler._is_exporting_flag = True  # as another thread's torch.export sets it
+    try:
+        assert torch.equal(cached(x), chain(x))  # the plain call's answer, exactly: it ran uncached
+    finally:
+        torch.compiler._is_exporting_flag = False
+    after = sc.stats(cached)
+    assert after["uncached_calls"] == before["uncached_calls"] + 1 and after["hits"] == before["hits"]
+    torch.testing.assert_close(cached(x), chain(x), rtol=1e-5, atol=1e-5)
+    assert sc.stats(cached)["hits"] == before["hits"] + 1 and backends(cached) == ["compile"]
+
+
+def test_an_upgraded_entry_sees_requires_grad_and_a_weight_changed_in_shape_in_place():
+    torch.manual_seed(0)
+    model, plain = ChainModel().eval(), ChainModel().eval()
+    plain.load_state_dict(model.state_dict())
+    model.requires_grad_(False)
+    plain.requires_grad_(False)
+    x = torch.randn(32, 64)
+    sc.cached(model, upgrade=True)
+    for _ in range(2):
+        model(x)
+    assert sc.wait(model, timeout=WAIT) and backends(model) == ["compile"]
+    for m in (model, plain):
+        m.linear.requires_grad_(True)  # unfrozen: its gradient is asked for again
+    model(x).sum().backward()
+    plain(x).sum().backward()
+    torch.testing.assert_close(model.linear.weight.grad, plain.linear.weight.grad, rtol=1e-5, atol=1e-5)
+    assert sc.stats(model)["invalidations"] == 1  # rebuilt (eager), and asks for its upgrade again
+    with torch.no_grad():  # (a bucket of its own: the key holds the grad mode)
+        for _ in range(2):
+            model(x)
+        assert sc.wait(model, timeout=WAIT) and backends(model) == ["compile", "eager"]
+        for m in (model, plain):
+            m.linear.weight.t_()  # same memory, other strides: read where it is, it is a change
+        torch.testing.assert_close(model(x), plain(x), rtol=1e-5, atol=1e-5)
+    assert sc.stats(model)["invalidations"] == 2 and sc.stats(model)["uncached_calls"] == 0

@@ -10,6 +10,8 @@ are one entry's.
 
 from __future__ import annotations
 
+import random
+import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -31,6 +33,9 @@ class CompiledCall(NamedTuple):
     # The model's parameters and buffers the traced graph holds, the live tensors themselves:
     # a graph compiled without freezing is given them on every call, reading them where they are.
     weights: tuple = ()
+    # With `without_effects`: the traced graph itself, uncompiled, called as `graph` is: the
+    # call's operators without its Python.
+    uncompiled: Callable | None = None
 
 
 class HasEffects(Exception):
@@ -43,13 +48,15 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
     `tensors` are the call's tensors in key order (``BuildHandle.tensors``), `roots` its module
     trees (guards.call_roots), `context` the cached function's BuildContext; `in_background`:
     the build runs on a background worker. `without_effects`: a graph that writes tensors or
-    draws random numbers (trace.effects) raises HasEffects before it is compiled.
+    draws random numbers (trace.effects), or whose trace drew from Python's or numpy's random
+    numbers (which a graph holds as constants), raises HasEffects before it is compiled.
 
     Raises trace.py's refusals; the last compiler's own errors propagate."""
     name = getattr(function, "__qualname__", repr(function))
     with _background.build_lock(), dropping_tracing_leftovers():
+        random_before = _python_random_states()
         traced = trace_call(function, args, kwargs, tensors, roots, context.parameter_names, context.has_owner)
-        if without_effects and (what := effects(traced.program)):
+        if without_effects and (what := _python_random_drawn(random_before) or effects(traced.program)):
             traced = None  # (the error's traceback holds this frame)
             raise HasEffects(what)
         route = compilers.choose_route(traced, context.compile_options, in_background, name)
@@ -57,7 +64,8 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
         try:
             compiled = compilers.compile_on(route, traced, saved, owner=function)
             result = CompiledCall(compiled.run, traced.rebuild, traced.guard, traced.built_from, compiled.constants,
-                                  compiled.constant_bytes, (*traced.graph.parameters(), *traced.graph.buffers()))
+                                  compiled.constant_bytes, (*traced.graph.parameters(), *traced.graph.buffers()),
+                                  traced.graph if without_effects else None)
         finally:
             saved.remove()
             # What the trace left (its copies of the model, the exported program: cycles) is
@@ -65,3 +73,25 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
             # compiler's error keeps this frame in its traceback).
             traced = saved = compiled = None
     return result
+
+
+def _python_random_states() -> tuple:
+    """The states of Python's and (where it is imported) numpy's global random numbers."""
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), (numpy.random.get_state() if numpy is not None else None)
+
+
+def _python_random_drawn(before: tuple) -> str:
+    """What random numbers the trace drew outside torch since `before` (a layer skipped at
+    random, a scale from numpy): the graph would hold the trace's draws as constants. "" for
+    none. (Another thread's draws meanwhile count too: the bucket is then not upgraded.)"""
+    after = _python_random_states()
+    if after[0] != before[0]:
+        return "draws Python's random numbers (the random module), which a graph holds as constants"
+    if before[1] is not None and after[1] is not None:
+        import numpy
+
+        # (the legacy state: the generator's name, its key array, position and cached normal)
+        if not all(numpy.array_equal(x, y) for x, y in zip(before[1], after[1], strict=True)):
+            return "draws numpy's random numbers, which a graph holds as constants"
+    return ""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import re
 import types
 import warnings
 import weakref
@@ -68,8 +69,10 @@ def effects(program: torch.export.ExportedProgram) -> str:
     with torch.no_grad():
         functional = program.run_decompositions(decomp_table={})
     signature = functional.graph_signature
+    if getattr(signature, "parameters_to_mutate", None):
+        return f"writes the parameter {_user_name(sorted(signature.parameters_to_mutate.values())[0])}"
     if signature.buffers_to_mutate:
-        return f"writes the buffer {sorted(signature.buffers_to_mutate.values())[0]}"
+        return f"writes the buffer {_user_name(sorted(signature.buffers_to_mutate.values())[0])}"
     if signature.user_inputs_to_mutate:
         return f"writes its input {sorted(signature.user_inputs_to_mutate.values())[0]}"
     for node in functional.graph.nodes:
@@ -78,11 +81,17 @@ def effects(program: torch.export.ExportedProgram) -> str:
     return ""
 
 
+def _user_name(name: str) -> str:
+    """A weight's name as the user's module names it (the traced call holds the modules it was
+    given under ``owned.<position>``)."""
+    return re.sub(r"^owned\.\d+\.", "", name)
+
+
 def _draws(node: torch.fx.Node) -> bool:
     """Whether `node` draws random numbers: an operator torch tags as seeded, unless its draws
-    are turned off by its own arguments, as attention's and dropout's are by a probability of 0
-    or a `train` of False (scaled_dot_product_attention is tagged for its dropout_p, which
-    inference leaves at 0)."""
+    are turned off by its own arguments, as attention's and dropout's are by a probability of 0,
+    or dropout's and rrelu's by `train` or `training` False (scaled_dot_product_attention is
+    tagged for its dropout_p, which inference leaves at 0)."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
         return False
@@ -95,7 +104,7 @@ def _draws(node: torch.fx.Node) -> bool:
             value = argument.default_value if argument.has_default_value() else None
         if argument.name in ("dropout_p", "p") and isinstance(value, (int, float)) and value == 0:
             return False
-        if argument.name == "train" and value is False:
+        if argument.name in ("train", "training") and value is False:
             return False
     return True
 

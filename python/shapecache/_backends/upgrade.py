@@ -11,11 +11,14 @@ freezing off: it reads the model's weights where they are, so N upgraded sizes c
 the weights, and its guard does not count an update of them in place as a change
 (guards.read_where_they_are): ``load_state_dict`` rebuilds nothing.
 
-Measuring runs both forms again on the call's inputs, so only a bucket whose graph computes
-its outputs and nothing else is upgraded: one that writes a buffer or an input (BatchNorm's
-running statistics in training) or draws random numbers (dropout in training, whose draws a
-compiled graph makes differently from the plain call) keeps its entry as it is
-(trace.effects). What the trace refuses (Python state written, hooks) is refused here too.
+Measuring runs both forms again on the call's inputs, never the user's Python: the compiled
+graph, and the entry where it is a graph, or for an eager entry its traced graph uncompiled (the
+same operators). So only a bucket whose graph computes its outputs and nothing else is
+upgraded: one that writes a parameter, a buffer or an input (BatchNorm's running statistics in
+training) or draws random numbers (dropout in training, whose draws a compiled graph makes
+differently from the plain call; Python's or numpy's, which a graph would hold as constants)
+keeps its entry as it is (trace.effects, exported.compile_call). What the trace refuses (Python
+state written, hooks) is refused here too.
 
 Where it runs: the compile on the worker thread, as any background build; the measurement on
 the worker too. On CUDA the compiled form's first run holds the device's capture lock (it
@@ -35,7 +38,6 @@ from shapecache._backends import exported, graph_pool, guards, trace
 from shapecache._backends.compile import held_bytes, warn_once
 from shapecache._backends.cuda_graph import warm_up_stream
 from shapecache._backends.entry import BuildContext, BuiltEntry, described
-from shapecache._extension import _C
 from shapecache._host_memory import return_free_memory
 
 # The compiled form replaces the entry only where it takes at most 1/MIN_SPEEDUP of the entry's
@@ -82,10 +84,13 @@ def build(function, args: tuple, kwargs: dict, handle, context: BuildContext) ->
         if device.type == "cpu":
             return_free_memory()  # what the trace left, collected as it ended
     tensors = handle.tensors
-    if backend == "eager":  # the entry is the function itself, called as the plain call is
+    if backend == "eager":
+        # The eager entry is the function itself, whose Python may do what no trace sees (a
+        # log line, a counter): it is timed by its traced graph, uncompiled, which runs the
+        # same operators without that Python (and so times the call slightly faster than it is).
         def run_entry():
-            return _C.run_user_code(entry, tuple(args), dict(kwargs))
-    else:  # a runner over the call's tensors in key order (a CUDA graph, a graph)
+            return compiled.uncompiled(*tensors)
+    else:  # a runner over the call's tensors in key order (a CUDA graph, a graph): no Python of the user's
         def run_entry():
             return entry(*tensors)
 
