@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <new>
+#include <utility>
 
 #include "cache/call_key.h"
 #include "cache/call_modes.h"
@@ -291,7 +292,9 @@ void MissPolicy::queue_upgrade(const Call& call, uint64_t entry_id) {
     cache_->end_build(call.device, call.key);  // full: a later hit asks again
     return;
   }
-  entry->wants_upgrade = false;
+  // Looked up again: making the job made Python objects, and a collection meanwhile may have
+  // run code that erased the entry.
+  if (Entry* asked = lru.peek(call.key); asked != nullptr && asked->id == entry_id) asked->wants_upgrade = false;
   make_ready_when_outermost_returns(function_id_, call.device, call.key, services_.wake_build_worker);
 }
 
@@ -352,14 +355,16 @@ void MissPolicy::run_upgrade(BuildJob& job) {
     return;  // what was built is released here
   }
   BuiltEntry& built = *maybe_built;
-  // The old runner goes when the last call running it returns (a hit holds its own reference).
-  entry->runner = std::move(built.runner);
-  entry->handle = std::move(built.handle);
+  // Every field is written before anything old is released (a release may run Python code,
+  // which may erase the entry). The old runner goes when the last call running it returns (a
+  // hit holds its own reference).
+  std::shared_ptr<EntryRunner> old_runner = std::exchange(entry->runner, std::move(built.runner));
+  py::object old_handle = std::exchange(entry->handle, std::move(built.handle));
   entry->backend = std::move(built.backend);
   entry->build_seconds += seconds;
   entry->checked_after_first_run = true;
-  auto evicted = lru.set_entry_bytes(job.key, built.bytes);  // fits in place: evicts nothing
   ++counters_.upgrades;
+  auto evicted = lru.set_entry_bytes(job.key, built.bytes);  // fits in place: evicts nothing
 }
 
 void MissPolicy::warn_out_of_memory(const c10::Device& device) {
