@@ -161,8 +161,8 @@ def test_the_quick_plan_keeps_the_memory_steps_time_and_fits_its_limit(tmp_path)
 def test_the_quick_dry_run_runs_each_step_on_the_cpu_and_writes_its_tables(tmp_path):
     # The dry run of the device check: the same steps and benchmarks, on the CPU, a tiny UNet.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-m", "shapecache", "gpu-check", "--quick", "--dry-run", "--seconds", "60",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=root)
+    proc = subprocess.run([sys.executable, "-m", "shapecache", "gpu-check", "--quick", "--dry-run", "--seconds", "75",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=140, cwd=root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert [(s["step"], s["status"]) for s in report["steps"]] == [("cuda tests", 0), ("probes", 0), ("speed", 0)]
@@ -170,6 +170,8 @@ def test_the_quick_dry_run_runs_each_step_on_the_cpu_and_writes_its_tables(tmp_p
     probes = json.loads((tmp_path / "probes.json").read_text())["probes"]
     assert probes[0]["calls"] == 18 and probes[0]["errors"] == [] and probes[0]["mismatches"] == []
     assert probes[1]["error_counts"] == {"default generator": 0, "own generator": 0}
+    assert probes[2]["errors"] == probes[2]["mismatches"] == probes[2]["upgrade_failures"] == []
+    assert probes[2]["upgrades"] + probes[2]["upgrades_not_kept"] == 1
     rows = {(r["strategy"], r["compile"], tuple(r["size"])): r for r in json.loads((tmp_path / "speed.json").read_text())}
     for measured in ("eager", "auto"):
         row = rows[(measured, "", (64, 64))]
