@@ -1,12 +1,20 @@
 #include "cache/compiled_graph_runner.h"
 
+#include <utility>
+
 namespace shapecache {
 
 bool CompiledGraphRunner::runs_now() {
-  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> storage;
-  const py::object& compiler =
-      storage.call_once_and_store_result([] { return py::module_::import("torch.compiler"); }).get_stored();
-  PyObject* flag = PyObject_GetAttrString(compiler.ptr(), "_is_exporting_flag");
+  // torch.compiler's module and the flag's name, interned (found in the attribute cache).
+  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<std::pair<py::object, py::object>> storage;
+  const auto& [compiler, name] = storage
+                                     .call_once_and_store_result([] {
+                                       return std::make_pair(py::object(py::module_::import("torch.compiler")),
+                                                             py::reinterpret_steal<py::object>(
+                                                                 PyUnicode_InternFromString("_is_exporting_flag")));
+                                     })
+                                     .get_stored();
+  PyObject* flag = PyObject_GetAttr(compiler.ptr(), name.ptr());
   if (flag == nullptr) {  // a torch without the flag: nothing to wait for
     PyErr_Clear();
     return true;

@@ -177,9 +177,16 @@ BuildJob MissPolicy::job_of(const Call& call) {
 
 MissPolicy::Queued MissPolicy::queue(const Call& call, bool ready) {
   if (!cache_->begin_build(call.device, call.key)) return Queued::kBusy;
-  BuildJob job = job_of(call);
-  job.ready = ready;
-  if (!BuildQueue::instance().push(std::move(job))) {
+  bool pushed = false;
+  try {
+    BuildJob job = job_of(call);
+    job.ready = ready;
+    pushed = BuildQueue::instance().push(std::move(job));
+  } catch (...) {  // (making the job makes Python objects: a MemoryError ends the mark too)
+    cache_->end_build(call.device, call.key);
+    throw;
+  }
+  if (!pushed) {
     cache_->end_build(call.device, call.key);
     return Queued::kFull;
   }
@@ -285,16 +292,23 @@ void MissPolicy::queue_upgrade(const Call& call, uint64_t entry_id) {
   if (entry == nullptr || entry->id != entry_id || !entry->wants_upgrade) return;
   // Never more than half the queue: an upgrade never keeps a first build out.
   if (BuildQueue::instance().pending() >= static_cast<int64_t>(BuildQueue::kMaxWaiting / 2)) return;
-  if (!cache_->begin_build(call.device, call.key)) return;  // a hit of another thread queued it
-  BuildJob job = job_of(call);
-  job.upgrades = entry_id;
-  if (!BuildQueue::instance().push(std::move(job))) {
+  // Queued or running, its build mark keeps the bucket's later hits from asking again; the
+  // entry wants its upgrade until the job starts (a job cancelled, by clear() or in a forked
+  // child, is asked for again).
+  if (!cache_->begin_build(call.device, call.key)) return;
+  bool pushed = false;
+  try {
+    BuildJob job = job_of(call);
+    job.upgrades = entry_id;
+    pushed = BuildQueue::instance().push(std::move(job));
+  } catch (...) {
+    cache_->end_build(call.device, call.key);
+    throw;
+  }
+  if (!pushed) {
     cache_->end_build(call.device, call.key);  // full: a later hit asks again
     return;
   }
-  // Looked up again: making the job made Python objects, and a collection meanwhile may have
-  // run code that erased the entry.
-  if (Entry* asked = lru.peek(call.key); asked != nullptr && asked->id == entry_id) asked->wants_upgrade = false;
   make_ready_when_outermost_returns(function_id_, call.device, call.key, services_.wake_build_worker);
 }
 
@@ -305,6 +319,7 @@ void MissPolicy::run_upgrade(BuildJob& job) {
   EntryLru& lru = cache_->lru(job.device);
   Entry* entry = lru.peek(job.key);  // (looking is not a use: its recency stays)
   if (entry == nullptr || entry->id != job.upgrades) return;  // gone: the bucket's next entry asks again
+  entry->wants_upgrade = false;
   py::tuple upgrading = py::make_tuple(entry->backend, entry->handle);
   py::tuple args = job.args;
   if (!job.owner_ref.is_none()) {
@@ -329,15 +344,16 @@ void MissPolicy::run_upgrade(BuildJob& job) {
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (job.generation != generation_) return;  // cleared while building: dropped
-  entry = lru.peek(job.key);  // Python ran: look again
-  if (entry == nullptr || entry->id != job.upgrades) return;  // gone meanwhile: its next entry asks again
   // Kept where it was built, its measurement left its guard holding (the measurement ran it:
   // that was its first run, checked here), and it fits where the entry is. Else the bucket
   // is not tried again, but once where the model changed while it was built (a weight
   // replaced): that says nothing of whether it pays, and the entry's next hit asks again.
+  // (The guard's check may run Python code: it comes before the entry is looked up again.)
   const bool stale = maybe_built && maybe_built->runner &&
                      (maybe_built->started_stale || (maybe_built->guard && !maybe_built->guard->check()));
-  const bool kept = failure.empty() && maybe_built && maybe_built->runner && !stale &&
+  entry = lru.peek(job.key);  // Python ran: look again
+  if (entry == nullptr || entry->id != job.upgrades) return;  // gone meanwhile: its next entry asks again
+  const bool kept = failure.empty() && maybe_built && maybe_built->runner && !stale && maybe_built->bytes >= 0 &&
                     lru.fits_in_place(job.key, maybe_built->bytes);
   if (!kept) {
     ++counters_.upgrades_not_kept;

@@ -33,9 +33,10 @@
 //     right after an inline build, at the first hit of an entry built without running the
 //     call). The plain call's own exceptions reach the user as themselves.
 //   - Upgrade (backend="auto", upgrade=True): an entry whose builder asks for it
-//     (BuiltEntry.upgrade) wants an upgrade; its first hit queues a second build of its bucket
-//     for the device's worker, whatever build= says, ready once that call has returned (a
-//     size called once is never compiled). Upgrades take at most half the queue (a first build
+//     (BuiltEntry.upgrade) wants an upgrade until the upgrade starts; its first hit queues a
+//     second build of its bucket for the device's worker, whatever build= says, ready once
+//     that call has returned (a size called once is never compiled; a job cancelled, by
+//     clear() or in a forked child, is asked for again by the next hit). Upgrades take at most half the queue (a first build
 //     always has room); one that finds no room is asked for again by the next hit. Its builder
 //     is given the entry as it is (BuildHandle.upgrading), compiles the bucket and measures
 //     both forms (python/shapecache/_backends/upgrade.py). Meanwhile the entry serves the

@@ -98,7 +98,11 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
   Entry* entry = lru.find(call.key);
   if (entry == nullptr) return miss_.serve(call, /*stale=*/false);
   Pin pin(lru, call.key);
-  std::shared_ptr<EntryRunner> runner = entry->runner;  // the check may run Python code
+  // Read together, before the check runs Python code (an upgrade may swap the runner meanwhile).
+  std::shared_ptr<EntryRunner> runner = entry->runner;
+  const bool eager = entry->backend == "eager";
+  const bool first_run_unchecked = !entry->checked_after_first_run;
+  const uint64_t upgrade = entry->wants_upgrade ? entry->id : 0;
   if (!runner->valid()) {
     pin.release();
     return miss_.serve(call, /*stale=*/true);
@@ -112,9 +116,6 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
   entry->last_use = unix_seconds();
   note_entry_served(entry->id, /*built=*/false);
   miss_.note_hit(call.key);
-  const bool eager = entry->backend == "eager";
-  const bool first_run_unchecked = !entry->checked_after_first_run;
-  const uint64_t upgrade = entry->wants_upgrade ? entry->id : 0;
   py::object out;
   try {
     out = runner->run(call);

@@ -99,8 +99,8 @@ def build(function, args: tuple, kwargs: dict, handle, context: BuildContext) ->
 
     try:
         entry_seconds, compiled_seconds = _measure(run_entry, run_compiled, device)
-    except (torch.OutOfMemoryError, MemoryError) as error:
-        return _not_kept(f"measuring it ran out of memory ({described(error)})")
+    except Exception as error:  # noqa: BLE001  (out of memory, oneDNN's primitive: never the cache's retry, which evicts)
+        return _refused(function, context, args, f"measuring it failed ({described(error)})")
     if not pays(entry_seconds, compiled_seconds):
         return _not_kept(f"{compiled_seconds * 1e3:.3g} ms per call against the entry's {entry_seconds * 1e3:.3g} ms "
                          f"({backend}), under the {MIN_SPEEDUP}x it must gain")
