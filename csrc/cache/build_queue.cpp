@@ -37,6 +37,13 @@ py::object copy_containers(py::handle value) {
 
 }  // namespace
 
+std::optional<py::tuple> BuildJob::entry_args() const {
+  if (owner_ref.is_none()) return args;
+  py::object owner = owner_ref();
+  if (owner.is_none()) return std::nullopt;
+  return with_owner(owner, args);
+}
+
 BuildJob BuildJob::of_call(const Call& call) {
   BuildJob job;
   job.key = call.key;

@@ -78,6 +78,10 @@ struct BuildJob {
   // The id of the entry this job upgrades (miss_policy.h, Upgrade); 0: the bucket's first build.
   uint64_t upgrades = 0;
 
+  // The arguments as the entry is called, the owner first where there is one; nullopt where
+  // the owner was let go of (nothing will call the entry).
+  std::optional<py::tuple> entry_args() const;
+
   // A job for `call`'s bucket: its key, device, arguments, owner, tensors and modes, as above.
   // Who runs it, for which function, generation and readiness are the queuer's to fill.
   static BuildJob of_call(const Call& call);

@@ -214,19 +214,15 @@ void MissPolicy::run_queued(BuildJob& job) {
   if (job.upgrades != 0) return run_upgrade(job);
   ShapeCache::BuildMark building(*cache_, job.device, job.key);
   if (job.generation != generation_) return;  // cleared since it was queued
-  py::tuple args = job.args;
-  if (!job.owner_ref.is_none()) {
-    py::object owner = job.owner_ref();
-    if (owner.is_none()) return;  // the module was let go of: nothing will call this entry
-    args = with_owner(owner, job.args);
-  }
+  std::optional<py::tuple> args = job.entry_args();
+  if (!args) return;  // the module was let go of: nothing will call this entry
   InBackgroundBuild in_background;
   EnteredContext context(job.context);
   CallModesScope modes(job.modes);
   ++counters_.background_builds;
   std::string failure;
   try {
-    build(job.key, job.device, args, job.kwargs, job.tensors, /*run_call=*/false, job.generation);
+    build(job.key, job.device, *args, job.kwargs, job.tensors, /*run_call=*/false, job.generation);
     return;
   } catch (py::error_already_set& error) {
     failure = describe_error(error);
@@ -321,12 +317,8 @@ void MissPolicy::run_upgrade(BuildJob& job) {
   if (entry == nullptr || entry->id != job.upgrades) return;  // gone: the bucket's next entry asks again
   entry->wants_upgrade = false;
   py::tuple upgrading = py::make_tuple(entry->backend, entry->handle);
-  py::tuple args = job.args;
-  if (!job.owner_ref.is_none()) {
-    py::object owner = job.owner_ref();
-    if (owner.is_none()) return;
-    args = with_owner(owner, job.args);
-  }
+  std::optional<py::tuple> args = job.entry_args();
+  if (!args) return;
   std::optional<BuiltEntry> maybe_built;
   std::string failure;
   const auto start = std::chrono::steady_clock::now();
@@ -335,7 +327,7 @@ void MissPolicy::run_upgrade(BuildJob& job) {
     CallModesScope modes(job.modes);
     ++counters_.background_builds;
     try {
-      maybe_built = run_build_(job.device, args, job.kwargs, job.tensors, /*run_call=*/false, std::move(upgrading));
+      maybe_built = run_build_(job.device, *args, job.kwargs, job.tensors, /*run_call=*/false, std::move(upgrading));
     } catch (py::error_already_set& error) {
       failure = describe_error(error);
     } catch (const std::exception& error) {
