@@ -10,8 +10,6 @@ are one entry's.
 
 from __future__ import annotations
 
-import random
-import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -49,14 +47,13 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
     trees (guards.call_roots), `context` the cached function's BuildContext; `in_background`:
     the build runs on a background worker. `without_effects`: a graph that writes tensors or
     draws random numbers (trace.effects), or whose trace drew from Python's or numpy's random
-    numbers (which a graph holds as constants), raises HasEffects before it is compiled.
+    numbers (Trace.draws_outside_torch), raises HasEffects before it is compiled.
 
     Raises trace.py's refusals; the last compiler's own errors propagate."""
     name = getattr(function, "__qualname__", repr(function))
     with _background.build_lock(), dropping_tracing_leftovers():
-        random_before = _python_random_states()
         traced = trace_call(function, args, kwargs, tensors, roots, context.parameter_names, context.has_owner)
-        if without_effects and (what := _python_random_drawn(random_before) or effects(traced.program)):
+        if without_effects and (what := traced.draws_outside_torch or effects(traced.program)):
             traced = None  # (the error's traceback holds this frame)
             raise HasEffects(what)
         route = compilers.choose_route(traced, context.compile_options, in_background, name)
@@ -73,25 +70,3 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
             # compiler's error keeps this frame in its traceback).
             traced = saved = compiled = None
     return result
-
-
-def _python_random_states() -> tuple:
-    """The states of Python's and (where it is imported) numpy's global random numbers."""
-    numpy = sys.modules.get("numpy")
-    return random.getstate(), (numpy.random.get_state() if numpy is not None else None)
-
-
-def _python_random_drawn(before: tuple) -> str:
-    """What random numbers the trace drew outside torch since `before` (a layer skipped at
-    random, a scale from numpy): the graph would hold the trace's draws as constants. "" for
-    none. (Another thread's draws meanwhile count too: the bucket is then not upgraded.)"""
-    after = _python_random_states()
-    if after[0] != before[0]:
-        return "draws Python's random numbers (the random module), which a graph holds as constants"
-    if before[1] is not None and after[1] is not None:
-        import numpy
-
-        # (the legacy state: the generator's name, its key array, position and cached normal)
-        if not all(numpy.array_equal(x, y) for x, y in zip(before[1], after[1], strict=True)):
-            return "draws numpy's random numbers, which a graph holds as constants"
-    return ""

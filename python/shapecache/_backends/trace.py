@@ -24,7 +24,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import random
 import re
+import sys
 import types
 import warnings
 import weakref
@@ -197,6 +199,9 @@ class Trace:
     # inference tensors: they keep no version counter (compilers.choose_route then reads them
     # where they are, not as frozen copies).
     reads_inference_weights: bool
+    # What random numbers the trace drew outside torch (_random_drawn_outside_torch), which
+    # the graph holds as constants; "" for none.
+    draws_outside_torch: str
 
 
 def trace_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, roots: dict, parameter_names: tuple,
@@ -222,6 +227,7 @@ def trace_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, ro
     # The trace may reach the live model after all (a hook registry's forward is bound to the
     # live module and calls `module.to()` on it): its parameters and buffers are put back.
     live_tensors = LiveTensors(roots)  # under the build lock: no other trace is leaving fakes in them
+    random_before = _random_states_outside_torch()
     called = None
     interrupted = False
     with _apart_from_other_threads(function) as apart:
@@ -272,11 +278,35 @@ def trace_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, ro
         if baked:
             raise ReadsUnguardedState(", ".join(baked[:3]))
     layout = module.trace.output_layout
+    draws_outside_torch = _random_drawn_outside_torch(random_before)
     devices = {tensor.device for tensor in tensors} or {torch.device("cpu")}
     return Trace(program=program, graph=graph, tensors=tuple(tensors), device=devices.pop() if len(devices) == 1 else None,
                  roots=roots, read=read, guard=guard, built_from=before,
                  rebuild=None if layout.is_one_tensor() else layout.rebuild,
-                 reads_inference_weights=any(not _lifted(name) for name, _ in inference))
+                 reads_inference_weights=any(not _lifted(name) for name, _ in inference),
+                 draws_outside_torch=draws_outside_torch)
+
+
+def _random_states_outside_torch() -> tuple:
+    """The states of Python's and (where it is imported) numpy's global random numbers."""
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), (numpy.random.get_state() if numpy is not None else None)
+
+
+def _random_drawn_outside_torch(before: tuple) -> str:
+    """What random numbers the trace drew outside torch since `before` (a layer skipped at
+    random, a scale from numpy): the graph would hold the trace's draws as constants. "" for
+    none. (Another thread's draws meanwhile count too.)"""
+    after = _random_states_outside_torch()
+    if after[0] != before[0]:
+        return "draws Python's random numbers (the random module), which a graph holds as constants"
+    if before[1] is not None and after[1] is not None:
+        import numpy
+
+        # (the legacy state: the generator's name, its key array, position and cached normal)
+        if not all(numpy.array_equal(x, y) for x, y in zip(before[1], after[1], strict=True)):
+            return "draws numpy's random numbers, which a graph holds as constants"
+    return ""
 
 
 @contextlib.contextmanager
