@@ -13,7 +13,7 @@ namespace shapecache {
   X(hits, "served by an existing entry")                                                                   \
   X(misses, "no entry: one was built, or queued for a background build")                                  \
   X(builds, "entries built, inline or in the background (== misses unless a build failed or was dropped)") \
-  X(background_builds, "builds that ran on a background worker, kept or not")                             \
+  X(background_builds, "buckets' first builds that ran on a background worker, kept or not (not upgrades)") \
   X(fallbacks,                                                                                             \
     "ran uncached instead of keeping an entry: it did not fit, building ran out of memory twice or "      \
     "failed, or the entry raised where the uncached call did not")                                         \

@@ -324,8 +324,7 @@ void MissPolicy::run_upgrade(BuildJob& job) {
   const auto start = std::chrono::steady_clock::now();
   {
     EnteredContext context(job.context);
-    CallModesScope modes(job.modes);
-    ++counters_.background_builds;
+    CallModesScope modes(job.modes);  // (counted in upgrades, not background_builds: that is a bucket's first build)
     try {
       maybe_built = run_build_(job.device, *args, job.kwargs, job.tensors, /*run_call=*/false, std::move(upgrading));
     } catch (py::error_already_set& error) {
