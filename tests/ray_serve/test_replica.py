@@ -198,6 +198,43 @@ def test_the_fleet_view_skips_what_is_not_a_regular_file(tmp_path):
     assert [s.sizes for s in states] == [{(8, 8)}]
 
 
+def test_a_hung_shared_directory_delays_no_routing_stats_and_holds_one_thread(tmp_path, monkeypatch, caplog):
+    from shapecache.ray_serve import _replica
+
+    replica = NetReplica(shared_dir=tmp_path)
+    replica(size=(8, 8))
+    volume_back, writes = threading.Event(), []
+    write = replica.shared_dir.publish_replica
+
+    def hung(*args):  # a network volume gone away: the write blocks until it is back
+        writes.append(args)
+        volume_back.wait(60)
+        write(*args)
+
+    monkeypatch.setattr(replica.shared_dir, "publish_replica", hung)
+
+    def writers():
+        return [t for t in threading.enumerate() if t.name == "shapecache-fleet-view"]
+
+    try:
+        for _ in range(3):
+            returned = []
+            caller = threading.Thread(target=lambda: returned.append(replica.record_routing_stats()))
+            caller.start()
+            caller.join(_replica.FLEET_WRITE_WAIT_S + 5)
+            assert returned and returned[0]["shapecache"]["sizes"] == [[8, 8]]  # the router's stats, in time
+        assert len(writes) == 1 and len(writers()) == 1  # later periods wait for the one write under way
+        assert "takes over" in caplog.text
+    finally:
+        volume_back.set()
+    for thread in writers():
+        thread.join(10)
+    assert [s.sizes for s in NetReplica.fleet_view(tmp_path)] == [{(8, 8)}]  # written once the volume is back
+    replica(size=(8, 12))
+    replica.record_routing_stats()  # no write under way: this one is written before the call returns
+    assert len(writes) == 2 and [s.sizes for s in NetReplica.fleet_view(tmp_path)] == [{(8, 8), (8, 12)}]
+
+
 def test_a_publication_sweeps_what_gone_replicas_and_killed_publishers_left(tmp_path):
     from shapecache.ray_serve import _shared_dir
 

@@ -46,6 +46,10 @@ EVICTED_SIZES = 256
 # How long a size whose call ran uncached (its build queued in the background) is published as
 # held without a call of it served by entries: its build ends within the compile's deadline.
 AWAITING_S = 600.0
+# How long a routing-stats call waits for its fleet-view write (record_routing_stats): a
+# shared directory that is slow or hung (a network volume gone away) must not delay the
+# router's stats past Serve's timeout for them.
+FLEET_WRITE_WAIT_S = 0.5
 # The name a replica outside Ray Serve publishes under.
 _THIS_PROCESS = f"{socket.gethostname()}-{os.getpid()}"
 
@@ -130,6 +134,7 @@ class CachedReplica:
         # size -> when a call of it last ran uncached (its build queued in the background): it is
         # published as held until a call of it is served by entries, or for AWAITING_S
         self.__awaiting: dict[tuple, float] = {}
+        self.__fleet_written: threading.Event | None = None  # set when the last fleet-view write ended
         self.shared_dir = SharedDir.from_option(shared_dir)
         # The fleet's record of this class's sizes: deployments of other classes sharing the
         # directory keep records of their own.
@@ -223,12 +228,40 @@ class CachedReplica:
             evicted = dict(self.__evicted)
         stats = routing_stats(held, figures, time.time(), building=building, size_bytes=size_bytes, evicted=evicted)
         if self.shared_dir is not None:
+            self.__write_fleet_view(stats)
+        return stats
+
+    def __write_fleet_view(self, stats: dict) -> None:
+        """Writes `stats` to the shared directory for the fleet view, on a thread of its own,
+        waiting for it up to FLEET_WRITE_WAIT_S. A write that takes longer (a network volume
+        gone away can block one for good) neither delays the router's stats nor holds one of
+        Serve's threads each period: while it is under way, later periods write nothing. (A
+        daemon thread, not an executor's: those are joined at the interpreter's exit.)"""
+        written = threading.Event()
+        with self.__lock:
+            if self.__fleet_written is not None and not self.__fleet_written.is_set():
+                logger.debug("shapecache: the last write to %s is still under way", self.shared_dir.path)
+                return
+            self.__fleet_written = written
+        replica_id = self.replica_id() or f"{_THIS_PROCESS}-{id(self):x}"
+
+        def write():
             try:
-                self.shared_dir.publish_replica(self.replicas_dir(), self.replica_id() or f"{_THIS_PROCESS}-{id(self):x}",
-                                                stats)
+                self.shared_dir.publish_replica(self.replicas_dir(), replica_id, stats)
             except OSError as error:  # the router has the stats: the fleet view misses them this period
                 logger.debug("shapecache: could not publish to %s: %s", self.shared_dir.path, error)
-        return stats
+            finally:
+                written.set()
+
+        try:
+            threading.Thread(target=write, name="shapecache-fleet-view", daemon=True).start()
+        except RuntimeError as error:  # no thread can start (the interpreter is exiting): nothing is written
+            written.set()
+            logger.debug("shapecache: could not publish to %s: %s", self.shared_dir.path, error)
+            return
+        if not written.wait(FLEET_WRITE_WAIT_S):
+            logger.warning("shapecache: writing what this replica holds to %s takes over %.1f s; the fleet view "
+                           "misses it until the write ends", self.shared_dir.path, FLEET_WRITE_WAIT_S)
 
     @classmethod
     def replicas_dir(cls) -> str:
