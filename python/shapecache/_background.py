@@ -161,7 +161,7 @@ def _serve(device: torch.device, name: str) -> None:
                     continue
                 # Outermost, the count of running builds, which wait() and a fork read: it
                 # falls to 0 only once what the build changed is restored.
-                with _short_build_changes(), _objects_before_frozen():
+                with _short_build_changes(), objects_before_frozen():
                     _C.run_next_build(device)
             except BaseException:  # noqa: BLE001  (a build's failure is its bucket's; the worker serves on)
                 sys.excepthook(*sys.exc_info())
@@ -180,7 +180,7 @@ def _run(publication: Publication) -> None:
 
 
 @contextlib.contextmanager
-def _objects_before_frozen():
+def objects_before_frozen():
     """Keeps the objects that exist before a build out of the garbage collector's full
     collections until it ends. A full collection holds the GIL while it walks every object
     (with torch, inductor and a model loaded, long enough to be seen in a serving thread's

@@ -426,3 +426,31 @@ def test_a_call_torch_export_cannot_capture_is_compiled_by_dynamo_with_a_warning
         torch.testing.assert_close(data_dependent(x), x * 2)
     torch.testing.assert_close(data_dependent(-x), -x - 1)  # the same entry: the graph break takes the other branch
     assert [e["backend"] for e in sc.stats(data_dependent)["entries"]] == ["compile"]
+
+
+@pytest.mark.skipif(__import__("gc").get_freeze_count() != 0, reason="objects are frozen already (CPython 3.12.1 "
+                    "freezes its own): builds leave the collector alone")
+def test_an_inline_build_keeps_the_objects_from_before_it_out_of_full_collections():
+    import gc
+
+    frozen_at_full_collections = []
+
+    def seen(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            frozen_at_full_collections.append(gc.get_freeze_count())
+
+    @sc.cached(backend="compile")
+    def f(x):
+        return torch.nn.functional.gelu(x) * 3
+
+    x = torch.randn(4, 5)
+    gc.callbacks.append(seen)
+    try:
+        torch.testing.assert_close(f(x), torch.nn.functional.gelu(x) * 3)
+    finally:
+        gc.callbacks.remove(seen)
+    assert sc.stats(f)["entries"][0]["backend"] == "compile"
+    # The build's full collections (it makes some: trace.dropping_tracing_leftovers) walked the
+    # build's own objects, those from before frozen; the process's are unfrozen after it.
+    assert frozen_at_full_collections and min(frozen_at_full_collections) > 10_000
+    assert gc.get_freeze_count() == 0
