@@ -44,6 +44,7 @@ class CompiledGraph(NamedTuple):
     constants: list
     constant_bytes: int = 0  # bytes it holds besides `constants` (a package's constants file)
     package: str | None = None  # the package file it was loaded from, where it is one
+    key: str | None = None  # the key it is stored under in the package store, where it is (compile_on)
 
 
 class CompilerFailed(Exception):
@@ -176,14 +177,10 @@ def choose_route(traced: Trace, compile_options: dict, in_background: bool, name
                       "(load_state_dict) would not be seen in a frozen copy; its graphs read the weights where they "
                       "are. Make and load the model outside inference_mode to freeze them.", RuntimeWarning,
                       stacklevel=4)
-    why = _not_a_package(traced, options)
-    if not why and compile_process.PROCESS.failed:
-        why = compile_process.PROCESS.failed
+    why = package_refusal(traced.device, options)
     if why:
         return Route(options, (INDUCTOR,), None, why)
-    # What this context set in inductor's configuration goes with the options: a compiler in
-    # another process, or a package compiled later, compiles under it too.
-    options = {**configured(), **options}
+    options = package_options(options)
     compilers = (INDUCTOR,)
     if not in_background:
         why = "the build is inline"
@@ -197,11 +194,21 @@ def choose_route(traced: Trace, compile_options: dict, in_background: bool, name
     return Route(options, compilers, store, why)
 
 
-def _not_a_package(traced: Trace, options: dict) -> str:
-    """Why `traced` with `options` cannot be a package; "" where it can."""
+def package_options(options: dict) -> dict:
+    """Inductor's `options` for a graph that may be a package, with what this context set in
+    inductor's configuration: a compiler in another process, or a package compiled later,
+    compiles under it too."""
+    return {**configured(), **options}
+
+
+def package_refusal(device: torch.device | None, options: dict) -> str:
+    """Why a graph on `device` (None: several) compiled with inductor `options` cannot be a
+    package; "" where it can."""
     from torch._inductor import config as inductor_config
 
-    if traced.device is None or traced.device.type != "cpu":
+    from shapecache._backends import compile_process
+
+    if device is None or device.type != "cpu":
         return "a package is made of a graph on one CPU device"
     if not options.get("freezing", inductor_config.freezing) or torch.is_grad_enabled():
         return "a package is made of a frozen graph (freezing on, grad off)"
@@ -218,7 +225,7 @@ def _not_a_package(traced: Trace, options: dict) -> str:
         json.dumps(configured())
     except (TypeError, ValueError, RuntimeError) as error:  # (RuntimeError: torch's, for a setting it cannot save)
         return f"inductor's configuration cannot reach the compiler's process ({described(error)})"
-    return ""
+    return compile_process.PROCESS.failed
 
 
 def configured() -> dict:
@@ -275,7 +282,7 @@ def compile_on(route: Route, traced: Trace, saved: SavedProgram, owner: Callable
             route.store.log_bypass(bypass)
         else:
             if (found := route.store.lookup(key)) is not None:
-                return found
+                return found._replace(key=key)
             options = route.store.stamped(options, key)
     compiled = None
     for position, compiler in enumerate(route.compilers):
@@ -294,4 +301,5 @@ def compile_on(route: Route, traced: Trace, saved: SavedProgram, owner: Callable
             warnings.warn(f"shapecache: {failure}", RuntimeWarning, stacklevel=4)
     if key is not None:
         route.store.publish(key, compiled, saved, route.options, owner)
+        compiled = compiled._replace(key=key)
     return compiled

@@ -78,6 +78,11 @@ class Bypass(Exception):
     """Why a build's package is neither looked up nor published (its key cannot be made)."""
 
 
+class Refused(Exception):
+    """Why a file in the directory is not read (the message): it cannot be trusted, is a link,
+    or is not as it was sealed."""
+
+
 class PackageStore:
     """The packages in one directory."""
 
@@ -110,15 +115,52 @@ class PackageStore:
         logger.warning("shapecache: a graph is not shared (%s)", bypass)
 
     def lookup(self, key: str) -> CompiledGraph | None:
-        """The package of `key`, loaded, where it can be trusted (package_trust.py: its directory
-        and file only this process's user can write, or a seal under the deployment's secret),
-        is as it was sealed, and was built for this key (its metadata names the key: a package
-        of another program or other weights, copied or renamed to this key's name, is not).
-        The file is opened in the directory checked, then copied to a file of this process's
-        own, which the seal, the metadata and the load read: a file swapped in or rewritten
-        meanwhile is never what is loaded. None where the directory has none, or one that fails
-        (with a warning: it is published over)."""
+        """The package of `key`, loaded, where it can be trusted and is as it was sealed
+        (sealed_copy), and was built for this key (its metadata names the key: a package of
+        another program or other weights, copied or renamed to this key's name, is not). None
+        where the directory has none, or one that fails (with a warning: it is published over)."""
         found = self.directory / f"{key}.pt2"
+        try:
+            copy = self.sealed_copy(found.name, "shared package")
+        except Refused as refused:
+            logger.warning("shapecache: the shared package %s is not loaded: %s; the graph is compiled here "
+                           "and published in its place", found, refused)
+            _unloadable.add(key)
+            return None
+        if copy is None:
+            return None
+        try:
+            with open(copy, "rb") as package_file:
+                why = _not_built_for(key, package_file)
+            if why is not None:
+                logger.warning("shapecache: the shared package %s is not loaded: %s; the graph is compiled here "
+                               "and published in its place", found, why)
+                _unloadable.add(key)
+                return None
+            package = compile_process.load(copy)
+        except OSError as error:  # a file that cannot be read (a full disk): a miss
+            logger.warning("shapecache: the shared package %s cannot be read (%s)", found, error)
+            return None
+        except compile_process.Failed as failure:
+            logger.warning("shapecache: the shared package %s does not load (%s); the graph is compiled and the "
+                           "package published again", found, failure)
+            _unloadable.add(key)
+            return None
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(copy)
+        disk_cache.note_shared_package_loaded()
+        return CompiledGraph(package, [], package.constant_bytes, package=str(found))
+
+    def sealed_copy(self, name: str, what: str) -> str | None:
+        """A copy, in a file of this process's own (the caller removes it), of the file `name` in
+        the directory, where it can be trusted (package_trust.py: its directory and file only
+        this process's user can write, or a seal under the deployment's secret) and is as it
+        was sealed. The file is opened in the directory checked and copied from that
+        descriptor: a file swapped in or rewritten meanwhile is never what is read. None where
+        the directory has none, or it cannot be read (logged, `what` naming it). Raises Refused
+        where it cannot be trusted, is a link, or is not as sealed."""
+        found = self.directory / name
         try:
             directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
         except FileNotFoundError:
@@ -131,47 +173,33 @@ class PackageStore:
                 _warn_once(self.directory, "read", f"the shared packages in {self.directory} are not loaded: {why}")
                 return None
             # (O_NONBLOCK: a FIFO planted there would block the open.)
-            opened = os.open(found.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY, dir_fd=directory)
+            opened = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY, dir_fd=directory)
         except FileNotFoundError:
             return None
         except OSError as error:  # a file this process may not read, a link: a miss
-            logger.warning("shapecache: the shared package %s cannot be read (%s)", found, error)
             if error.errno == errno.ELOOP:
-                _unloadable.add(key)  # a link: replaced by the package published
+                raise Refused(f"it is a link, which cannot be read ({error})") from error
+            logger.warning("shapecache: the %s %s cannot be read (%s)", what, found, error)
             return None
         finally:
             os.close(directory)
         copy = None
         try:
-            why = package_trust.untrusted_file(os.fstat(opened), self.secret)
-            if why is None:
-                # The checks and the load read a private copy, made from the descriptor opened
-                # in the directory checked: a file that its writer (another user, with a
-                # secret) changes meanwhile is never what is loaded.
-                copy = _private_copy(opened)
-                with open(copy, "rb") as package_file:
-                    why = _unsealed(package_file, self.secret) or _not_built_for(key, package_file)
-            if why is not None:
-                logger.warning("shapecache: the shared package %s is not loaded: %s; the graph is compiled here "
-                               "and published in its place", found, why)
-                _unloadable.add(key)
-                return None
-            package = compile_process.load(copy)
+            if (why := package_trust.untrusted_file(os.fstat(opened), self.secret)) is not None:
+                raise Refused(why)
+            copy = _private_copy(opened)
+            with open(copy, "rb") as copied:
+                if (why := _unsealed(copied, self.secret)) is not None:
+                    raise Refused(why)
         except OSError as error:  # a file that cannot be read or copied (a full disk): a miss
-            logger.warning("shapecache: the shared package %s cannot be read (%s)", found, error)
-            return None
-        except compile_process.Failed as failure:
-            logger.warning("shapecache: the shared package %s does not load (%s); the graph is compiled and the "
-                           "package published again", found, failure)
-            _unloadable.add(key)
-            return None
+            logger.warning("shapecache: the %s %s cannot be read (%s)", what, found, error)
+            copy = _removed(copy)
+        except BaseException:
+            _removed(copy)
+            raise
         finally:
             os.close(opened)
-            if copy is not None:
-                with contextlib.suppress(OSError):
-                    os.remove(copy)
-        disk_cache.note_shared_package_loaded()
-        return CompiledGraph(package, [], package.constant_bytes, package=str(found))
+        return copy
 
     @staticmethod
     def stamped(options: dict, key: str) -> dict:
@@ -185,10 +213,17 @@ class PackageStore:
         build waits (``sc.wait`` on `owner`, the cached function, waits for it). Dropped where
         the directory cannot be written or the workers have enough waiting."""
         if compiled.package is not None:
-            if _writable(self.directory, self.secret):
+            if writable(self.directory, self.secret):
                 copy_in(key, compiled.package, self.directory, self.secret)
-        elif _writable(self.directory, self.secret):
+        elif writable(self.directory, self.secret):
             _background.publish_later(torch.device("cpu"), _Publication(saved.hand_over(), key, options, self, owner))
+
+
+def _removed(path: str | None) -> None:
+    """Removes the file at `path`, where there is one (returns None: what is left of it)."""
+    if path is not None:
+        with contextlib.suppress(OSError):
+            os.remove(path)
 
 
 def _private_copy(opened: int) -> str:
@@ -230,10 +265,7 @@ def key(saved: str, options: dict) -> str:
     """The key of the program saved in `saved` (compile_process.save) compiled with `options`.
     Raises OSError, zipfile.BadZipFile or ValueError where the saved program cannot be read."""
     digest = hashlib.sha256()
-    setting = {"format": FORMAT, "torch": torch.__version__, "torch build": torch.version.git_version,
-               "settings": CompileSettings.of_this_thread().as_json(),
-               "host": _host(), "options": {**options, "freezing": True}, "inductor": _inductor_config()}
-    digest.update(json.dumps(setting, sort_keys=True, default=repr).encode())
+    digest.update(json.dumps(setting(options), sort_keys=True, default=repr).encode())
     with zipfile.ZipFile(os.path.join(saved, compile_process.PROGRAM)) as archive:
         # Each member under the archive's own folder, whose name is the file's.
         members = sorted((info.filename.split("/", 1)[-1], info) for info in archive.infolist())
@@ -248,6 +280,16 @@ def key(saved: str, options: dict) -> str:
                 while chunk := member.read(1 << 20):
                     digest.update(chunk)
     return digest.hexdigest()
+
+
+def setting(options: dict) -> dict:
+    """What a package of a program compiled with inductor `options` depends on besides the
+    program: the layout, torch's version and build, the settings torch compiles under, the
+    host, the options and inductor's configuration (in every key, and every call id:
+    call_index.py)."""
+    return {"format": FORMAT, "torch": torch.__version__, "torch build": torch.version.git_version,
+            "settings": CompileSettings.of_this_thread().as_json(),
+            "host": _host(), "options": {**options, "freezing": True}, "inductor": _inductor_config()}
 
 
 def _without_sources(graph: bytes) -> bytes:
@@ -298,39 +340,45 @@ _INSTRUCTION_SETS = ("sse", "ssse", "avx", "amx", "fma", "f16c", "bmi", "popcnt"
 
 
 def copy_in(key: str, package: str, target: Path, secret: bytes | None = None) -> None:
-    """Copies the package at `package` into `target` as `key`'s, unless a package of `key` that
-    loaded is there already: under a temporary name, sealed (under `secret` where given,
-    package_trust.seal), written to disk (fsync) before it is renamed into place, so that a
-    reader, or a crash, sees the whole file or none. The file is its owner's alone (0600; with a
-    `secret`, its group's too: 0640): it holds a copy of the weights. A failure (a full disk, a
-    directory that cannot be written, a package that is no zip archive) is logged, never
-    raised: the entry is built either way."""
+    """Copies the package at `package` into `target` as `key`'s (place), unless a package of
+    `key` that loaded is there already. A failure (a full disk, a directory that cannot be
+    written, a package that is no zip archive) is logged, never raised: the entry is built
+    either way."""
     try:
         if key not in _unloadable and (target / f"{key}.pt2").is_file():
             return  # another process's: replacing it could fail a reader on a network file system
-        target.mkdir(mode=0o755, parents=True, exist_ok=True)  # (never writable by others, whatever the umask)
-        remove_old_files(target, ((f".*{_COPYING}", _ABANDONED_AFTER_S),))
-        descriptor, temporary = tempfile.mkstemp(dir=target, prefix=f".{key}.", suffix=_COPYING)  # (0600)
-        if secret is not None:  # shared between users on purpose: its group reads it too
-            os.fchmod(descriptor, 0o640)
-        try:
-            with os.fdopen(descriptor, "w+b") as copy, open(package, "rb") as source:
-                shutil.copyfileobj(source, copy)
-                package_trust.seal(copy, secret)
-                os.fsync(copy.fileno())
-            os.replace(temporary, target / f"{key}.pt2")
-            _unloadable.discard(key)
-            with contextlib.suppress(OSError):  # the rename itself, on a file system that needs it
-                directory = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    os.fsync(directory)
-                finally:
-                    os.close(directory)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(temporary)
+        place(f"{key}.pt2", package, target, secret)
+        _unloadable.discard(key)
     except (OSError, ValueError) as error:
         logger.warning("shapecache: a package could not be shared through %s (%s)", target, error)
+
+
+def place(name: str, source: str, target: Path, secret: bytes | None = None) -> None:
+    """Copies the zip archive at `source` into `target` as `name`: under a temporary name,
+    sealed (under `secret` where given, package_trust.seal), written to disk (fsync) before it
+    is renamed into place, so that a reader, or a crash, sees the whole file or none. The file
+    is its owner's alone (0600; with a `secret`, its group's too: 0640): a package holds a copy
+    of the weights. Raises OSError, or ValueError where `source` is no zip archive."""
+    target.mkdir(mode=0o755, parents=True, exist_ok=True)  # (never writable by others, whatever the umask)
+    remove_old_files(target, ((f".*{_COPYING}", _ABANDONED_AFTER_S),))
+    descriptor, temporary = tempfile.mkstemp(dir=target, prefix=f".{name}.", suffix=_COPYING)  # (0600)
+    if secret is not None:  # shared between users on purpose: its group reads it too
+        os.fchmod(descriptor, 0o640)
+    try:
+        with os.fdopen(descriptor, "w+b") as copy, open(source, "rb") as original:
+            shutil.copyfileobj(original, copy)
+            package_trust.seal(copy, secret)
+            os.fsync(copy.fileno())
+        os.replace(temporary, target / name)
+        with contextlib.suppress(OSError):  # the rename itself, on a file system that needs it
+            directory = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
 
 
 _COPYING = ".tmp"  # the suffix of a package being copied in
@@ -366,7 +414,7 @@ class _Publication(_background.Publication):
         shutil.rmtree(self.saved, ignore_errors=True)
 
 
-def _writable(target: Path, secret: bytes | None) -> bool:
+def writable(target: Path, secret: bytes | None) -> bool:
     """Whether packages can be published to `target` (made where missing): checked before the
     compile a publication costs. A directory that cannot be written, or whose packages no
     process would load (package_trust.untrusted_directory), is logged once."""
