@@ -58,10 +58,13 @@ def _torchs_requirements() -> frozenset:
     return frozenset(found)
 
 
+# What runs a model, not the model: code of theirs that runs on the building thread during a
+# trace (a log handler, a warnings hook, a test runner's capture) reads their own state.
+_SERVING = frozenset({"ray", "pytest", "_pytest", "pluggy", "uvicorn", "starlette", "fastapi", "anyio"})
 # Top-level packages whose code is not recorded.
 LIBRARIES = frozenset(sys.stdlib_module_names) | frozenset(
     {"torch", "functorch", "shapecache", "sympy", "mpmath", "numpy", "triton", "optree", "typing_extensions"}
-) | _torchs_requirements()
+) | _torchs_requirements() | _SERVING
 
 _MONITORING = getattr(sys, "monitoring", None)
 _TOOL_IDS = (3, 4)  # sys.monitoring's ids that no tool named by Python claims
@@ -127,6 +130,16 @@ class Recorded:
         # The dicts and lists those reads held (a helper's table, a list it appends to), with
         # their items then: the call may write into them without replacing any read.
         self._containers: dict[int, tuple] = {}  # id -> (path, container, its items)
+
+    def reads(self) -> list[tuple[dict, dict]]:
+        """(module globals, the globals the code read there: name -> the attributes loaded off
+        it, None: used whole), one pair per module, its code's reads merged."""
+        merged: dict[int, tuple[dict, dict]] = {}
+        for code, module_globals in self.globals.items():
+            reads = merged.setdefault(id(module_globals), (module_globals, {}))[1]
+            for name, attributes in global_reads(code).items():
+                reads[name] = reads.get(name, frozenset()) | attributes
+        return list(merged.values())
 
     def saw(self, code, module_globals: dict) -> None:
         self._seen.add(code)
@@ -353,4 +366,6 @@ def _is_users_module(module_globals: dict) -> bool:
     return type(loader).__module__.partition(".")[0] not in _LOADING_LIBRARIES
 
 
-_LOADING_LIBRARIES = LIBRARIES - frozenset(sys.stdlib_module_names)  # importlib's own loaders load the user's files
+# Libraries whose loaders load their own modules (importlib's load the user's files; so does
+# pytest's assertion rewriter, and Ray's loads what a runtime_env ships).
+_LOADING_LIBRARIES = LIBRARIES - frozenset(sys.stdlib_module_names) - _SERVING

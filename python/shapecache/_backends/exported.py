@@ -14,8 +14,9 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from shapecache import _background
-from shapecache._backends import compilers
+from shapecache._backends import call_index, compilers
 from shapecache._backends.compile_process import SavedProgram
+from shapecache._backends.package_store import PackageStore
 from shapecache._backends.trace import dropping_tracing_leftovers, effects, trace_call
 
 
@@ -51,7 +52,21 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
 
     Raises trace.py's refusals; the last compiler's own errors propagate."""
     name = getattr(function, "__qualname__", repr(function))
-    with _background.build_lock(), dropping_tracing_leftovers():
+    with _background.build_lock():
+        store = PackageStore.from_environment()
+        if store is not None and not without_effects:
+            # A call another process traced to a package is served from it untraced, where
+            # the call index has its record and the model is as that process traced it.
+            indexed = call_index.find(store, function, args, kwargs, tensors, roots, context.compile_options)
+            if indexed is not None:
+                return indexed
+        return _traced_and_compiled(function, args, kwargs, tensors, roots, context, in_background, without_effects,
+                                    name)
+
+
+def _traced_and_compiled(function: Callable, args: tuple, kwargs: dict, tensors: tuple, roots: dict, context,
+                         in_background: bool, without_effects: bool, name: str) -> CompiledCall:
+    with dropping_tracing_leftovers():
         traced = trace_call(function, args, kwargs, tensors, roots, context.parameter_names, context.has_owner)
         if without_effects and (what := traced.draws_outside_torch or effects(traced.program)):
             traced = None  # (the error's traceback holds this frame)
@@ -60,6 +75,8 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
         saved = SavedProgram(traced.program)
         try:
             compiled = compilers.compile_on(route, traced, saved, owner=function)
+            if compiled.key is not None:
+                call_index.write(route.store, compiled.key, traced, function, args, kwargs, route.options)
             result = CompiledCall(compiled.run, traced.rebuild, traced.guard, traced.built_from, compiled.constants,
                                   compiled.constant_bytes, (*traced.graph.parameters(), *traced.graph.buffers()),
                                   traced.graph if without_effects else None)

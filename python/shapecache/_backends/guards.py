@@ -166,12 +166,16 @@ class Guarded:
             self._roots = outer
 
     def globals_read(self, code, module_globals: dict, roots: dict) -> None:
-        """The globals `code` reads (``called_code.global_reads``) that `module_globals` holds,
-        compared whenever that dict changes. Of a global used whole, what it holds is guarded
-        too where it is state (a module, a tensor, a container); of one whose attributes are
-        loaded (``CFG.scale``, ``config_module.SCALE``), those attributes, as a module's are."""
-        reads = {name: attributes for name, attributes in called_code.global_reads(code).items()
-                 if name in module_globals}
+        """The globals `code` reads (``called_code.global_reads``) that `module_globals` holds."""
+        self.reads(module_globals, called_code.global_reads(code), roots)
+
+    def reads(self, module_globals: dict, reads: dict, roots: dict) -> None:
+        """The globals of `module_globals` that `reads` names (name -> the attributes loaded off
+        it, None: used whole), compared whenever that dict changes. Of a global used whole, what
+        it holds is guarded too where it is state (a module, a tensor, a container); of one
+        whose attributes are loaded (``CFG.scale``, ``config_module.SCALE``), those attributes,
+        as a module's are."""
+        reads = {name: attributes for name, attributes in reads.items() if name in module_globals}
         if not reads:
             return
         module_name = module_globals.get("__name__", "?")
@@ -191,10 +195,10 @@ class Guarded:
                     if isinstance(item, (torch.nn.Module, torch.Tensor, dict, list, set)) or _is_numpy_array(item):
                         self._argument(item, f"{path}.{attribute}", roots)
 
-    def called(self, recorded, roots: dict) -> None:
-        """The globals read by the code that ran (a called_code.Recorded)."""
-        for code, module_globals in recorded.globals.items():
-            self.globals_read(code, module_globals, roots)
+    def called(self, reads: Iterable, roots: dict) -> None:
+        """The globals read by the code that ran: (module globals, reads) pairs (``reads``)."""
+        for module_globals, module_reads in reads:
+            self.reads(module_globals, module_reads, roots)
 
     def global_hooks(self) -> None:
         for name in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_with_kwargs",
@@ -366,7 +370,8 @@ def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensor
     modules are guarded too. `python_only`: no tensors, and not the parameter and buffer dicts.
     `collect`: receives the dicts of modules and objects guarded, and the lists. `called`: the
     code that ran while the entry was built (a called_code.Recorded), whose globals read are
-    guarded. `hooks_state`: whether the state hooks keep is guarded, or only which hooks
+    guarded (or its ``reads()``: (module globals, reads) pairs). `hooks_state`: whether the
+    state hooks keep is guarded, or only which hooks
     (for an entry Dynamo built, whose guards cover what the hooks read)."""
     guarded = Guarded(python_only, collect, hooks_state)
     guarded.global_hooks()
@@ -376,7 +381,7 @@ def record(roots: dict, functions: Iterable[Callable] = (), reached=None, tensor
     for i, function in enumerate(functions):
         guarded.function(function, f"function {i}", found)
     if called is not None:
-        guarded.called(called, found)
+        guarded.called(called.reads() if isinstance(called, called_code.Recorded) else called, found)
     tensors = list(tensors)
     owned_by = _owners(roots.values()) if reached is not None else {}
     needed = set(reached or ())

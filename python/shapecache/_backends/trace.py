@@ -195,6 +195,7 @@ class Trace:
     # during the build, and the entry starts stale.
     built_from: object
     rebuild: Callable | None  # puts the output's tensors back into its structure; None: one tensor
+    output: OutputLayout  # the output's structure and its leaves other than tensors
     # The graph reads weights of the model (its own tensors, not constants of the call) that are
     # inference tensors: they keep no version counter (compilers.choose_route then reads them
     # where they are, not as frozen copies).
@@ -202,6 +203,10 @@ class Trace:
     # What random numbers the trace drew outside torch (_random_drawn_outside_torch), which
     # the graph holds as constants; "" for none.
     draws_outside_torch: str
+    # What `guard` was made of (guards.record's `reached`, `tensors` and `called`): the ids of
+    # the modules whose forward ran, the (name, tensor) pairs read, the (module globals, reads)
+    # of the code that ran. Another process makes the same guard from them (call_index.py).
+    guard_inputs: tuple
 
 
 def trace_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, roots: dict, parameter_names: tuple,
@@ -265,7 +270,8 @@ def trace_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, ro
         raise WritesState(module.trace.state_written)
     reached = {id(copies.live(module)) for module in copies.ran.values()}
     read = _tensors_read(program)
-    guard = guards.record(roots, functions=[function], reached=reached, tensors=read, called=called)
+    reads = called.reads() if called is not None else []
+    guard = guards.record(roots, functions=[function], reached=reached, tensors=read, called=reads)
     # Inference tensors keep no version counter, so no guard sees them updated in place. A
     # module's own (its weights, attributes) are read where they are once freezing is off;
     # a lifted one (_lifted) the code holds is a constant of the graph whatever freezing
@@ -282,9 +288,9 @@ def trace_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, ro
     devices = {tensor.device for tensor in tensors} or {torch.device("cpu")}
     return Trace(program=program, graph=graph, tensors=tuple(tensors), device=devices.pop() if len(devices) == 1 else None,
                  roots=roots, read=read, guard=guard, built_from=before,
-                 rebuild=None if layout.is_one_tensor() else layout.rebuild,
+                 rebuild=None if layout.is_one_tensor() else layout.rebuild, output=layout,
                  reads_inference_weights=any(not _lifted(name) for name, _ in inference),
-                 draws_outside_torch=draws_outside_torch)
+                 draws_outside_torch=draws_outside_torch, guard_inputs=(reached, read, reads))
 
 
 def _random_states_outside_torch() -> tuple:
@@ -509,14 +515,22 @@ class OutputLayout:
         unknown = [leaf for leaf in self.constants if not isinstance(leaf, _CONSTANT_TYPES)]
         if unknown:  # a number read from tensor data, or an object pytree cannot open (it may hold tensors)
             raise ValueError(f"the output holds {type(unknown[0]).__name__}, which is not a constant of the bucket")
-        self._tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        self.tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+    @classmethod
+    def of(cls, spec, constants: list, tensor_positions: list[int]) -> OutputLayout:
+        """The layout of an output with structure `spec`, leaves `constants` (None where a
+        tensor goes) and its tensors at `tensor_positions` among them."""
+        layout = cls.__new__(cls)
+        layout.spec, layout.constants, layout.tensor_positions, layout.tensors = spec, constants, tensor_positions, None
+        return layout
 
     def is_one_tensor(self) -> bool:
-        return self.spec.is_leaf() and len(self._tensor_positions) == 1
+        return self.spec.is_leaf() and len(self.tensor_positions) == 1
 
     def rebuild(self, tensors):
         leaves = list(self.constants)
-        for position, tensor in zip(self._tensor_positions, tensors, strict=True):
+        for position, tensor in zip(self.tensor_positions, tensors, strict=True):
             leaves[position] = tensor
         return tree_unflatten(leaves, self.spec)
 

@@ -271,7 +271,7 @@ def _prewarm(pipe, sizes, batch_size, guidance, text_length, progress) -> list:
                 "seconds": time.perf_counter() - start,
                 "bytes": state.cache.stats()["bytes"] - bytes_before,
                 # the on-disk caches for what this size compiled: "warm", "cold", "not cached"
-                # (graphs of prepacked frozen weights), "shared package", or None
+                # (graphs of prepacked frozen weights), "shared package" (", not traced"), or None
                 "inductor_cache": disk_cache_state(compiled_before),
             }
             records.append(record)
