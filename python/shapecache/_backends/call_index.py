@@ -128,7 +128,9 @@ def write(store: package_store.PackageStore, key: str, traced: Trace, function, 
         reached_ids, read, reads = traced.guard_inputs
         record = {"format": FORMAT, "key": key, "output": _output(traced.output),
                   "reached": _module_paths(reached_ids, traced.roots),
-                  "read": [_weight_name(name, tensor, leaves) for name, tensor in read],
+                  # (a constant the call made is the call's, which its id and code name)
+                  "read": [_weight_name(name, tensor, leaves) for name, tensor in read
+                           if name not in traced.made_by_the_call],
                   "called": [_module_name(module_globals, module_reads) for module_globals, module_reads in reads]}
         # The guard the record's names make here, as a reader makes it: its fingerprint is
         # what a reader compares (the trace's own guard was made from ids, before the copies).
@@ -243,6 +245,8 @@ def _value(value, walked: set | None = None, depth: int = _DEPTH) -> str:
         return f"module {value.__name__}"
     if isinstance(value, types.FunctionType):
         return _function(value, walked, depth)
+    if isinstance(value, functools._lru_cache_wrapper):  # (a memoized function: by what it wraps)
+        return f"lru_cache({_value(value.__wrapped__, walked, depth - 1)})"
     if isinstance(value, functools.partial):
         return (f"partial({_value(value.func, walked, depth - 1)},{_value(value.args, walked, depth - 1)},"
                 f"{_value(value.keywords, walked, depth - 1)})")
@@ -254,6 +258,8 @@ def _value(value, walked: set | None = None, depth: int = _DEPTH) -> str:
     if isinstance(value, (types.BuiltinFunctionType, types.BuiltinMethodType, torch._ops.OpOverload,
                           torch._ops.OpOverloadPacket)):
         return f"builtin:{getattr(value, '__module__', None)}.{getattr(value, '__qualname__', value)}"
+    if isinstance(value, logging.Logger):  # (a module's logger: what it logs changes no graph)
+        return f"logger:{value.name}"
     if type(value).__name__ == "ndarray" and type(value).__module__ == "numpy":
         return f"ndarray:{value.shape}:{value.dtype.str}:{hashlib.sha256(value.tobytes()).hexdigest()}"
     if (walked is not None and id(value) in walked) or type(value).__module__.partition(".")[0] == "shapecache":

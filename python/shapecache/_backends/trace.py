@@ -207,6 +207,10 @@ class Trace:
     # the modules whose forward ran, the (name, tensor) pairs read, the (module globals, reads)
     # of the code that ran. Another process makes the same guard from them (call_index.py).
     guard_inputs: tuple
+    # The names of the constants the traced call made (an int timestep's tensor): lifted into
+    # the graph (_lifted), held by nothing of the model's; the call's arguments and code make
+    # them again.
+    made_by_the_call: frozenset
 
 
 def trace_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, roots: dict, parameter_names: tuple,
@@ -276,13 +280,13 @@ def trace_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, ro
     # module's own (its weights, attributes) are read where they are once freezing is off;
     # a lifted one (_lifted) the code holds is a constant of the graph whatever freezing
     # says, and its bucket is refused; one the call made (an int timestep's tensor) is fine.
+    lifted = [(name, tensor) for name, tensor in read if _lifted(name)]
+    held = _tensors_in([function, *leaves, *(container for container, _ in module.trace.shared),
+                        *(called.values() if called else [])]) if lifted else set()
+    baked = [name for name, tensor in lifted if tensor.is_inference() and id(tensor) in held]
+    if baked:
+        raise ReadsUnguardedState(", ".join(baked[:3]))
     inference = [(name, tensor) for name, tensor in read if tensor.is_inference()]
-    if any(_lifted(name) for name, _ in inference):
-        held = _tensors_in([function, *leaves, *(container for container, _ in module.trace.shared),
-                            *(called.values() if called else [])])
-        baked = [name for name, tensor in inference if _lifted(name) and id(tensor) in held]
-        if baked:
-            raise ReadsUnguardedState(", ".join(baked[:3]))
     layout = module.trace.output_layout
     draws_outside_torch = _random_drawn_outside_torch(random_before)
     devices = {tensor.device for tensor in tensors} or {torch.device("cpu")}
@@ -290,7 +294,8 @@ def trace_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, ro
                  roots=roots, read=read, guard=guard, built_from=before,
                  rebuild=None if layout.is_one_tensor() else layout.rebuild, output=layout,
                  reads_inference_weights=any(not _lifted(name) for name, _ in inference),
-                 draws_outside_torch=draws_outside_torch, guard_inputs=(reached, read, reads))
+                 draws_outside_torch=draws_outside_torch, guard_inputs=(reached, read, reads),
+                 made_by_the_call=frozenset(name for name, tensor in lifted if id(tensor) not in held))
 
 
 def _random_states_outside_torch() -> tuple:
