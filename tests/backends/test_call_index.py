@@ -220,3 +220,107 @@ def test_a_tensor_is_fingerprinted_by_its_bytes_once_per_version():
     record.tensors[0] = (frozen, "weight", None)
     with pytest.raises(call_index.NotPortable, match="inference"):
         call_index.fingerprint(record)
+
+
+class Config:  # a global class whose attribute a forward reads
+    scale = 1.0
+
+
+class Held:
+    def __init__(self, scale):
+        self.scale = scale
+
+
+class Twice(torch.nn.Module):
+    def forward(self, x):
+        return x[..., :] * 2
+
+
+class Variants(torch.nn.Module):
+    """A model whose state each case below changes in one place."""
+
+    settings = Held(2.0)  # a class attribute holding an object
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(6, 6)
+        self.inner = Twice()
+        self.extras = torch.nn.ModuleList([torch.nn.Identity()])
+        self.extras[0].gain = 1.0  # an attribute of a module that never runs, nor is a child of one that does
+        self.first, self.second = Held(1.0), Held(3.0)
+        self.chosen = self.first
+        self.table = {"a": 1.0, "b": 2.0}
+
+    def forward(self, x, y):
+        out = self.inner(self.linear(x) + y) * self.chosen.scale * type(self).settings.scale * Config.scale
+        for value in self.table.values():
+            out = out * 2 + value
+        return out * self.extras[0].gain
+
+
+def variant(change):
+    model = Variants().eval()
+    if change is not None:
+        change(model)
+    return model
+
+
+def prepared(model, x, y):
+    """The call index's name and record of `model`'s call, as a build that traces it makes them."""
+    from shapecache._backends import trace
+
+    function, args = Variants.forward, (model, x, y)
+    roots = guards.call_roots(args, {}, True, ("x", "y"))
+    tensors = (x, y)  # (the key's: one a position, aliased or not)
+    with _background.build_lock(), trace.dropping_tracing_leftovers():
+        traced = trace.trace_call(function, args, {}, tensors, roots, ("x", "y"), True)
+        return call_index.prepare(traced, function, args, {}, {"freezing": True})
+
+
+def patched_method(model):
+    class Thrice(torch.nn.Module):
+        def forward(self, x):
+            return x[..., :] * 3
+
+    model.inner.__class__ = Thrice
+
+
+def weights_through_data(model):
+    with torch.no_grad():
+        model.linear.weight.data.copy_(model.linear.weight.data * 2)  # (no version bump)
+
+
+def reordered_table(model):
+    model.table = {"b": 2.0, "a": 1.0}
+
+
+CHANGES = {
+    "a method's code (with an ellipsis)": patched_method,
+    "another object of the same class": lambda model: setattr(model, "chosen", model.second),
+    "a class attribute's object": lambda model: setattr(type(model), "settings", Held(5.0)),
+    "a global class's attribute": lambda model: setattr(Config, "scale", 4.0),
+    "a dict's order": reordered_table,
+    "a weight written through .data": weights_through_data,
+    "an attribute of a module that never runs": lambda model: setattr(model.extras[0], "gain", 2.0),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES), ids=list(CHANGES))
+def test_each_change_of_what_the_graph_was_traced_from_is_another_state(change, monkeypatch):
+    monkeypatch.setattr(Config, "scale", 1.0)
+    monkeypatch.setattr(Variants, "settings", Variants.settings)
+    x, y = torch.randn(2, 6), torch.randn(2, 6)
+    with torch.no_grad():
+        name, record = prepared(variant(None), x, y)
+        again = prepared(variant(None), x, y)
+        assert again == (name, record)  # an equal model in an equal state: its call is served from the record
+        changed = prepared(variant(CHANGES[change]), x, y)
+    assert changed is None or changed[1]["guard"] != record["guard"] or changed[0] != name
+
+
+def test_arguments_that_alias_are_another_call():
+    x, y = torch.randn(2, 6), torch.randn(2, 6)
+    with torch.no_grad():
+        apart, aliased = prepared(variant(None), x, y), prepared(variant(None), x, x)
+    assert apart[0] != aliased[0]

@@ -72,11 +72,14 @@ def _traced_and_compiled(function: Callable, args: tuple, kwargs: dict, tensors:
             traced = None  # (the error's traceback holds this frame)
             raise HasEffects(what)
         route = compilers.choose_route(traced, context.compile_options, in_background, name)
+        # Named as the trace ends, from the state it traced (a global changed during the compile
+        # is not in it); written once the package's key is known.
+        indexed = call_index.prepare(traced, function, args, kwargs, route.options) if route.store else None
         saved = SavedProgram(traced.program)
         try:
             compiled = compilers.compile_on(route, traced, saved, owner=function)
-            if compiled.key is not None:
-                call_index.write(route.store, compiled.key, traced, function, args, kwargs, route.options)
+            if compiled.key is not None and indexed is not None:
+                call_index.write(route.store, indexed, compiled.key)
             result = CompiledCall(compiled.run, traced.rebuild, traced.guard, traced.built_from, compiled.constants,
                                   compiled.constant_bytes, (*traced.graph.parameters(), *traced.graph.buffers()),
                                   traced.graph if without_effects else None)

@@ -152,14 +152,14 @@ class PackageStore:
         disk_cache.note_shared_package_loaded()
         return CompiledGraph(package, [], package.constant_bytes, package=str(found))
 
-    def sealed_copy(self, name: str, what: str) -> str | None:
+    def sealed_copy(self, name: str, what: str, max_bytes: int | None = None) -> str | None:
         """A copy, in a file of this process's own (the caller removes it), of the file `name` in
         the directory, where it can be trusted (package_trust.py: its directory and file only
         this process's user can write, or a seal under the deployment's secret) and is as it
         was sealed. The file is opened in the directory checked and copied from that
         descriptor: a file swapped in or rewritten meanwhile is never what is read. None where
         the directory has none, or it cannot be read (logged, `what` naming it). Raises Refused
-        where it cannot be trusted, is a link, or is not as sealed."""
+        where it cannot be trusted, is a link, is larger than `max_bytes`, or is not as sealed."""
         found = self.directory / name
         try:
             directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
@@ -185,8 +185,11 @@ class PackageStore:
             os.close(directory)
         copy = None
         try:
-            if (why := package_trust.untrusted_file(os.fstat(opened), self.secret)) is not None:
+            status = os.fstat(opened)
+            if (why := package_trust.untrusted_file(status, self.secret)) is not None:
                 raise Refused(why)
+            if max_bytes is not None and status.st_size > max_bytes:
+                raise Refused(f"it holds {status.st_size} bytes; at most {max_bytes} are read")
             copy = _private_copy(opened)
             with open(copy, "rb") as copied:
                 if (why := _unsealed(copied, self.secret)) is not None:
