@@ -28,7 +28,6 @@ import torch
 import shapecache._backends.compile
 import shapecache._backends.cuda_graph
 import shapecache._backends.eager  # noqa: F401  (each of the three registers its builders)
-from shapecache import _background
 from shapecache._backends import upgrade
 from shapecache._backends.compile_process import resident_bytes as compiler_resident_bytes
 from shapecache._backends.compilers import background_compiler
@@ -103,10 +102,7 @@ def make_builder(function: Callable, backend: str, context: BuildContext) -> Cal
                              "ran there, and what that build had half made (a module half imported, the compiler's "
                              "state) has no thread here to finish it; shapecache.wait on the parent's cached objects "
                              "before forking avoids it", run_call=handle.run_call)
-        # The collector's full collections (a build makes several) walk the build's own objects,
-        # not the whole process's: inline as on a worker, where this is left alone.
-        with _background.objects_before_frozen():
-            built = BUILDERS[chosen].build(function, args, kwargs, handle, context, backend)
+        built = BUILDERS[chosen].build(function, args, kwargs, handle, context, backend)
         if backend == "auto" and context.upgrade and built.failure == "":
             built = dataclasses.replace(built, upgrade=True)
         return built

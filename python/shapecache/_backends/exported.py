@@ -66,7 +66,10 @@ def compile_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, 
 
 def _traced_and_compiled(function: Callable, args: tuple, kwargs: dict, tensors: tuple, roots: dict, context,
                          in_background: bool, without_effects: bool, name: str) -> CompiledCall:
-    with dropping_tracing_leftovers():
+    # The collection that drops what the trace left walks the objects the build made, those
+    # from before frozen (as on a background worker, where this is left alone). The builder's
+    # own collection before it (compile._settle) walks them all: it frees what evictions left.
+    with _background.objects_before_frozen(), dropping_tracing_leftovers():
         traced = trace_call(function, args, kwargs, tensors, roots, context.parameter_names, context.has_owner)
         if without_effects and (what := traced.draws_outside_torch or effects(traced.program)):
             traced = None  # (the error's traceback holds this frame)
