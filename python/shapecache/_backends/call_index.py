@@ -3,10 +3,10 @@
 A package is found by its key (package_store.py), which hashes the traced program: a process
 must trace a call before it can look its package up. So a process that traced a call whose
 graph is a shared package also writes, beside the packages, a record of that call
-(``<call id>.call``): the package's key, the output's structure, and what the trace's guard
-was made of, by name (guards.record's inputs: the modules whose forward ran, by path in the
+(``<call id>.call``): the package's key, the output's structure, what the trace's guard was
+made of, by name (guards.record's inputs: the modules whose forward ran, by path in the
 call's module trees; the weights the graph reads, by name; the globals the code that ran
-reads, by module and name), with the fingerprint of that guard.
+reads, by module and name), and the fingerprint of the model's state (below).
 
 The call id names the call with nothing a trace learns: what every package key holds besides
 the program (package_store.setting: torch's version and build, the settings it compiles
@@ -138,13 +138,12 @@ def prepare(traced: Trace, function, args: tuple, kwargs: dict, options: dict) -
     at debug: it is traced there, as before). ``write`` writes it once its key is known."""
     try:
         weights = _Weights(_pytree.tree_leaves((args, kwargs)))
-        reached_ids, read, reads = traced.guard_inputs
         record = {"format": FORMAT, "output": _output(traced.output),
-                  "reached": _module_paths(reached_ids, traced.roots),
+                  "reached": _module_paths(traced.reached, traced.roots),
                   # (a constant the call made is the call's, which its id and code name)
-                  "read": [weights.name_of(name, tensor) for name, tensor in read
+                  "read": [weights.name_of(name, tensor) for name, tensor in traced.read
                            if name not in traced.made_by_the_call],
-                  "called": [_module_name(module_globals, module_reads) for module_globals, module_reads in reads]}
+                  "called": [_module_name(module_globals, module_reads) for module_globals, module_reads in traced.reads]}
         # The fingerprint of the guard the record's names make, as a reader makes it.
         _, read_again, reads_again = _resolved(record, traced.roots, weights)
         record["guard"] = fingerprint(guards.record(traced.roots, functions=[function], tensors=read_again,
@@ -173,9 +172,10 @@ def call_id(function, args: tuple, kwargs: dict, tensors: tuple, roots: dict, op
     before any trace (the module's docstring). Raises NotPortable."""
     leaves, spec = _pytree.tree_flatten((args, kwargs))
     root_path = {id(module): path for path, module in roots.items()}
+    named = _Fingerprint({})  # (nothing walked: the call's values by value)
     parts = [json.dumps({"format": FORMAT, "python": sys.version, "setting": package_store.setting(options),
                          "torch functions": _torch_functions()}, sort_keys=True, default=repr),
-             _Fingerprint({}).value(function)]
+             named.value(function)]
     try:
         parts.append(_pytree.treespec_dumps(spec))
     except Exception as error:  # noqa: BLE001  (pytree's failures for a type it cannot name share no base class)
@@ -191,7 +191,7 @@ def call_id(function, args: tuple, kwargs: dict, tensors: tuple, roots: dict, op
             parts.append(f"tensor {leaf.dtype} {tuple(leaf.shape)} {leaf.stride()} {leaf.storage_offset()} "
                          f"{leaf.device} {leaf.requires_grad} storage {storage}")
         else:
-            parts.append(_Fingerprint({}).value(leaf))
+            parts.append(named.value(leaf))
     parts.append(str(len(tensors)))
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 

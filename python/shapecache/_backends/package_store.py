@@ -196,7 +196,8 @@ class PackageStore:
                     raise Refused(why)
         except OSError as error:  # a file that cannot be read or copied (a full disk): a miss
             logger.warning("shapecache: the %s %s cannot be read (%s)", what, found, error)
-            copy = _removed(copy)
+            _removed(copy)
+            copy = None
         except BaseException:
             _removed(copy)
             raise
@@ -223,7 +224,7 @@ class PackageStore:
 
 
 def _removed(path: str | None) -> None:
-    """Removes the file at `path`, where there is one (returns None: what is left of it)."""
+    """Removes the file at `path`, where there is one."""
     if path is not None:
         with contextlib.suppress(OSError):
             os.remove(path)

@@ -203,10 +203,11 @@ class Trace:
     # What random numbers the trace drew outside torch (_random_drawn_outside_torch), which
     # the graph holds as constants; "" for none.
     draws_outside_torch: str
-    # What `guard` was made of (guards.record's `reached`, `tensors` and `called`): the ids of
-    # the modules whose forward ran, the (name, tensor) pairs read, the (module globals, reads)
-    # of the code that ran. Another process makes the same guard from them (call_index.py).
-    guard_inputs: tuple
+    # What `guard` was made of besides `read` (guards.record's `reached` and `called`): the ids
+    # of the modules whose forward ran, the (module globals, reads) of the code that ran.
+    # Another process makes the same guard from them, by name (call_index.py).
+    reached: set
+    reads: list
     # The names of the constants the traced call made (an int timestep's tensor): lifted into
     # the graph (_lifted), held by nothing of the model's; the call's arguments and code make
     # them again.
@@ -294,7 +295,7 @@ def trace_call(function: Callable, args: tuple, kwargs: dict, tensors: tuple, ro
                  roots=roots, read=read, guard=guard, built_from=before,
                  rebuild=None if layout.is_one_tensor() else layout.rebuild, output=layout,
                  reads_inference_weights=any(not _lifted(name) for name, _ in inference),
-                 draws_outside_torch=draws_outside_torch, guard_inputs=(reached, read, reads),
+                 draws_outside_torch=draws_outside_torch, reached=reached, reads=reads,
                  made_by_the_call=frozenset(name for name, tensor in lifted if id(tensor) not in held))
 
 
