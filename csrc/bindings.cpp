@@ -21,6 +21,7 @@
 #include "cache/call_modes.h"
 #include "cache/call_scope.h"
 #include "cache/compiled_graph_runner.h"
+#include "cache/entries_released.h"
 #include "cache/entry_runner.h"
 #include "cache/shape_cache.h"
 #include "cache/shape_dispatcher.h"
@@ -223,6 +224,8 @@ void bind_cache(py::module_& m) {
         py::arg("function"), py::arg("args"), py::arg("kwargs"),
         "function(*args, **kwargs), counted as a run of user code (trace_gate.h): what a builder runs of the "
         "user's code goes through here, as the cache's own runs do.");
+  m.def("entries_released", &entries_released,
+        "How many entries (and built results never inserted) the process has let go of (entries_released.h).");
   m.def("devices_with_ready_builds", [] { return device_list(BuildQueue::instance().ready_devices()); },
         "The devices whose workers have builds that may start.");
   m.def("make_all_builds_ready", [] { return device_list(BuildQueue::instance().make_all_ready()); },

@@ -20,6 +20,7 @@
 #include <memory>
 #include <string>
 
+#include "cache/entries_released.h"
 #include "cache/entry_runner.h"
 #include "cache/state_guard.h"
 
@@ -47,6 +48,7 @@ struct BuiltEntry {
   bool started_stale = false;  // `built_from` no longer held: `guard` is that guard, and says what changed
   // The builder asks for the bucket's upgrade once the entry is in (miss_policy.h, Upgrade).
   bool upgrade = false;
+  ReleaseMark release_mark;  // counts one release where this is never inserted (entries_released.h)
 
   // Reads what a builder returned. Raises TypeError for an object that is not a BuiltEntry and
   // ValueError for one that names neither a runner nor a failure.

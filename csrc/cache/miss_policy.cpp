@@ -395,6 +395,7 @@ void MissPolicy::insert(const ShapeKey& key, const c10::Device& device, BuiltEnt
   entry.last_use = unix_seconds();
   entry.checked_after_first_run = built.ran_call;
   entry.wants_upgrade = built.upgrade && upgrade_tried_.count(key) == 0;
+  entry.release_mark = std::move(built.release_mark);
   const int64_t bytes = built.bytes;
   if (bytes >= 0) last_build_bytes_[device] = bytes;
 

@@ -28,6 +28,7 @@
 
 #include "core/budgeted_lru.h"
 #include "core/shape_key.h"
+#include "cache/entries_released.h"
 #include "cache/entry_runner.h"
 
 namespace shapecache {
@@ -57,6 +58,7 @@ struct Entry {
   bool checked_after_first_run = true;
   // Its builder asked for an upgrade, not yet queued (miss_policy.h, Upgrade).
   bool wants_upgrade = false;
+  ReleaseMark release_mark{false};  // its build's (entries_released.h), moved in by MissPolicy::insert
 
   // After the runner was found stale: what changed.
   std::string changed() const {

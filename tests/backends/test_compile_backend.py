@@ -430,7 +430,7 @@ def test_a_call_torch_export_cannot_capture_is_compiled_by_dynamo_with_a_warning
 
 @pytest.mark.skipif(__import__("gc").get_freeze_count() != 0, reason="objects are frozen already (CPython 3.12.1 "
                     "freezes its own): builds leave the collector alone")
-def test_an_inline_builds_trace_leftovers_are_collected_with_the_objects_from_before_it_frozen():
+def test_an_inline_build_collects_every_object_only_after_entries_were_let_go_and_its_trace_leftovers_frozen():
     import gc
 
     frozen_at_full_collections = []
@@ -443,15 +443,28 @@ def test_an_inline_builds_trace_leftovers_are_collected_with_the_objects_from_be
     def f(x):
         return torch.nn.functional.gelu(x) * 3
 
-    x = torch.randn(4, 5)
-    gc.callbacks.append(seen)
-    try:
-        torch.testing.assert_close(f(x), torch.nn.functional.gelu(x) * 3)
-    finally:
-        gc.callbacks.remove(seen)
-    assert sc.stats(f)["entries"][0]["backend"] == "compile"
-    # The collection that drops what the trace left (trace.dropping_tracing_leftovers), the
-    # build's last, walked the build's own objects, those from before frozen; the one before
-    # the build walked them all (it frees what evictions left); all are unfrozen after it.
-    assert frozen_at_full_collections[0] == 0 and frozen_at_full_collections[-1] > 10_000
+    def built_seeing_collections(x):
+        frozen_at_full_collections.clear()
+        gc.callbacks.append(seen)
+        enabled = gc.isenabled()
+        gc.disable()  # the collections the build makes, none of the interpreter's own
+        try:
+            torch.testing.assert_close(f(x), torch.nn.functional.gelu(x) * 3)
+        finally:
+            gc.callbacks.remove(seen)
+            if enabled:
+                gc.enable()
+        return list(frozen_at_full_collections)
+
+    built_seeing_collections(torch.randn(4, 5))
+    # Nothing let go since that build's collection: the next walks the build's own objects only.
+    later = built_seeing_collections(torch.randn(4, 6))
+    assert later and min(later) > 10_000
+    sc.clear(f)  # its two entries let go: their graphs' cycles wait for a full collection
+    # The collection before the build walks every object (it frees what the entries left);
+    # the one that drops what the trace left (trace.dropping_tracing_leftovers), the build's
+    # last, walks the build's own objects, those from before frozen.
+    after_release = built_seeing_collections(torch.randn(4, 5))
+    assert after_release[0] == 0 and after_release[-1] > 10_000
+    assert [e["backend"] for e in sc.stats(f)["entries"]] == ["compile"]
     assert gc.get_freeze_count() == 0

@@ -160,3 +160,44 @@ def test_an_entry_that_raises_on_a_hit_is_one_fallback_and_its_bucket_runs_uncac
     assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
     stats = f.stats()
     assert (stats["fallbacks"], stats["uncached_calls"], stats["entries"], len(runs)) == (1, 1, [], 2)
+
+
+def test_entries_released_counts_each_entry_let_go_once_and_nothing_for_builds_and_hits():
+    # What a build reads to decide whether a full garbage collection can free anything
+    # (compile.free_what_entries_left). The interpreter's collector is held off, so that no
+    # other test's cache ends meanwhile.
+    import gc
+
+    def graph(*tensors):
+        return [tensors[0] * 2]
+
+    def failing(*tensors):
+        raise RuntimeError("a kernel that cannot run")
+
+    def builder(args, kwargs, handle):
+        fails = args[0].shape[0] == 7
+        return BuiltEntry(None, 400, graph=failing if fails else graph, backend="compile", ran_call=False)
+
+    cache = _C.ShapeCache(lambda device: 1000, None)  # two entries of 400 bytes fit, not three
+    f = _C.ShapeDispatcher(lambda x: x * 2, builder, cache, [], ["x"], None, False)
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        start = _C.entries_released()
+        for n in (1, 2, 1, 2):  # two builds, two hits
+            assert torch.equal(f(torch.ones(n)), torch.full((n,), 2.0))
+        assert _C.entries_released() == start
+        f(torch.ones(3))  # the least recently used is evicted
+        assert len(f.stats()["entries"]) == 2 and f.stats()["evictions"] == 1
+        assert _C.entries_released() == start + 1
+        with pytest.warns(RuntimeWarning, match="its first run raised"):
+            # Room for it is made first (one more eviction); built, it is never inserted.
+            assert torch.equal(f(torch.ones(7)), torch.full((7,), 2.0))
+        assert f.stats()["evictions"] == 2 and _C.entries_released() == start + 3
+        held = len(f.stats()["entries"])
+        cache.clear()
+        assert held == 1 and _C.entries_released() == start + 4
+    finally:
+        if enabled:
+            gc.enable()

@@ -55,7 +55,7 @@ class CompiledBuilder(Builder):
         hooks = trace.hooks_a_graph_drops(function, args, roots, context.has_owner)
         if compilers.handles(context.compile_options) and not hooks:
             try:
-                _settle(device)  # what earlier evictions freed goes back to the system first
+                free_what_entries_left(device)  # what earlier evictions freed goes back to the system first
                 compiled = exported.compile_call(function, args, kwargs, handle.tensors, roots, context,
                                                  in_background=not run_call)
                 # What the trace left (its copies of the model, the exported program: cycles) was
@@ -161,6 +161,29 @@ def _settle(device) -> None:
     if device.type == "cpu":
         gc.collect()
         return_free_memory()
+
+
+# _C.entries_released() at the last full collection that walked every object (none frozen);
+# none was let go before the process's first build.
+_collected_at = [0]
+
+
+def free_what_entries_left(device) -> None:
+    """Before a CPU build: a full garbage collection where entries were let go since the last
+    (their compiled graphs hold reference cycles), and the heap's free pages back to the
+    system. Skipped where none was: a full collection walks every object of the process, a
+    tenth of a second or more with inductor loaded, and would be most of the build of a size
+    whose package is shared (call_index). A collection with objects frozen (a background build,
+    _background.objects_before_frozen) leaves theirs, so the count is not taken as collected."""
+    if device.type != "cpu":
+        return
+    released = _C.entries_released()
+    if released != _collected_at[0]:
+        walks_every_object = gc.get_freeze_count() == 0
+        gc.collect()
+        if walks_every_object:
+            _collected_at[0] = released  # read before collecting: a release during it is collected next time
+    return_free_memory()
 
 
 _warned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cached model or function -> reasons warned of

@@ -68,7 +68,7 @@ def _traced_and_compiled(function: Callable, args: tuple, kwargs: dict, tensors:
                          in_background: bool, without_effects: bool, name: str) -> CompiledCall:
     # The collection that drops what the trace left walks the objects the build made, those
     # from before frozen (as on a background worker, where this is left alone). The builder's
-    # own collection before it (compile._settle) walks them all: it frees what evictions left.
+    # own collection before it (compile.free_what_entries_left) walks them all: it frees what evictions left.
     with _background.objects_before_frozen(), dropping_tracing_leftovers():
         traced = trace_call(function, args, kwargs, tensors, roots, context.parameter_names, context.has_owner)
         if without_effects and (what := traced.draws_outside_torch or effects(traced.program)):
