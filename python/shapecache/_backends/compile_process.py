@@ -88,10 +88,10 @@ class Failed(Exception):
 class Package:
     """A loaded package: the graph over the call's tensors, and the bytes of its constants."""
 
-    def __init__(self, loaded, constant_bytes: int):
-        self._run = loaded.loader.run
+    def __init__(self, loader, constant_bytes: int):
+        self._run = loader.run
         self.constant_bytes = constant_bytes
-        self._loaded = loaded  # its library and constants live as long as this object
+        self._loader = loader  # its library and constants live as long as this object
 
     def __call__(self, *tensors):
         return self._run(tensors)
@@ -235,16 +235,31 @@ def load(package) -> Package:
         with zipfile.ZipFile(package) as archive:
             blobs = {os.path.basename(i.filename): i.file_size for i in archive.infolist()
                      if i.filename.endswith("_weights.blob")}
-        if not isinstance(package, str):
+        if isinstance(package, str):
+            loader = _package_loader(package)
+        else:
             package.seek(0)
-        # The loader extracts the package to a directory of its own, removed when it is freed,
-        # and reads the constants into memory: their file is removed at once (in a temporary
-        # directory on tmpfs, a second copy of the weights for the entry's life).
-        loaded = torch._inductor.aoti_load_package(package)
+            with tempfile.NamedTemporaryFile(suffix=".pt2") as copy:  # the loader reads a path
+                shutil.copyfileobj(package, copy)
+                copy.flush()
+                loader = _package_loader(copy.name)
     except Exception as error:  # noqa: BLE001  (zipfile's and the loader's failures share no base class)
         raise Failed(described(error)) from error
     _remove_extracted(blobs)
-    return Package(loaded, sum(blobs.values()))
+    return Package(loader, sum(blobs.values()))
+
+
+def _package_loader(path: str):
+    """AOTInductor's loader of the package at `path`, made as torch._inductor.aoti_load_package
+    makes it (model "model", not single-threaded, one runner, the current device; torch 2.11 and
+    2.13, torch/_inductor/package/package.py), less its comparison of the package's device
+    information with this machine's, which only warns, and which on the CPU compiles and runs
+    inductor's vector-instruction probes (cpu_vec_isa.pick_vec_isa: a second in a new process).
+    A package's key holds what that compares (package_store.setting, the host). The loader
+    extracts the package to a directory of its own, removed when it is freed, and reads the
+    constants into memory: their file is removed at once (_remove_extracted: in a temporary
+    directory on tmpfs, a second copy of the weights for the entry's life)."""
+    return torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
 
 
 STOPPED_LIMIT_S = 120.0  # how long the compiler's process may stay stopped before its build fails
@@ -715,9 +730,9 @@ def _compile(saved: str, package: str, options: dict, seconds: dict) -> None:
                            if node.op == "placeholder" and node.name in inputs)]
         # A crash here is the process's end (a signal); an error the model raises on zeros (a
         # value check, a division by an input) says nothing of the package.
-        loaded = torch._inductor.aoti_load_package(package)
+        loader = _package_loader(package)
         with contextlib.suppress(Exception):
-            loaded.loader.run(zeros)
+            loader.run(zeros)
         seconds["trial"] = time.perf_counter() - began - seconds["read"] - seconds["compile"]
 
 
