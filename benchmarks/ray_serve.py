@@ -359,8 +359,10 @@ def main(argv=None) -> int:
         if len(new_replica) == 2:
             print(f"\nshared directory against cold: {new_replica['cold']['served_all'] / new_replica['shared']['served_all']:.1f}x "
                   "faster to serve every hot size")
-    print(json.dumps({"runs": {f"{k}/{r}": v for (k, r), v in results.items()}, "new_replica": new_replica}),
-          file=sys.stderr)
+    runs = {f"{k}/{r}": {**v, "rehomed": None if v["rehomed"] is None else
+                         {f"{h}x{w}": s for (h, w), s in v["rehomed"].items()}}
+            for (k, r), v in results.items()}
+    print(json.dumps({"runs": runs, "new_replica": new_replica}, allow_nan=True), file=sys.stderr)
     for failure in failures:
         print(f"FAILED {failure}")
     return 1 if failures else 0
