@@ -3,7 +3,7 @@ new replica cold against one started from the shared directory.
 
     python benchmarks/ray_serve.py [--model res-convnet|unet] [--sizes 4] [--requests 60]
                                    [--streams uniform,zipf] [--routers default,affinity]
-                                   [--replicas 2] [--kill]
+                                   [--replicas 2] [--kill] [--build inline|background]
 
 One run on this machine, real Ray Serve (a local cluster of 2 CPUs; each replica 0.5 CPU and
 one torch thread; HTTP off, handles only). Two replicas of the model, cached with the compile
@@ -15,7 +15,7 @@ requests at `--sizes` sizes (uniform, then Zipf with exponent 1.1) is sent by 2 
 through a deployment handle, once per router, each run with its own empty cache directory.
 A replica runs one model call at a time (as a GPU does), so a request's build is its own.
 
-Prints per stream and router: the hit rate after warm-up (the requests that built nothing,
+Prints per stream and router: the hit rate after warm-up (the requests served by a hit,
 after the first 2 x sizes and the first request of every size, which all end first), p50/p99 latency at the client, builds and evictions, and per replica the
 cache's peak bytes against its budget and the process's peak resident memory. Then a third
 replica is started alone, once cold (no shared directory, an empty inductor cache) and once
@@ -28,7 +28,9 @@ With `--kill`, half-way through the measured requests the replica that served th
 them is killed (``ray.kill``; Serve starts a replacement), for both routers on the same
 stream; the tables then also give, for each size the killed replica served, the seconds from
 its first request after the kill to its first hit. `--replicas N` runs N replicas (default 2;
-3 with a kill leaves two while the replacement starts).
+3 with a kill leaves two while the replacement starts). `--build background` builds a size a
+replica does not hold in the background, serving its requests uncached meanwhile (they count
+as misses); the default, inline, makes the request wait for its build.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ CLIENTS = 2
 class ModelReplica(CachedReplica):
     size_keys = ("size",)
 
-    def __init__(self, model: str, budget: int, compile_variant: str):
+    def __init__(self, model: str, budget: int, compile_variant: str, build: str = "inline"):
         import torch
 
         import shapecache as sc
@@ -88,7 +90,8 @@ class ModelReplica(CachedReplica):
         else:
             network = build_model(model, torch.device("cpu"))
         self.call_lock = threading.Lock()  # one model call at a time, as on a GPU
-        super().__init__(sc.cached(network, backend="compile", budget=budget, compile_options=COMPILE_OPTIONS[compile_variant]))
+        super().__init__(sc.cached(network, backend="compile", budget=budget, build=build,
+                                   compile_options=COMPILE_OPTIONS[compile_variant]))
 
     def _run(self, size):
         latents = self.torch.ones(1, 4, size[0] // 8, size[1] // 8)
@@ -99,13 +102,13 @@ class ModelReplica(CachedReplica):
     def __call__(self, size):
         size = tuple(size)
         with self.call_lock:
-            misses = self.sc.stats(self.cached)["misses"]
             start = time.perf_counter()
-            with self.torch.inference_mode(), self.serving(size):
+            with self.torch.inference_mode(), self.serving(size) as served:
                 self._run(size)
             seconds = time.perf_counter() - start
             stats = self.sc.stats(self.cached)
-        return {"replica": serve.get_replica_context().replica_id.unique_id, "built": stats["misses"] > misses,
+        # Not a hit: built here, or (background builds) served uncached while its build waits or runs.
+        return {"replica": serve.get_replica_context().replica_id.unique_id, "built": served.outcome != "hit",
                 "seconds": seconds, "builds": stats["builds"], "evictions": stats["evictions"],
                 "peak_bytes": stats["peak_bytes"], "budget": stats["budget"],
                 "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
@@ -167,7 +170,7 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
     else:  # Ray's default router (power of two choices), the same replicas
         options["ray_actor_options"]["runtime_env"] = {"env_vars": shared.environment()}
         app = serve.deployment(ModelReplica, **options)
-    handle = serve.run(app.bind(args.model, args.budget, args.compile), name=f"{router}", route_prefix=None)
+    handle = serve.run(app.bind(args.model, args.budget, args.compile, args.build), name=f"{router}", route_prefix=None)
     time.sleep(3 * STATS_PERIOD_S)  # the replicas have published once before the traffic starts
     warmup = warmup_length(stream, args.warmup)
     published = None
@@ -232,7 +235,7 @@ def new_replica_run(label: str, args, shared: SharedDir | None, hot: list) -> di
                                                      "SHAPECACHE_TUNING_DB": os.path.join(empty, "tuning.json")}}
     app = deployment(ModelReplica, shared_dir=None if shared is None else shared.path, num_replicas=1,
                      max_ongoing_requests=4, ray_actor_options=actor_options)
-    handle = serve.run(app.bind(args.model, args.budget_all, args.compile), name=label, route_prefix=None)
+    handle = serve.run(app.bind(args.model, args.budget_all, args.compile, args.build), name=label, route_prefix=None)
     ready = time.perf_counter() - start
     try:
         replies = []
@@ -258,6 +261,9 @@ def main(argv=None) -> int:
     parser.add_argument("--compile", choices=tuple(COMPILE_OPTIONS), default="frozen",
                         help="frozen: inductor's freezing; frozen-no-prepack: without weight prepacking; plain: no "
                              "freezing (default %(default)s)")
+    parser.add_argument("--build", choices=("inline", "background"), default="inline",
+                        help="how a replica builds a size it does not hold: inline (the request waits) or background "
+                             "(served uncached meanwhile) (default %(default)s)")
     parser.add_argument("--sizes", type=int, default=4, choices=range(2, len(ALL_SIZES) + 1), metavar="M")
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--streams", default="uniform,zipf")
@@ -288,7 +294,7 @@ def main(argv=None) -> int:
                 shared = SharedDir(probe)
                 app = serve.deployment(ModelReplica, ray_actor_options={
                     "num_cpus": 0.5, "runtime_env": {"env_vars": shared.environment()}})
-                handle = serve.run(app.bind(args.model, None, args.compile), name="probe", route_prefix=None)
+                handle = serve.run(app.bind(args.model, None, args.compile, "inline"), name="probe", route_prefix=None)
                 entry = handle.remote(size=sizes[0]).result(timeout_s=900)["peak_bytes"]
                 serve.delete("probe")
             args.budget = int(entry * (len(sizes) // 2 + 0.5))
@@ -296,7 +302,7 @@ def main(argv=None) -> int:
         else:
             args.budget = args.budget_mib * MiB
             args.budget_all = args.budget * 2
-        print(f"{args.model} ({args.compile}), {len(sizes)} sizes, {args.requests} requests per stream from {CLIENTS} clients, "
+        print(f"{args.model} ({args.compile}, {args.build} builds), {len(sizes)} sizes, {args.requests} requests per stream from {CLIENTS} clients, "
               f"{args.replicas} replicas of 0.5 CPU and 1 torch thread, budget {fmt_bytes(args.budget)} each"
               f"{', the busiest killed half-way' if args.kill else ''} "
               f"(a third replica: {fmt_bytes(args.budget_all)})\n", flush=True)

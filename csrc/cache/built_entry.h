@@ -29,6 +29,9 @@ namespace shapecache {
 namespace py = pybind11;
 
 struct BuiltEntry {
+  // Counts one release where this is never inserted (entries_released.h). First, so destroyed
+  // last: after the runner and handle below are let go.
+  ReleaseMark release_mark;
   // Serves the bucket's later calls; null: nothing was built, `failure` says why, and the
   // bucket runs uncached until clear().
   std::shared_ptr<EntryRunner> runner;
@@ -48,7 +51,6 @@ struct BuiltEntry {
   bool started_stale = false;  // `built_from` no longer held: `guard` is that guard, and says what changed
   // The builder asks for the bucket's upgrade once the entry is in (miss_policy.h, Upgrade).
   bool upgrade = false;
-  ReleaseMark release_mark;  // counts one release where this is never inserted (entries_released.h)
 
   // Reads what a builder returned. Raises TypeError for an object that is not a BuiltEntry and
   // ValueError for one that names neither a runner nor a failure.

@@ -42,6 +42,9 @@ inline double unix_seconds() {
 
 // The compiled artifact of one bucket of one cached function.
 struct Entry {
+  // Its build's (entries_released.h), moved in by MissPolicy::insert. First, so destroyed last:
+  // the count moves once the entry's Python objects are let go, never before.
+  ReleaseMark release_mark{false};
   uint64_t id = 0;            // unique in the process: how Python names an entry it rebuilds
   std::shared_ptr<EntryRunner> runner;  // serves the bucket's calls (entry_runner.h)
   // What the builder returned as the runner (a callable, or a runner bound to Python): the
@@ -58,7 +61,6 @@ struct Entry {
   bool checked_after_first_run = true;
   // Its builder asked for an upgrade, not yet queued (miss_policy.h, Upgrade).
   bool wants_upgrade = false;
-  ReleaseMark release_mark{false};  // its build's (entries_released.h), moved in by MissPolicy::insert
 
   // After the runner was found stale: what changed.
   std::string changed() const {

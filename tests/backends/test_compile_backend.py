@@ -1,6 +1,7 @@
 """backend="compile": one torch.compile'd graph per bucket, none of them silently eager."""
 
 import threading
+import time
 import warnings
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import shapecache as sc
+from shapecache._extension import _C
 from shapecache.testing.models import SIZES
 
 pytestmark = pytest.mark.slow
@@ -456,6 +458,10 @@ def test_an_inline_build_collects_every_object_only_after_entries_were_let_go_an
                 gc.enable()
         return list(frozen_at_full_collections)
 
+    deadline = time.monotonic() + 120
+    while _C.pending_builds():  # an earlier test's background builds collect and let go of entries
+        assert time.monotonic() < deadline, "an earlier test's background builds did not end"
+        time.sleep(0.05)
     built_seeing_collections(torch.randn(4, 5))
     # Nothing let go since that build's collection: the next walks the build's own objects only.
     later = built_seeing_collections(torch.randn(4, 6))

@@ -17,6 +17,16 @@ def dispatcher(builder):
     return _C.ShapeDispatcher(lambda x: x * 2, builder, cache, [], ["x"], None, False)
 
 
+def no_background_builds(timeout: float = 120.0) -> None:
+    """Waits until no background build of any earlier test is waiting or running."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while _C.pending_builds():
+        assert time.monotonic() < deadline, "an earlier test's background builds did not end"
+        time.sleep(0.05)
+
+
 class Holder(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -180,6 +190,7 @@ def test_entries_released_counts_each_entry_let_go_once_and_nothing_for_builds_a
 
     cache = _C.ShapeCache(lambda device: 1000, None)  # two entries of 400 bytes fit, not three
     f = _C.ShapeDispatcher(lambda x: x * 2, builder, cache, [], ["x"], None, False)
+    no_background_builds()  # an earlier test's, which would let go of what it built meanwhile
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()

@@ -179,9 +179,11 @@ def free_what_entries_left(device) -> None:
         return
     released = _C.entries_released()
     if released != _collected_at[0]:
-        walks_every_object = gc.get_freeze_count() == 0
+        frozen_before = gc.get_freeze_count()
         gc.collect()
-        if walks_every_object:
+        # Taken as collected only where nothing was frozen before or after (a background build
+        # may freeze between the two steps, or while a callback of the collection runs).
+        if frozen_before == 0 and gc.get_freeze_count() == 0:
             _collected_at[0] = released  # read before collecting: a release during it is collected next time
     return_free_memory()
 

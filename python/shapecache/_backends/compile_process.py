@@ -228,21 +228,14 @@ def compile_saved(directory: str, options: dict, settings: CompileSettings | Non
     return package
 
 
-def load(package) -> Package:
-    """The package at `package` (a path, or a file open for reading, which the loader copies
-    before it reads it) loaded into this process. Raises Failed."""
+def load(path: str) -> Package:
+    """The package at `path` (a copy of its own: the sealed copy a store made, or a compile's
+    output) loaded into this process. Raises Failed."""
     try:
-        with zipfile.ZipFile(package) as archive:
+        with zipfile.ZipFile(path) as archive:
             blobs = {os.path.basename(i.filename): i.file_size for i in archive.infolist()
                      if i.filename.endswith("_weights.blob")}
-        if isinstance(package, str):
-            loader = _package_loader(package)
-        else:
-            package.seek(0)
-            with tempfile.NamedTemporaryFile(suffix=".pt2") as copy:  # the loader reads a path
-                shutil.copyfileobj(package, copy)
-                copy.flush()
-                loader = _package_loader(copy.name)
+        loader = _package_loader(path)
     except Exception as error:  # noqa: BLE001  (zipfile's and the loader's failures share no base class)
         raise Failed(described(error)) from error
     _remove_extracted(blobs)
