@@ -324,7 +324,10 @@ def main(argv=None) -> int:
                 print(f"  {kind:8} {router:9} done", flush=True)
         if affinity_dir is not None:
             hot = SharedDir(affinity_dir).hot_sizes(ModelReplica.sizes_file())
-            for label, shared in (("cold", None), ("shared", SharedDir(affinity_dir))):
+            if not hot:  # a third replica would measure nothing
+                failures.append("new replica: the affinity run recorded no hot size (none of its builds ended "
+                                "within the stream)")
+            for label, shared in (("cold", None), ("shared", SharedDir(affinity_dir))) if hot else ():
                 try:
                     new_replica[label] = new_replica_run(label, args, shared, hot)
                 except Exception as error:  # noqa: BLE001

@@ -317,6 +317,28 @@ def test_a_replica_started_after_others_prewarms_the_fleet_s_hot_sizes(tmp_path)
     assert len((tmp_path / NetReplica.sizes_file()).read_text().splitlines()) == 3
 
 
+def test_sizes_built_in_the_background_on_request_are_recorded_once_built_and_prewarmed_by_the_next(tmp_path):
+    first = BackgroundReplica(shared_dir=tmp_path, max_entries=4)
+    sizes_file = tmp_path / BackgroundReplica.sizes_file()
+    try:
+        for size in [(8, 8), (8, 12)]:
+            first(size=size)  # served uncached: its build is queued
+        assert not sizes_file.exists()  # nothing built yet
+        assert sc.wait(first.cached, timeout=60)
+        for size in [(8, 8), (8, 12), (8, 8)]:
+            first(size=size)  # served by the entries the background built
+        records = [json.loads(line)["size"] for line in sizes_file.read_text().splitlines()]
+        assert records == [[8, 8], [8, 12]]  # each once, when its first call used what was built for it
+        second = BackgroundReplica(shared_dir=tmp_path, max_entries=4)
+        try:
+            assert second.wait_prewarmed(60)
+            assert set(second.prewarmed) == {(8, 8), (8, 12)} and held(second) == {(8, 8), (8, 12)}
+        finally:
+            sc.uncached(second.cached)
+    finally:
+        sc.uncached(first.cached)
+
+
 def test_prewarm_stops_when_the_budget_is_full_and_keeps_to_the_limit(tmp_path):
     SharedDir(tmp_path).record_sizes([(8, 8), (8, 12), (12, 8), (16, 16), (16, 16)], NetReplica.sizes_file())
     full = NetReplica(shared_dir=tmp_path, max_entries=2, prewarm="inline")

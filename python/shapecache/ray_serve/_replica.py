@@ -191,12 +191,14 @@ class CachedReplica:
         warming = getattr(self.__warming, "on", False)
         served = Served(size, self.replica_id())
         start = time.perf_counter()
-        with self.__using(size, serving=not warming) as (built, used):
+        with self.__using(size, serving=not warming) as (built, used, awaited):
             yield served
         served.seconds = time.perf_counter() - start
         served.outcome = "built" if built else "hit" if used else "uncached"
         logger.debug("shapecache: %s", served)
-        if built and self.shared_dir is not None and not warming:
+        # Built on request: here, or in the background for an earlier call of the size (its
+        # first call served by the entries that build made).
+        if (built or awaited) and self.shared_dir is not None and not warming:
             try:
                 self.shared_dir.record_sizes([size], self.__sizes_file)
             except OSError as error:  # the request was served: a record it could not write costs a warning
@@ -326,8 +328,9 @@ class CachedReplica:
     @contextlib.contextmanager
     def __using(self, size: tuple, serving: bool = True):
         """Marks `size` as being served (where `serving`); afterwards, records the entries the
-        call used. Yields two lists, true afterwards where the calls built an entry and where
-        they used one."""
+        call used. Yields three lists, true afterwards where the calls built an entry, where
+        they used one, and where they used the entries of the size's background build that an
+        earlier served call queued."""
         with self.__lock:  # first: the size is held from the moment its call starts
             builds = size not in self.__entries_of
             if serving:
@@ -336,11 +339,12 @@ class CachedReplica:
                 self.__building[size] += 1
         built: list = []
         used: list = []
+        awaited: list = []
         served = entries_served()  # what the calls on this thread serve: no scan of every entry
         failed = True
         try:
             with served:
-                yield built, used
+                yield built, used, awaited
             failed = False
         finally:
             built.extend(served.built)
@@ -357,7 +361,8 @@ class CachedReplica:
                         del self.__building[size]
                 if used:
                     self.__entries_of[size] = used
-                    self.__awaiting.pop(size, None)
+                    if self.__awaiting.pop(size, None) is not None and serving:
+                        awaited.append(size)
                 elif serving and not failed and self.__builds_in_background:  # ran uncached: its build is queued
                     self.__awaiting[size] = time.monotonic()
 
@@ -374,7 +379,7 @@ class CachedReplica:
                                 len(self.prewarmed), len(sizes))
                     break
                 try:
-                    with self.__using(size, serving=False) as (built, used):  # held, and published, once built
+                    with self.__using(size, serving=False) as (built, used, _):  # held, and published, once built
                         self.warm_up(size)
                     if not (built or used):  # its builds were queued in the background: once they end, a
                         # second warm-up is served by its entries, which it notes as the size's
