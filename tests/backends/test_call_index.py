@@ -165,6 +165,15 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def test_with_a_deployment_secret_that_cannot_be_used_no_record_is_read(published, monkeypatch, tmp_path):
+    # Owner-trusted records and packages are shared only where no secret is set: one that is
+    # set but unusable (unreadable, too short, readable by others) shares nothing.
+    net, x, directory = published
+    assert indexed(net.Net(), x)
+    monkeypatch.setenv("SHAPECACHE_SHARED_SECRET_FILE", str(tmp_path / "missing"))
+    assert not indexed(net.Net(), x)
+
+
 def test_another_process_serves_the_call_without_a_trace(tmp_path):
     (tmp_path / "indexed_net.py").write_text(MODEL)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),

@@ -158,9 +158,13 @@ class PackageStore:
         this process's user can write, or a seal under the deployment's secret) and is as it
         was sealed. The file is opened in the directory checked and copied from that
         descriptor: a file swapped in or rewritten meanwhile is never what is read. None where
-        the directory has none, or it cannot be read (logged, `what` naming it). Raises Refused
+        the directory has none, or it cannot be read (logged, `what` naming it), and for every file
+        where the deployment's secret is set but cannot be used (logged once). Raises Refused
         where it cannot be trusted, is a link, is larger than `max_bytes`, or is not as sealed."""
         found = self.directory / name
+        if self.unusable:  # the deployment's secret cannot be used: nothing is shared, records neither
+            _warn_once(self.directory, "read", f"the shared packages in {self.directory} are not read: {self.unusable}")
+            return None
         try:
             directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
         except FileNotFoundError:
