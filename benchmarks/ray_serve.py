@@ -327,11 +327,12 @@ def main(argv=None) -> int:
             if not hot:  # a third replica would measure nothing
                 failures.append("new replica: the affinity run recorded no hot size (none of its builds ended "
                                 "within the stream)")
-            for label, shared in (("cold", None), ("shared", SharedDir(affinity_dir))) if hot else ():
-                try:
-                    new_replica[label] = new_replica_run(label, args, shared, hot)
-                except Exception as error:  # noqa: BLE001
-                    failures.append(f"new replica {label}: {type(error).__name__}: {error}")
+            else:
+                for label, shared in (("cold", None), ("shared", SharedDir(affinity_dir))):
+                    try:
+                        new_replica[label] = new_replica_run(label, args, shared, hot)
+                    except Exception as error:  # noqa: BLE001
+                        failures.append(f"new replica {label}: {type(error).__name__}: {error}")
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -371,7 +372,7 @@ def main(argv=None) -> int:
     runs = {f"{k}/{r}": {**v, "rehomed": None if v["rehomed"] is None else
                          {f"{h}x{w}": s for (h, w), s in v["rehomed"].items()}}
             for (k, r), v in results.items()}
-    print(json.dumps({"runs": runs, "new_replica": new_replica}, allow_nan=True), file=sys.stderr)
+    print(json.dumps({"runs": runs, "new_replica": new_replica}), file=sys.stderr)
     for failure in failures:
         print(f"FAILED {failure}")
     return 1 if failures else 0

@@ -50,7 +50,6 @@ output structure only of types whose reading imports nothing.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import functools
@@ -570,8 +569,7 @@ def _read(store: package_store.PackageStore, name: str) -> dict | None:
                        entry.described(error))
         return None
     finally:
-        with contextlib.suppress(OSError):
-            os.remove(copy)
+        package_store.removed(copy)
 
 
 def _no_constant(name: str):
@@ -620,5 +618,4 @@ def _place(store: package_store.PackageStore, name: str, payload: bytes) -> None
     except (OSError, ValueError) as error:
         logger.warning("shapecache: the call index could not be written to %s (%s)", store.directory, error)
     finally:
-        with contextlib.suppress(OSError):
-            os.remove(source)
+        package_store.removed(source)

@@ -147,8 +147,7 @@ class PackageStore:
             _unloadable.add(key)
             return None
         finally:
-            with contextlib.suppress(OSError):
-                os.remove(copy)
+            removed(copy)
         disk_cache.note_shared_package_loaded()
         return CompiledGraph(package, [], package.constant_bytes, package=str(found))
 
@@ -200,10 +199,10 @@ class PackageStore:
                     raise Refused(why)
         except OSError as error:  # a file that cannot be read or copied (a full disk): a miss
             logger.warning("shapecache: the %s %s cannot be read (%s)", what, found, error)
-            _removed(copy)
+            removed(copy)
             copy = None
         except BaseException:
-            _removed(copy)
+            removed(copy)
             raise
         finally:
             os.close(opened)
@@ -227,7 +226,7 @@ class PackageStore:
             _background.publish_later(torch.device("cpu"), _Publication(saved.hand_over(), key, options, self, owner))
 
 
-def _removed(path: str | None) -> None:
+def removed(path: str | None) -> None:
     """Removes the file at `path`, where there is one."""
     if path is not None:
         with contextlib.suppress(OSError):
