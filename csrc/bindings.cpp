@@ -191,6 +191,8 @@ void bind_cache(py::module_& m) {
                           "All a builder may do to its cache (csrc/cache/build_handle.h).")
       .def("set_shared_bytes", &BuildHandle::set_shared_bytes, py::arg("pool") = py::none(),
            py::arg("workspace") = py::none())
+      .def("set_shared_bytes_if_free", &BuildHandle::set_shared_bytes_if_free, py::arg("pool") = py::none(),
+           py::arg("workspace") = py::none(), py::arg("bytes") = 0)
       .def("could_fit", &BuildHandle::could_fit, py::arg("bytes"), py::arg("shared_bytes") = py::none())
       .def("entries", &BuildHandle::entries)
       .def("erase_entry", &BuildHandle::erase_entry, py::arg("id"))

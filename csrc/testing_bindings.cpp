@@ -198,6 +198,7 @@ void bind_testing(py::module_& m) {
       .def("pin_count", &IntLru::pin_count)
       .def("could_fit", &IntLru::could_fit)
       .def("fits_in_place", &IntLru::fits_in_place, py::arg("key"), py::arg("bytes"))
+      .def("fits_free_with_shared", &IntLru::fits_free_with_shared, py::arg("bytes"), py::arg("shared_bytes"))
       .def(
           "make_room_for", [](IntLru& lru, int64_t bytes) { return evicted_keys(lru.make_room_for(bytes)); },
           py::arg("bytes"))

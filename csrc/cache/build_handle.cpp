@@ -24,6 +24,14 @@ void BuildHandle::set_shared_bytes(std::optional<int64_t> pool, std::optional<in
   auto evicted = cache_->set_shared_bytes(device_, bytes);
 }
 
+bool BuildHandle::set_shared_bytes_if_free(std::optional<int64_t> pool, std::optional<int64_t> workspace,
+                                           int64_t bytes) {
+  SharedBytes shared = cache_->shared_bytes(device_);
+  if (pool) shared.pool = *pool;
+  if (workspace) shared.workspace = *workspace;
+  return cache_->set_shared_bytes_if_free(device_, shared, bytes);
+}
+
 py::list BuildHandle::set_entry_bytes(uint64_t id, int64_t bytes) {
   py::list ids;  // what left the cache; the entries themselves are destroyed on return
   for (const auto& gone : cache_->set_entry_bytes(device_, id, bytes)) ids.append(gone.value.id);

@@ -40,6 +40,10 @@ class BuildHandle {
 
   // Charges the device's shared bytes; a figure not given stays as it is. May evict.
   void set_shared_bytes(std::optional<int64_t> pool, std::optional<int64_t> workspace);
+  // The same where they and an entry of `bytes` fit in the room the budget has free now,
+  // without evicting anything (an upgrade's graph: miss_policy.h, Upgrade); else charges
+  // nothing. Returns whether it charged them.
+  bool set_shared_bytes_if_free(std::optional<int64_t> pool, std::optional<int64_t> workspace, int64_t bytes);
   // Whether an entry of `bytes` fits the device's budget, after evictions; with the shared
   // bytes at `shared_bytes` where given (measured, not yet charged).
   bool could_fit(int64_t bytes, std::optional<int64_t> shared_bytes) {

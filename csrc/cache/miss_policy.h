@@ -39,7 +39,9 @@
 //     clear() or in a forked child, is asked for again by the next hit). Upgrades take at most half the queue (a first build
 //     always has room); one that finds no room is asked for again by the next hit. Its builder
 //     is given the entry as it is (BuildHandle.upgrading), compiles the bucket and measures
-//     both forms (python/shapecache/_backends/upgrade.py). Meanwhile the entry serves the
+//     the forms (python/shapecache/_backends/upgrade.py; on CUDA the compiled graph captured
+//     too, whose growth of the pool it charges only where the pool and the new form fit in the
+//     budget's free room: BuildHandle::set_shared_bytes_if_free). Meanwhile the entry serves the
 //     bucket's calls, and the bucket is marked as building (one build per bucket: were the
 //     entry evicted, its calls run uncached until the upgrade ends). What it returns replaces
 //     the entry in place (its pins and recency kept: an upgrade is not a use; a call running

@@ -140,14 +140,32 @@ std::optional<EntryLru::Evicted> ShapeCache::erase_entry(const c10::Device& devi
   return lru(device).erase(*key);
 }
 
-std::vector<EntryLru::Evicted> ShapeCache::set_shared_bytes(const c10::Device& device, SharedBytes bytes) {
+namespace {
+
+void check_shared_bytes(const SharedBytes& bytes) {
   if (bytes.pool < 0 || bytes.workspace < 0) {
     throw py::value_error("shared bytes must be >= 0, got pool=" + std::to_string(bytes.pool) +
                           " workspace=" + std::to_string(bytes.workspace));
   }
+}
+
+}  // namespace
+
+std::vector<EntryLru::Evicted> ShapeCache::set_shared_bytes(const c10::Device& device, SharedBytes bytes) {
+  check_shared_bytes(bytes);
   EntryLru& entries = lru(device);
   devices_.at(device).shared = bytes;
   return entries.set_shared_bytes(bytes.pool + bytes.workspace);
+}
+
+bool ShapeCache::set_shared_bytes_if_free(const c10::Device& device, SharedBytes bytes, int64_t more_bytes) {
+  check_shared_bytes(bytes);
+  if (more_bytes < 0) throw py::value_error("bytes must be >= 0, got " + std::to_string(more_bytes));
+  EntryLru& entries = lru(device);
+  if (!entries.fits_free_with_shared(more_bytes, bytes.pool + bytes.workspace)) return false;
+  devices_.at(device).shared = bytes;
+  auto evicted = entries.set_shared_bytes(bytes.pool + bytes.workspace);  // within the budget: evicts nothing
+  return true;
 }
 
 namespace {

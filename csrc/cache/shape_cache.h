@@ -121,6 +121,9 @@ class ShapeCache : public std::enable_shared_from_this<ShapeCache> {
 
   // Charges the shared bytes of a device against its budget; may evict.
   std::vector<EntryLru::Evicted> set_shared_bytes(const c10::Device& device, SharedBytes bytes);
+  // Charges them only where they and `bytes` more fit in the room the budget has free now
+  // (EntryLru::fits_free_with_shared): never evicts. Returns whether it charged them.
+  bool set_shared_bytes_if_free(const c10::Device& device, SharedBytes bytes, int64_t more_bytes);
 
   // Marks `key` as being built on `device`; false when another call is building it.
   bool begin_build(const c10::Device& device, const ShapeKey& key) {

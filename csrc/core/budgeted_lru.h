@@ -139,6 +139,12 @@ class BudgetedLru {
   bool could_fit_with_shared(int64_t bytes, int64_t shared_bytes) const {
     return fits_after_evicting_all_unpinned(bytes, 1, shared_bytes);
   }
+  // Whether `bytes` more fit in the room the budget has free now, without evicting anything,
+  // were the shared bytes `shared_bytes`: what an upgrade's CUDA graph asks before its capture's
+  // growth of the pool is charged (an upgrade never evicts).
+  bool fits_free_with_shared(int64_t bytes, int64_t shared_bytes) const {
+    return bytes <= budget_bytes_ - shared_bytes - entry_bytes_;
+  }
 
   // New limits; evicts least recently used unpinned entries until they hold (as far as
   // unpinned entries allow).

@@ -293,3 +293,15 @@ def test_an_entry_fits_in_place_only_in_the_room_free_now():
     assert lru.peek(1) == 1 and lru.peek(3) is None
     assert lru.keys() == [2, 1]  # a look is not a use
     assert lru.find(1) == 1 and lru.keys() == [1, 2]  # a find is
+
+
+def test_room_free_now_counts_shared_bytes_as_measured_and_never_evictions():
+    # What an upgrade's CUDA graph asks before its capture's growth of the pool is charged.
+    lru = _C._testing.IntLru(budget=100)
+    lru.insert(1, 1, 30)
+    lru.set_shared_bytes(10)
+    assert lru.fits_free_with_shared(50, 20)  # 30 + 20 + 50 = 100
+    assert not lru.fits_free_with_shared(51, 20)  # evicting 1 would make room, and is not counted
+    assert lru.fits_free_with_shared(0, 70) and not lru.fits_free_with_shared(0, 71)
+    assert _C._testing.IntLru(budget=None).fits_free_with_shared(2**62, 2**40)
+    assert lru.keys() == [1] and lru.total_bytes == 40  # asking changed nothing

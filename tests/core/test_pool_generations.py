@@ -467,7 +467,9 @@ class GraphDevice:
         """graph_pool.PoolLayer with this model in CUDA's place."""
         return graph_pool.PoolLayer(graphs_of=lambda r: isinstance(r, BucketGraph), recapture=self.recapture,
                                     release=self.release_memory, shared_bytes=lambda handle: self.pool_bytes(),
-                                    charge=self.charge, lock=lambda device: contextlib.nullcontext())
+                                    charge=self.charge, lock=lambda device: contextlib.nullcontext(),
+                                    charge_if_free=lambda handle, entry_bytes: handle.set_shared_bytes_if_free(
+                                        pool=self.pool_bytes(), bytes=entry_bytes))
 
     def build(self, args, kwargs, handle):  # _backends/cuda_graph.py's build, after the warm-up
         (x,) = args
@@ -695,5 +697,48 @@ def test_a_graph_that_does_not_pay_evicts_nothing_and_leaves_the_pool_as_it_foun
     assert sorted(r.size for _, r, _ in handle.entries() if isinstance(r, BucketGraph)) == graphs
     assert machine.device.cache.stats()["evictions"] == evictions
     assert machine.device.pool_bytes() == 160  # what its capture grew the shared pool by went back
+    machine.torch_never_asserts()
+    machine.every_live_graph_is_counted_in_its_generation()
+
+
+def _upgrade_graph(machine, size):
+    """An upgrade's capture of a bucket's compiled graph (upgrade.py), beside the cache's graphs:
+    captured into the shared pool, measured and not charged. Returns it and the pool before."""
+    pool_before = machine.device.pool_bytes()
+    runner = BucketGraph(machine.device, size)
+    runner.capture()
+    return runner, pool_before
+
+
+def test_an_upgrades_graph_that_fits_in_the_free_room_is_charged_with_the_pool_it_grew_and_evicts_nothing():
+    machine = PoolUnderBudget(outputs_per_size=0)  # the figures below are the temporaries'
+    machine.call(2)  # temporaries 80, inputs 20
+    handle = _C._testing.build_handle(machine.device.cache, CPU)
+    runner, pool_before = _upgrade_graph(machine, 4)  # temporaries 160: the pool grows to 240
+    layer = machine.device.layer()
+    assert graph_pool.keep_in_free_room(handle, runner, 40, pool_before, layer=layer) == 40  # 240 + 20 + 40 <= 400
+    stats = machine.device.cache.stats()
+    assert stats["devices"]["cpu"]["pool_bytes"] == 240 == machine.device.pool_bytes()
+    assert stats["evictions"] == 0 and stats["pool_rebuilds"] == 0
+    assert [r.size for _, r, _ in handle.entries()] == [2]
+    runner.release()
+    machine.torch_never_asserts()
+
+
+def test_an_upgrades_graph_without_free_room_evicts_nothing_and_leaves_the_pool_as_it_found_it():
+    machine = PoolUnderBudget(outputs_per_size=0)  # the figures below are the temporaries'
+    machine.call(4)  # temporaries 160, inputs 40
+    machine.call(3)  # 120, in the blocks the first left; inputs 30
+    handle = _C._testing.build_handle(machine.device.cache, CPU)
+    runner, pool_before = _upgrade_graph(machine, 6)  # 240 more: the pool holds 400, the budget
+    assert machine.device.pool_bytes() == 400
+    # Evicting 4 and 3 and rebuilding the pool would make room; an upgrade does neither.
+    with pytest.raises(graph_pool.NotKept):
+        graph_pool.keep_in_free_room(handle, runner, 60, pool_before, layer=machine.device.layer())
+    stats = machine.device.cache.stats()
+    assert stats["evictions"] == 0
+    assert sorted(r.size for _, r, _ in handle.entries() if isinstance(r, BucketGraph) and r.valid()) == [3, 4]
+    assert machine.device.pool_bytes() == 160 == stats["devices"]["cpu"]["pool_bytes"]  # rebuilt without it
+    assert not runner.valid()
     machine.torch_never_asserts()
     machine.every_live_graph_is_counted_in_its_generation()

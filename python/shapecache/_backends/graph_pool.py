@@ -158,12 +158,23 @@ class PoolLayer(NamedTuple):
     release: Callable  # handle -> frees what no graph holds, and charges the pool as it is then
     shared_bytes: Callable  # handle -> the device's pool and workspace bytes now
     charge: Callable  # handle -> charges the pool and workspace as they are now
+    # (handle, bytes) -> charges them as `charge` does where they and an entry of `bytes` fit
+    # in the budget's free room, evicting nothing; returns whether it charged them
+    charge_if_free: Callable
     lock: Callable  # device -> its capture lock, as a context manager
+
+
+def charge_shared_bytes_if_free(handle, entry_bytes: int) -> bool:
+    """`charge_shared_bytes` where the pool and workspace as they are now and an entry of
+    `entry_bytes` fit in the budget's free room (evicting nothing); whether it charged them."""
+    device = handle.device
+    return handle.set_shared_bytes_if_free(pool=_C.cuda_graph_pool_bytes(device),
+                                           workspace=_C.workspace_stats(device)["bytes"], bytes=entry_bytes)
 
 
 CUDA_LAYER = PoolLayer(graphs_of=is_graph, recapture=measured_recapture, release=release_device_memory,
                        shared_bytes=lambda handle: pool_and_workspace_bytes(handle.device),
-                       charge=charge_shared_bytes, lock=device_lock)
+                       charge=charge_shared_bytes, charge_if_free=charge_shared_bytes_if_free, lock=device_lock)
 
 
 class NotKept(Exception):
@@ -194,11 +205,7 @@ def keep_new_graph(handle, runner, entry_bytes: int, pool_before: int, *, pays: 
         except Exception as error:  # noqa: BLE001  (its timed replays: the call's result is computed already)
             paid, reason = False, f"its replay failed: {error!r}"
         if not paid:
-            runner.release()
-            # What its capture added to a pool other graphs share stays there (a pool shrinks
-            # only whole), where a charge would evict entries for it: rebuilt without it.
-            if not (layer.shared_bytes(handle) > pool_before and rebuild_without_new(handle, layer)):
-                layer.release(handle)
+            let_go_of_new(handle, runner, pool_before, layer)
             raise NotKept(reason)
     if not pool_over_budget(handle, entry_bytes, layer.shared_bytes(handle)):
         layer.charge(handle)
@@ -216,6 +223,30 @@ def keep_new_graph(handle, runner, entry_bytes: int, pool_before: int, *, pays: 
         layer.release(handle)
         rebuilt = layer.recapture(runner, handle, True)
     return rebuilt
+
+
+def keep_in_free_room(handle, runner, entry_bytes: int, pool_before: int, *, layer: PoolLayer = CUDA_LAYER) -> int:
+    """An upgrade's graph (upgrade.py), just captured into the pool, measured and chosen: kept
+    where it and what its capture added to the pool fit in the budget's free room, and the pool
+    charged then; else let go of (`let_go_of_new`) and NotKept raised. An upgrade never evicts
+    (csrc/cache/miss_policy.h, Upgrade), so unlike `keep_new_graph` nothing is rebuilt to make
+    room. The check counts the whole entry's bytes, not what it adds to the entry it replaces:
+    the cache checks that, once the entry is looked up again (BudgetedLru::fits_in_place)."""
+    if layer.charge_if_free(handle, entry_bytes):
+        return entry_bytes
+    let_go_of_new(handle, runner, pool_before, layer)
+    raise NotKept(None)
+
+
+def let_go_of_new(handle, runner, pool_before: int, layer: PoolLayer = CUDA_LAYER) -> None:
+    """Releases a new graph that is not kept and leaves the pool as it found it
+    (`pool_before`, its pool and workspace before the capture): what its capture added to a
+    pool other graphs share stays there (a pool shrinks only whole), where a charge would evict
+    entries for it, so the pool is rebuilt without it; where a graph of the device runs up the
+    stack it cannot be, and the pool is charged as it is."""
+    runner.release()
+    if not (layer.shared_bytes(handle) > pool_before and rebuild_without_new(handle, layer)):
+        layer.release(handle)
 
 
 def rebuild_without_new(handle, layer: PoolLayer = CUDA_LAYER) -> bool:
