@@ -60,6 +60,19 @@ def test_the_threshold_is_a_gain_of_three_percent():
     assert not upgrade.pays(1.0, 1.5)
 
 
+@pytest.mark.parametrize("entry, compiled, captured, chosen", [
+    (1.0, 0.9, None, "compiled"),
+    (1.0, 0.99, None, "entry"),  # under the threshold: the entry stays
+    (1.0, 0.9, 0.8, "captured"),  # pays against the compiled form
+    (1.0, 0.9, 0.89, "compiled"),  # faster, but not by the threshold: its pool blocks are not worth it
+    (1.0, 0.99, 0.96, "captured"),  # the compiled form does not pay; its capture does, against the entry
+    (1.0, 0.99, 0.98, "entry"),
+    (1.0, 1.2, 0.5, "captured"),  # the capture of a graph slower uncaptured (launch-bound)
+])
+def test_each_form_replaces_the_one_that_would_serve_only_where_it_pays(entry, compiled, captured, chosen):
+    assert upgrade.chosen_form(entry, compiled, captured) == chosen
+
+
 def test_a_bucket_is_served_at_once_then_by_its_compiled_graph_once_it_is_called_again():
     cached = sc.cached(chain, upgrade=True)
     x = torch.randn(256, 256)

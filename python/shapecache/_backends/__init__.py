@@ -74,9 +74,10 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def builds_in_background(backend: str, device: torch.device) -> bool:
     """Whether ``build="background"`` queues `backend`'s builds on `device` for a worker. A
-    CUDA graph is captured on the caller's thread, inline: the capture records the caller's
-    stream, and another thread's work on the device meanwhile would be captured into the graph
-    or break it (``cudaStreamCaptureModeGlobal``)."""
+    bucket's first CUDA graph is captured on the caller's thread, inline, after the warm-up
+    that computes the call's result (cuda_graph.py); only an upgrade captures on the worker
+    (upgrade.py). Every capture runs on the device's own stream in thread-local capture mode,
+    under the device's lock (csrc/cache/cuda/cuda_graph_runner.h)."""
     return resolve_backend(backend, device) not in GRAPH_BACKENDS
 
 

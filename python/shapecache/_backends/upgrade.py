@@ -20,16 +20,27 @@ differently from the plain call; Python's or numpy's, which a graph would hold a
 keeps its entry as it is (trace.effects, exported.compile_call). What the trace refuses (Python
 state written, hooks) is refused here too.
 
+On CUDA the compiled form is also captured as a CUDA graph into the device's pool, on the
+worker (the capture runs on the device's own stream, in thread-local capture mode, under the
+device's lock: csrc/cache/cuda/cuda_graph_runner.h), and three forms are measured: the entry,
+the compiled graph, and its capture. Each holds more than the one before it (the compiled
+graph's kernels; the capture's static inputs and pool blocks besides), and replaces it only
+where it pays (`chosen_form`). The captured form reads the weights at the addresses its capture
+saw, so its guard is the compiled form's (a weight replaced is a change, an update in place is
+read); it is kept only where it and what its capture added to the pool fit in the budget's free
+room (graph_pool.keep_in_free_room), and otherwise let go of, the pool left as it was.
+
 Where it runs: the compile on the worker thread, as any background build; the measurement on
 the worker too. On CUDA the compiled form's first run holds the device's capture lock (it
 autotunes inductor's kernels, which synchronises the device, and no capture may run beside
-that), and both forms are timed by CUDA events on the worker's own stream
+that), and the forms are timed by CUDA events on the worker's own stream
 (cuda_graph.warm_up_stream).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -38,6 +49,7 @@ from shapecache._backends import exported, graph_pool, guards, trace
 from shapecache._backends.compile import held_bytes, warn_once
 from shapecache._backends.cuda_graph import warm_up_stream
 from shapecache._backends.entry import BuildContext, BuiltEntry, described
+from shapecache._extension import _C
 from shapecache._host_memory import return_free_memory
 
 # The compiled form replaces the entry only where it takes at most 1/MIN_SPEEDUP of the entry's
@@ -55,9 +67,23 @@ COMPILE_OPTIONS = {"options": {"freezing": False}}
 
 
 def pays(entry_seconds: float, compiled_seconds: float) -> bool:
-    """Whether a compiled form taking `compiled_seconds` per call replaces an entry taking
-    `entry_seconds`."""
+    """Whether a form taking `compiled_seconds` per call replaces one taking `entry_seconds`
+    that holds less."""
     return compiled_seconds * MIN_SPEEDUP <= entry_seconds
+
+
+def chosen_form(entry_seconds: float, compiled_seconds: float, captured_seconds: float | None = None) -> str:
+    """Which form serves the bucket, of "entry" (it stays), "compiled" (inductor's graph) and
+    "captured" (that graph captured as a CUDA graph; None: there is none). Each holds more than
+    the one before it and is chosen only where it pays against the form that would serve
+    otherwise: the compiled form against the entry, the captured one against whichever of those
+    two is chosen."""
+    form, seconds = "entry", entry_seconds
+    if pays(entry_seconds, compiled_seconds):
+        form, seconds = "compiled", compiled_seconds
+    if captured_seconds is not None and pays(seconds, captured_seconds):
+        form = "captured"
+    return form
 
 
 def build(function, args: tuple, kwargs: dict, handle, context: BuildContext) -> BuiltEntry:
@@ -97,44 +123,108 @@ def build(function, args: tuple, kwargs: dict, handle, context: BuildContext) ->
     def run_compiled():
         return compiled.graph(*tensors)
 
-    try:
-        entry_seconds, compiled_seconds = _measure(run_entry, run_compiled, device)
-    except Exception as error:  # noqa: BLE001  (out of memory, oneDNN's primitive: never the cache's retry, which evicts)
-        return _refused(function, context, args, f"measuring it failed ({described(error)})")
-    if not pays(entry_seconds, compiled_seconds):
-        return _not_kept(f"{compiled_seconds * 1e3:.3g} ms per call against the entry's {entry_seconds * 1e3:.3g} ms "
-                         f"({backend}), under the {MIN_SPEEDUP}x it must gain")
     # Compiled without freezing, the graph is given the model's weights on every call: an
     # update in place (load_state_dict) is read as it is, and rebuilds nothing.
-    return BuiltEntry(runner=None, graph=compiled.graph, rebuild=compiled.rebuild,
-                      bytes=held_bytes(compiled.constants, device) + compiled.constant_bytes, backend="compile",
-                      guard=guards.read_where_they_are(compiled.guard, compiled.weights),
-                      built_from=compiled.built_from, ran_call=False)
+    guard = guards.read_where_they_are(compiled.guard, compiled.weights)
+    compiled_bytes = held_bytes(compiled.constants, device) + compiled.constant_bytes
+    captured = None
+    try:
+        _first_run(run_compiled, device)
+        if device.type == "cuda" and _C.has_cuda_graphs:
+            captured = _capture(compiled, handle, guard)
+        forms = {"entry": run_entry, "compiled": run_compiled}
+        if captured is not None:
+            forms["captured"] = lambda: captured.runner(*tensors)
+        seconds = _measure(forms, device)
+    except Exception as error:  # noqa: BLE001  (out of memory, oneDNN's primitive: never the cache's retry, which evicts)
+        if captured is not None:
+            graph_pool.let_go_of_new(handle, captured.runner, captured.pool_before)
+        return _refused(function, context, args, f"measuring it failed ({described(error)})")
+    form = chosen_form(seconds["entry"], seconds["compiled"], seconds.get("captured"))
+    if captured is not None and form == "captured":
+        entry = _kept_capture(captured, compiled, compiled_bytes, handle)
+        if entry is not None:
+            return entry
+        form = chosen_form(seconds["entry"], seconds["compiled"])
+    elif captured is not None:
+        graph_pool.let_go_of_new(handle, captured.runner, captured.pool_before)
+    if form == "entry":
+        return _not_kept(f"{seconds['compiled'] * 1e3:.3g} ms per call against the entry's "
+                         f"{seconds['entry'] * 1e3:.3g} ms ({backend}), under the {MIN_SPEEDUP}x it must gain")
+    return BuiltEntry(runner=None, graph=compiled.graph, rebuild=compiled.rebuild, bytes=compiled_bytes,
+                      backend="compile", guard=guard, built_from=compiled.built_from, ran_call=False)
 
 
-def _measure(run_entry, run_compiled, device: torch.device) -> tuple[float, float]:
-    """The best of REPEATS seconds per call of each form, the two taking turns (a burst of other
-    work meanwhile slows both), after one run of the compiled form (its first: lazy loading, and
-    on CUDA inductor's autotuning)."""
-    entry_times, compiled_times = [], []
+class _Capture(NamedTuple):
+    runner: object  # a _C.CudaGraphRunner
+    bytes: int  # its own: static inputs and the instantiated graph (graph_pool.measured_capture)
+    pool_before: int  # the device's pool and workspace before the capture
+
+
+def _capture(compiled: exported.CompiledCall, handle, guard: guards.GuardRecord) -> _Capture | None:
+    """The compiled form captured into the device's pool, measured and not charged; None where
+    it cannot be captured (the uncaptured form serves: a graph that synchronises, or copies to
+    the host, is no worse for it). Its first run is done, so nothing is autotuned or loaded
+    inside the capture."""
+    graph, rebuild = compiled.graph, compiled.rebuild
+
+    def call(*tensors):  # as CompiledGraphRunner runs the graph: the output in its structure
+        outputs = graph(*tensors)
+        return rebuild(outputs) if rebuild is not None else outputs[0]
+
+    tensors = tuple(handle.tensors)
+    pool_before = graph_pool.pool_and_workspace_bytes(handle.device)
+    try:
+        runner, entry_bytes = graph_pool.measured_capture(
+            lambda: _C.capture_cuda_graph(call, None, tensors, {}, tensors, _C.StateGuard(guard)), handle, charge=False)
+    except Exception:  # noqa: BLE001  (a failed capture is cleaned up in C++: csrc/core/pool_generations.h)
+        return None
+    return _Capture(runner, entry_bytes, pool_before)
+
+
+def _kept_capture(captured: _Capture, compiled: exported.CompiledCall, compiled_bytes: int, handle) -> BuiltEntry | None:
+    """The captured form's entry, where the model is as the build began (else the uncaptured form
+    serves, whose start state the cache checks: csrc/cache/built_entry.h) and it fits in the
+    budget's free room with what its capture added to the pool; else None, and the capture let
+    go of."""
+    entry_bytes = captured.bytes + compiled_bytes  # the runner holds the compiled graph, and with it its constants
+    if compiled.built_from is not None and not compiled.built_from.check():
+        graph_pool.let_go_of_new(handle, captured.runner, captured.pool_before)
+        return None
+    try:
+        graph_pool.keep_in_free_room(handle, captured.runner, entry_bytes, captured.pool_before)
+    except graph_pool.NotKept:
+        return None
+    return BuiltEntry(runner=None, bytes=entry_bytes, backend="compile+cuda_graph", entry_runner=captured.runner,
+                      ran_call=False)
+
+
+def _first_run(run_compiled, device: torch.device) -> None:
+    """The compiled form's first run: lazy loading, and on CUDA inductor's autotuning, which
+    synchronises the device and so runs under the device's lock (no capture may run beside it);
+    the lock holds other threads' captures and replays off for that run alone."""
     if device.type != "cuda":
         run_compiled()
-        for _ in range(REPEATS):
-            entry_times.append(_timing.seconds(run_entry, device))
-            compiled_times.append(_timing.seconds(run_compiled, device))
-        return min(entry_times), min(compiled_times)
+        return
     stream = warm_up_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
-    # The first run under the device's lock: inductor autotunes its kernels there, and its
-    # benchmarking synchronises the device, which must not happen beside a capture. The lock
-    # holds other threads' captures and replays off for that run alone; the timed runs need no
-    # lock (stream_seconds waits for its own stream only).
     with graph_pool.device_lock(device), torch.cuda.device(device), torch.cuda.stream(stream):
         run_compiled()
+
+
+def _measure(forms: dict, device: torch.device) -> dict:
+    """The best of REPEATS seconds per call of each of `forms` (name -> run), taking turns (a
+    burst of other work meanwhile slows them all); on CUDA by events on the worker's stream,
+    which need no lock (stream_seconds waits for its own stream only)."""
+    times = {name: [] for name in forms}
+    stream = warm_up_stream(device) if device.type == "cuda" else None
     for _ in range(REPEATS):
-        entry_times += _timing.stream_seconds(run_entry, stream, 1)
-        compiled_times += _timing.stream_seconds(run_compiled, stream, 1)
-    return min(entry_times), min(compiled_times)
+        for name, run in forms.items():
+            if stream is None:
+                times[name].append(_timing.seconds(run, device))
+            else:
+                times[name] += _timing.stream_seconds(run, stream, 1)
+    return {name: min(seconds) for name, seconds in times.items()}
 
 
 def _refused(function, context: BuildContext, args: tuple, why: str) -> BuiltEntry:
