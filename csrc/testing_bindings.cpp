@@ -22,6 +22,8 @@
 
 #include "cache/build_handle.h"
 #include "cache/call_modes.h"
+#include "cache/entry_runner.h"
+#include "cache/python_runner.h"
 #include "cache/call_key.h"
 #include "cache/shape_cache.h"
 #include "core/budgeted_lru.h"
@@ -170,9 +172,31 @@ void bind_pool_generations(py::module_& m) {
       });
 }
 
+// A runner released by another thread between a hit's valid() and its run, as a CUDA graph
+// may be by a pool rebuild (entry_runner.h, EntryReleased): runs `callable` as a PythonRunner
+// does until `released` is set, then throws EntryReleased.
+class ReleasedBeforeRun final : public EntryRunner {
+ public:
+  explicit ReleasedBeforeRun(py::object callable) : runner_(std::move(callable), nullptr) {}
+  py::object run(const Call& call) override {
+    if (released) throw EntryReleased();
+    return runner_.run(call);
+  }
+  bool valid() override { return true; }
+  std::string changed() const override { return std::string(); }
+  const std::shared_ptr<StateGuard>& guard() const override { return runner_.guard(); }
+  bool released = false;
+
+ private:
+  PythonRunner runner_;
+};
+
 }  // namespace
 
 void bind_testing(py::module_& m) {
+  py::class_<ReleasedBeforeRun, EntryRunner, std::shared_ptr<ReleasedBeforeRun>>(m, "ReleasedBeforeRun")
+      .def(py::init<py::object>(), py::arg("callable"))
+      .def_readwrite("released", &ReleasedBeforeRun::released);
   py::class_<IntLru>(m, "IntLru")
       .def(py::init([](std::optional<int64_t> budget, std::optional<int64_t> max_entries) {
              return std::make_unique<IntLru>(limit_from_python(budget), limit_from_python(max_entries));

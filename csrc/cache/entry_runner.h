@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 
 #include <memory>
+#include <stdexcept>
 #include <string>
 
 #include "cache/call.h"
@@ -15,6 +16,14 @@
 namespace shapecache {
 
 namespace py = pybind11;
+
+// Thrown by run() where the runner was released between the hit's valid() and its run (a
+// CUDA graph pool rebuilt by another thread, which may drop a graph once it saw it unpinned and
+// before the hit pinned it): the hit serves the call as the miss of a stale entry.
+class EntryReleased : public std::runtime_error {
+ public:
+  EntryReleased() : std::runtime_error("shapecache: the entry's runner was released before it ran") {}
+};
 
 class EntryRunner {
  public:

@@ -119,6 +119,9 @@ py::object ShapeDispatcher::call(const py::args& args, const py::kwargs& kwargs)
   py::object out;
   try {
     out = runner->run(call);
+  } catch (const EntryReleased&) {  // released by another thread's pool rebuild since valid()
+    pin.release();
+    return miss_.serve(call, /*stale=*/true);
   } catch (...) {
     const std::string failure = MissPolicy::failure_of_entry(eager);  // rethrows the call's own errors
     pin.release();

@@ -212,3 +212,26 @@ def test_entries_released_counts_each_entry_let_go_once_and_nothing_for_builds_a
     finally:
         if enabled:
             gc.enable()
+
+
+def test_an_entry_released_between_its_check_and_its_run_is_served_as_a_stale_miss_and_built_again():
+    # A CUDA graph released by another thread's pool rebuild while the hit waited for the
+    # device's lock (csrc/cache/entry_runner.h, EntryReleased): never run, never given up.
+    runners = []
+
+    def builder(args, kwargs, handle):
+        runners.append(_C._testing.ReleasedBeforeRun(lambda x: x * 2))
+        return BuiltEntry(None, 0, backend="compile", entry_runner=runners[-1], ran_call=False)
+
+    f = dispatcher(builder)
+    x = torch.arange(3.0)
+    assert torch.equal(f(x), x * 2) and torch.equal(f(x), x * 2)  # built, then a hit
+    assert len(runners) == 1
+    runners[0].released = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no bucket given up, no fallback warned of
+        assert torch.equal(f(x), x * 2)
+    assert len(runners) == 2  # built again
+    stats = f.stats()
+    assert stats["fallbacks"] == 0 and len(stats["entries"]) == 1
+    assert torch.equal(f(x), x * 2) and len(runners) == 2  # the new entry serves

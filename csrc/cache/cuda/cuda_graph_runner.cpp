@@ -402,6 +402,9 @@ py::object CudaGraphRunner::run(const Call& call) {
     // the graphs' stream too, and any reuse of their memory after the caller frees them is
     // queued on the caller's stream, after that wait.
     auto lock = lock_device(graphs);
+    // Checked again under the lock, which release() takes: another thread's pool rebuild may
+    // have released the graph while this call waited for the lock (the GIL let go meanwhile).
+    if (!graph_) throw EntryReleased();
     const c10::cuda::CUDAStream stream = graphs.stream();
     for (const at::Tensor& s : static_outputs_) outputs.push_back(at::empty_like(s));
     order_after(caller, stream, graphs.caller_done);
