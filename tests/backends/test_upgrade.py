@@ -73,6 +73,39 @@ def test_each_form_replaces_the_one_that_would_serve_only_where_it_pays(entry, c
     assert upgrade.chosen_form(entry, compiled, captured) == chosen
 
 
+def test_a_graph_is_captured_only_where_inductor_would_capture_it():
+    # inductor's own checks before a capture (compile_fx.py, cudagraphs on), on graphs traced as
+    # an upgrade traces them; the device the capture would run on is given.
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.linear(x).relu()
+
+    class DataDependent(torch.nn.Module):
+        def forward(self, x):
+            return torch.nonzero(x)  # its size is known only when it runs
+
+    x = torch.randn(2, 4)
+    plain = torch.export.export(Plain(), (x,)).module()
+    assert upgrade.graph_refusal(plain, torch.device("cpu")) == ""
+    assert "is on cpu" in upgrade.graph_refusal(plain, torch.device("cuda", 0))  # its work would run once, at capture
+    data_dependent = torch.export.export(DataDependent(), (x,)).module()
+    assert "nonzero" in upgrade.graph_refusal(data_dependent, torch.device("cpu"))
+
+
+def test_a_capture_on_the_worker_waits_for_a_torch_whose_captures_leave_other_threads_draws_alone():
+    from shapecache._backends import graph_pool
+
+    assert not graph_pool.captures_leave_other_threads_draws_alone("2.11.0+cu130")  # what GPU users run
+    assert not graph_pool.captures_leave_other_threads_draws_alone("2.12.1")
+    assert not graph_pool.captures_leave_other_threads_draws_alone("2.13.0a0+git1234")
+    assert graph_pool.captures_leave_other_threads_draws_alone("2.13.0+cu130")
+    assert graph_pool.captures_leave_other_threads_draws_alone("2.14.0.dev20261101")
+
+
 def test_a_bucket_is_served_at_once_then_by_its_compiled_graph_once_it_is_called_again():
     cached = sc.cached(chain, upgrade=True)
     x = torch.randn(256, 256)

@@ -66,6 +66,16 @@ def empty_allocator_caches(device) -> None:
             host_empty_cache()
 
 
+def captures_leave_other_threads_draws_alone(version: str | None = None) -> bool:
+    """Whether, with torch `version` (default: this one), a capture on one thread leaves another
+    thread's random draws from the device's default generator working: from 2.13, which keeps
+    the generator's capture state per capture. On 2.11 and 2.12 every capture registers that
+    generator and puts it in capture mode for every thread, whose draws then raise "Offset
+    increment outside graph capture" (csrc/core/pool_generations.h, A9; docs/gpu.md). A
+    pre-release of 2.13 counts as older."""
+    return torch.torch_version.TorchVersion(version or torch.__version__) >= (2, 13)
+
+
 def device_lock(device):
     """The device's capture and replay lock (_C.cuda_device_lock), for what must not run beside
     another thread's capture: synchronising the device, or freeing its memory (cudaFree

@@ -43,6 +43,7 @@ import dataclasses
 from typing import NamedTuple
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from shapecache import _timing
 from shapecache._backends import exported, graph_pool, guards, trace
@@ -127,32 +128,73 @@ def build(function, args: tuple, kwargs: dict, handle, context: BuildContext) ->
     # update in place (load_state_dict) is read as it is, and rebuilds nothing.
     guard = guards.read_where_they_are(compiled.guard, compiled.weights)
     compiled_bytes = held_bytes(compiled.constants, device) + compiled.constant_bytes
+    compiled_entry = BuiltEntry(runner=None, graph=compiled.graph, rebuild=compiled.rebuild, bytes=compiled_bytes,
+                                backend="compile", guard=guard, built_from=compiled.built_from, ran_call=False)
     captured = None
     try:
         _first_run(run_compiled, device)
-        if device.type == "cuda" and _C.has_cuda_graphs:
+        if device.type == "cuda" and not capture_refusal(compiled, device):
             captured = _capture(compiled, handle, guard)
         forms = {"entry": run_entry, "compiled": run_compiled}
         if captured is not None:
             forms["captured"] = lambda: captured.runner(*tensors)
         seconds = _measure(forms, device)
+        if compiled.built_from is not None and not compiled.built_from.check():
+            # The model changed while this was built: what was measured says nothing of it.
+            # The cache finds the compiled form stale from the start and asks once more.
+            return compiled_entry
+        form = chosen_form(seconds["entry"], seconds["compiled"], seconds.get("captured"))
+        if form == "captured":
+            kept, captured = _kept_capture(captured, compiled_bytes, handle), None  # handed over, or let go of
+            if kept is not None:
+                return kept
+            form = chosen_form(seconds["entry"], seconds["compiled"])
     except Exception as error:  # noqa: BLE001  (out of memory, oneDNN's primitive: never the cache's retry, which evicts)
-        if captured is not None:
-            graph_pool.let_go_of_new(handle, captured.runner, captured.pool_before)
         return _refused(function, context, args, f"measuring it failed ({described(error)})")
-    form = chosen_form(seconds["entry"], seconds["compiled"], seconds.get("captured"))
-    if captured is not None and form == "captured":
-        entry = _kept_capture(captured, compiled, compiled_bytes, handle)
-        if entry is not None:
-            return entry
-        form = chosen_form(seconds["entry"], seconds["compiled"])
-    elif captured is not None:
-        graph_pool.let_go_of_new(handle, captured.runner, captured.pool_before)
+    finally:
+        if captured is not None:  # not chosen, or a failure: let go of, the pool left as it was
+            graph_pool.let_go_of_new(handle, captured.runner, captured.pool_before)
     if form == "entry":
         return _not_kept(f"{seconds['compiled'] * 1e3:.3g} ms per call against the entry's "
                          f"{seconds['entry'] * 1e3:.3g} ms ({backend}), under the {MIN_SPEEDUP}x it must gain")
-    return BuiltEntry(runner=None, graph=compiled.graph, rebuild=compiled.rebuild, bytes=compiled_bytes,
-                      backend="compile", guard=guard, built_from=compiled.built_from, ran_call=False)
+    return compiled_entry
+
+
+def capture_refusal(compiled: exported.CompiledCall, device: torch.device) -> str:
+    """Why the compiled form on `device` is not captured as a CUDA graph; "" where it is.
+
+    - The build has no CUDA graphs, or torch is older than 2.13: there a capture on one thread
+      makes another thread's draws from the device's default generator raise (2.11 and 2.12
+      register it with every capture: csrc/core/pool_generations.h, A9), and an upgrade
+      captures on the worker while the user's threads serve (and draw: diffusers' randn_tensor).
+    - inductor's own checks before it captures (torch/_inductor/compile_fx.py, with cudagraphs
+      on; 2.11 and 2.13): an op that is unsafe in a graph (tagged ``cudagraph_unsafe``, or with
+      sizes known only when it runs), and any tensor of the traced graph on another device
+      than `device`: a CPU tensor's work would run once, when captured, its values held.
+    """
+    if not _C.has_cuda_graphs:
+        return "this build of shapecache has no CUDA graphs"
+    if not graph_pool.captures_leave_other_threads_draws_alone():
+        return f"torch {torch.__version__}: a capture beside the serving threads would make their random draws raise"
+    if not isinstance(compiled.uncompiled, torch.fx.GraphModule):
+        return "its traced graph is not at hand"
+    return graph_refusal(compiled.uncompiled, device)
+
+
+def graph_refusal(traced: torch.fx.GraphModule, device: torch.device) -> str:
+    """inductor's checks of a traced graph before it captures one (`capture_refusal`)."""
+    try:
+        from torch._inductor.utils import get_first_incompatible_cudagraph_node
+    except ImportError:
+        return "this torch has no check of what a graph may capture"
+    unsafe = get_first_incompatible_cudagraph_node(traced)
+    if unsafe is not None:
+        return f"it runs {unsafe.target}, which a CUDA graph cannot hold"
+    for node in traced.graph.nodes:
+        for value in tree_leaves(node.meta.get("val")):
+            if isinstance(value, torch.Tensor) and value.device != device:
+                return f"{node.name} is on {value.device}"
+    return ""
 
 
 class _Capture(NamedTuple):
@@ -166,31 +208,34 @@ def _capture(compiled: exported.CompiledCall, handle, guard: guards.GuardRecord)
     it cannot be captured (the uncaptured form serves: a graph that synchronises, or copies to
     the host, is no worse for it). Its first run is done, so nothing is autotuned or loaded
     inside the capture."""
-    graph, rebuild = compiled.graph, compiled.rebuild
+    graph, rebuild, device = compiled.graph, compiled.rebuild, handle.device
 
     def call(*tensors):  # as CompiledGraphRunner runs the graph: the output in its structure
         outputs = graph(*tensors)
         return rebuild(outputs) if rebuild is not None else outputs[0]
 
     tensors = tuple(handle.tensors)
-    pool_before = graph_pool.pool_and_workspace_bytes(handle.device)
-    try:
-        runner, entry_bytes = graph_pool.measured_capture(
-            lambda: _C.capture_cuda_graph(call, None, tensors, {}, tensors, _C.StateGuard(guard)), handle, charge=False)
-    except Exception:  # noqa: BLE001  (a failed capture is cleaned up in C++: csrc/core/pool_generations.h)
-        return None
+    # What the first run and the timings cached on the worker's stream goes back first, as
+    # before every capture (cuda_graph.py): a graph's private pool takes no blocks of another
+    # stream, so they would stay reserved beside it, outside any budget.
+    graph_pool.empty_allocator_caches(device)
+    # The figure before and the capture under one hold of the device's lock (recursive: the
+    # capture takes it again), so that no other thread's capture is counted as this one's.
+    with graph_pool.device_lock(device):
+        pool_before = graph_pool.pool_and_workspace_bytes(device)
+        try:
+            runner, entry_bytes = graph_pool.measured_capture(
+                lambda: _C.capture_cuda_graph(call, None, tensors, {}, tensors, _C.StateGuard(guard)), handle,
+                charge=False)
+        except Exception:  # noqa: BLE001  (a failed capture is cleaned up in C++: csrc/core/pool_generations.h)
+            return None
     return _Capture(runner, entry_bytes, pool_before)
 
 
-def _kept_capture(captured: _Capture, compiled: exported.CompiledCall, compiled_bytes: int, handle) -> BuiltEntry | None:
-    """The captured form's entry, where the model is as the build began (else the uncaptured form
-    serves, whose start state the cache checks: csrc/cache/built_entry.h) and it fits in the
-    budget's free room with what its capture added to the pool; else None, and the capture let
-    go of."""
+def _kept_capture(captured: _Capture, compiled_bytes: int, handle) -> BuiltEntry | None:
+    """The captured form's entry, where it fits in the budget's free room with what its capture
+    added to the pool (charged then); else None, and the capture let go of."""
     entry_bytes = captured.bytes + compiled_bytes  # the runner holds the compiled graph, and with it its constants
-    if compiled.built_from is not None and not compiled.built_from.check():
-        graph_pool.let_go_of_new(handle, captured.runner, captured.pool_before)
-        return None
     try:
         graph_pool.keep_in_free_room(handle, captured.runner, entry_bytes, captured.pool_before)
     except graph_pool.NotKept:
