@@ -143,7 +143,7 @@ class BudgetedLru {
   // were the shared bytes `shared_bytes`: what an upgrade's CUDA graph asks before its capture's
   // growth of the pool is charged (an upgrade never evicts).
   bool fits_free_with_shared(int64_t bytes, int64_t shared_bytes) const {
-    return bytes <= budget_bytes_ - shared_bytes - entry_bytes_;
+    return bytes <= budget_bytes_ - shared_bytes - entry_bytes_ && !over(0, 0);  // (over: the count too)
   }
 
   // New limits; evicts least recently used unpinned entries until they hold (as far as

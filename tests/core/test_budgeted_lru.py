@@ -304,4 +304,11 @@ def test_room_free_now_counts_shared_bytes_as_measured_and_never_evictions():
     assert not lru.fits_free_with_shared(51, 20)  # evicting 1 would make room, and is not counted
     assert lru.fits_free_with_shared(0, 70) and not lru.fits_free_with_shared(0, 71)
     assert _C._testing.IntLru(budget=None).fits_free_with_shared(2**62, 2**40)
-    assert lru.keys() == [1] and lru.total_bytes == 40  # asking changed nothing
+    # Over its entry count (a limit lowered while entries were pinned), any charge would evict.
+    counted = _C._testing.IntLru(budget=100, max_entries=2)
+    counted.insert(1, 1, 10)
+    counted.insert(2, 2, 10)
+    counted.pin(1)
+    counted.pin(2)
+    counted.set_limits(100, 1)
+    assert not counted.fits_free_with_shared(0, 0)

@@ -703,20 +703,21 @@ def test_a_graph_that_does_not_pay_evicts_nothing_and_leaves_the_pool_as_it_foun
 
 def _upgrade_graph(machine, size):
     """An upgrade's capture of a bucket's compiled graph (upgrade.py), beside the cache's graphs:
-    captured into the shared pool, measured and not charged. Returns it and the pool before."""
+    captured into the shared pool, measured and not charged. Returns it and whether it grew the pool."""
     pool_before = machine.device.pool_bytes()
     runner = BucketGraph(machine.device, size)
     runner.capture()
-    return runner, pool_before
+    return runner, machine.device.pool_bytes() > pool_before
 
 
 def test_an_upgrades_graph_that_fits_in_the_free_room_is_charged_with_the_pool_it_grew_and_evicts_nothing():
     machine = PoolUnderBudget(outputs_per_size=0)  # the figures below are the temporaries'
     machine.call(2)  # temporaries 80, inputs 20
     handle = _C._testing.build_handle(machine.device.cache, CPU)
-    runner, pool_before = _upgrade_graph(machine, 4)  # temporaries 160: the pool grows to 240
+    runner, grew = _upgrade_graph(machine, 4)  # temporaries 160: the pool grows to 240
+    assert grew
     layer = machine.device.layer()
-    assert graph_pool.keep_in_free_room(handle, runner, 40, pool_before, layer=layer) == 40  # 240 + 20 + 40 <= 400
+    graph_pool.keep_in_free_room(handle, runner, 40, grew, layer=layer)  # 240 + 20 + 40 <= 400: kept, no NotKept
     stats = machine.device.cache.stats()
     assert stats["devices"]["cpu"]["pool_bytes"] == 240 == machine.device.pool_bytes()
     assert stats["evictions"] == 0 and stats["pool_rebuilds"] == 0
@@ -730,11 +731,11 @@ def test_an_upgrades_graph_without_free_room_evicts_nothing_and_leaves_the_pool_
     machine.call(4)  # temporaries 160, inputs 40
     machine.call(3)  # 120, in the blocks the first left; inputs 30
     handle = _C._testing.build_handle(machine.device.cache, CPU)
-    runner, pool_before = _upgrade_graph(machine, 6)  # 240 more: the pool holds 400, the budget
-    assert machine.device.pool_bytes() == 400
+    runner, grew = _upgrade_graph(machine, 6)  # 240 more: the pool holds 400, the budget
+    assert grew and machine.device.pool_bytes() == 400
     # Evicting 4 and 3 and rebuilding the pool would make room; an upgrade does neither.
     with pytest.raises(graph_pool.NotKept):
-        graph_pool.keep_in_free_room(handle, runner, 60, pool_before, layer=machine.device.layer())
+        graph_pool.keep_in_free_room(handle, runner, 60, grew, layer=machine.device.layer())
     stats = machine.device.cache.stats()
     assert stats["evictions"] == 0
     assert sorted(r.size for _, r, _ in handle.entries() if isinstance(r, BucketGraph) and r.valid()) == [3, 4]
@@ -742,3 +743,37 @@ def test_an_upgrades_graph_without_free_room_evicts_nothing_and_leaves_the_pool_
     assert not runner.valid()
     machine.torch_never_asserts()
     machine.every_live_graph_is_counted_in_its_generation()
+
+
+def test_an_upgrades_graph_let_go_of_beside_a_running_graph_evicts_nothing_and_is_charged_later():
+    # A graph running on another thread keeps the pool from being rebuilt: the growth stays,
+    # charged only where it fits (an upgrade never evicts), else at the device's next charge.
+    machine = PoolUnderBudget(outputs_per_size=0)  # the figures below are the temporaries'
+    machine.call(4)  # temporaries 160, inputs 40
+    machine.call(3)  # 120, in the blocks the first left; inputs 30
+    handle = _C._testing.build_handle(machine.device.cache, CPU)
+    runner, grew = _upgrade_graph(machine, 6)  # 240 more: the pool holds 400
+    evictions = machine.device.cache.stats()["evictions"]
+    charged = machine.device.cache.stats()["devices"]["cpu"]["pool_bytes"]
+    graph_pool.let_go_of_new(_PinnedView(handle), runner, grew, machine.device.layer(), evict=False)
+    stats = machine.device.cache.stats()
+    assert stats["evictions"] == evictions and stats["pool_rebuilds"] == 0
+    assert stats["devices"]["cpu"]["pool_bytes"] == charged  # 400 + 70 of entries would not fit: not charged yet
+    assert not runner.valid() and machine.device.pool_bytes() == 400
+    machine.evict_and_empty()  # the device's next charge: the growth goes once no graph uses it
+    assert machine.device.cache.stats()["devices"]["cpu"]["pool_bytes"] == machine.device.pool_bytes()
+    machine.torch_never_asserts()
+
+
+class _PinnedView:
+    """A build handle whose entries all read as pinned (running up the stack or on another
+    thread), over a real one."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def entries(self):
+        return [(entry_id, runner, True) for entry_id, runner, _ in self._handle.entries()]
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)

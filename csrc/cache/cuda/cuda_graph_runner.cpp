@@ -384,7 +384,9 @@ void CudaGraphRunner::recapture() {
 }
 
 py::object CudaGraphRunner::run(const Call& call) {
-  TORCH_CHECK(graph_, "cuda_graph: this bucket's graph was released and not captured again");
+  // Released since the hit's valid() (whose guard may run Python, letting another thread's
+  // pool rebuild in), or while this call waits for the lock below: served as a stale miss.
+  if (!graph_) throw EntryReleased();
   TORCH_INTERNAL_ASSERT(call.tensors.size() == static_inputs_.size(), "cuda_graph: the call has ",
                         call.tensors.size(), " tensors, the graph was captured with ", static_inputs_.size());
   std::vector<at::Tensor> inputs;  // the call's tensors in key order, as the static inputs are
@@ -395,6 +397,7 @@ py::object CudaGraphRunner::run(const Call& call) {
   const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(graphs.device);
   std::vector<at::Tensor> outputs;
   outputs.reserve(static_outputs_.size());
+  py::object structure;  // read under the lock: release() and a recapture rewrite it
   {
     // Replays of a device take turns on its stream: after the caller's work, before the
     // caller's later work. Output memory belongs to the caller's stream; it is written on
@@ -402,9 +405,8 @@ py::object CudaGraphRunner::run(const Call& call) {
     // the graphs' stream too, and any reuse of their memory after the caller frees them is
     // queued on the caller's stream, after that wait.
     auto lock = lock_device(graphs);
-    // Checked again under the lock, which release() takes: another thread's pool rebuild may
-    // have released the graph while this call waited for the lock (the GIL let go meanwhile).
-    if (!graph_) throw EntryReleased();
+    if (!graph_) throw EntryReleased();  // (release() takes the lock: checked again under it)
+    structure = output_structure_;
     const c10::cuda::CUDAStream stream = graphs.stream();
     for (const at::Tensor& s : static_outputs_) outputs.push_back(at::empty_like(s));
     order_after(caller, stream, graphs.caller_done);
@@ -415,7 +417,7 @@ py::object CudaGraphRunner::run(const Call& call) {
     order_after(stream, caller, graphs.graphs_done);
   }
   size_t next = 0;  // the outputs' structure, rebuilt around the copies (in the same walk order)
-  return map_tensors(output_structure_, [&](const at::Tensor&) { return outputs.at(next++); });
+  return map_tensors(structure, [&](const at::Tensor&) { return outputs.at(next++); });
 }
 
 bool CudaGraphRunner::valid() {

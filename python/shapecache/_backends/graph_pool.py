@@ -215,7 +215,7 @@ def keep_new_graph(handle, runner, entry_bytes: int, pool_before: int, *, pays: 
         except Exception as error:  # noqa: BLE001  (its timed replays: the call's result is computed already)
             paid, reason = False, f"its replay failed: {error!r}"
         if not paid:
-            let_go_of_new(handle, runner, pool_before, layer)
+            let_go_of_new(handle, runner, layer.shared_bytes(handle) > pool_before, layer)
             raise NotKept(reason)
     if not pool_over_budget(handle, entry_bytes, layer.shared_bytes(handle)):
         layer.charge(handle)
@@ -235,28 +235,35 @@ def keep_new_graph(handle, runner, entry_bytes: int, pool_before: int, *, pays: 
     return rebuilt
 
 
-def keep_in_free_room(handle, runner, entry_bytes: int, pool_before: int, *, layer: PoolLayer = CUDA_LAYER) -> int:
+def keep_in_free_room(handle, runner, entry_bytes: int, grew: bool, *, layer: PoolLayer = CUDA_LAYER) -> int:
     """An upgrade's graph (upgrade.py), just captured into the pool, measured and chosen: kept
-    where it and what its capture added to the pool fit in the budget's free room, and the pool
-    charged then; else let go of (`let_go_of_new`) and NotKept raised. An upgrade never evicts
-    (csrc/cache/miss_policy.h, Upgrade), so unlike `keep_new_graph` nothing is rebuilt to make
-    room. The check counts the whole entry's bytes, not what it adds to the entry it replaces:
-    the cache checks that, once the entry is looked up again (BudgetedLru::fits_in_place)."""
+    where it and the pool as it is now fit in the budget's free room, and the pool charged then;
+    else let go of (`let_go_of_new`; `grew`: whether its capture grew the pool) and NotKept
+    raised. An upgrade never evicts (csrc/cache/miss_policy.h, Upgrade), so unlike
+    `keep_new_graph` nothing is rebuilt to make room. The check counts the whole entry's bytes,
+    not what it adds to the entry it replaces: the cache checks that, once the entry is looked
+    up again (BudgetedLru::fits_in_place)."""
     if layer.charge_if_free(handle, entry_bytes):
         return entry_bytes
-    let_go_of_new(handle, runner, pool_before, layer)
+    let_go_of_new(handle, runner, grew, layer, evict=False)
     raise NotKept(None)
 
 
-def let_go_of_new(handle, runner, pool_before: int, layer: PoolLayer = CUDA_LAYER) -> None:
-    """Releases a new graph that is not kept and leaves the pool as it found it
-    (`pool_before`, its pool and workspace before the capture): what its capture added to a
-    pool other graphs share stays there (a pool shrinks only whole), where a charge would evict
-    entries for it, so the pool is rebuilt without it; where a graph of the device runs up the
-    stack it cannot be, and the pool is charged as it is."""
+def let_go_of_new(handle, runner, grew: bool, layer: PoolLayer = CUDA_LAYER, *, evict: bool = True) -> None:
+    """Releases a new graph that is not kept and leaves the pool as it found it: where its
+    capture grew the pool (`grew`), what it added stays there (a pool shrinks only whole), where
+    a charge would evict entries for it, so the pool is rebuilt without it. Where a graph of the
+    device runs up the stack (or on another thread) it cannot be: the pool is charged as it is,
+    which may evict; with `evict` False (an upgrade) only where it fits in the budget's free
+    room, else the growth is charged at the device's next charge (the next capture, eviction or
+    rebuild), evicting then."""
     runner.release()
-    if not (layer.shared_bytes(handle) > pool_before and rebuild_without_new(handle, layer)):
+    if grew and rebuild_without_new(handle, layer):
+        return
+    if evict:
         layer.release(handle)
+    else:
+        layer.charge_if_free(handle, 0)
 
 
 def rebuild_without_new(handle, layer: PoolLayer = CUDA_LAYER) -> bool:

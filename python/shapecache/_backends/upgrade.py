@@ -40,6 +40,7 @@ that), and the forms are timed by CUDA events on the worker's own stream
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -145,7 +146,8 @@ def build(function, args: tuple, kwargs: dict, handle, context: BuildContext) ->
             return compiled_entry
         form = chosen_form(seconds["entry"], seconds["compiled"], seconds.get("captured"))
         if form == "captured":
-            kept, captured = _kept_capture(captured, compiled_bytes, handle), None  # handed over, or let go of
+            chosen, captured = captured, None  # handed over to the entry, or let go of there
+            kept = _kept_capture(chosen, compiled_bytes, handle)
             if kept is not None:
                 return kept
             form = chosen_form(seconds["entry"], seconds["compiled"])
@@ -153,7 +155,7 @@ def build(function, args: tuple, kwargs: dict, handle, context: BuildContext) ->
         return _refused(function, context, args, f"measuring it failed ({described(error)})")
     finally:
         if captured is not None:  # not chosen, or a failure: let go of, the pool left as it was
-            graph_pool.let_go_of_new(handle, captured.runner, captured.pool_before)
+            _let_go(captured, handle)
     if form == "entry":
         return _not_kept(f"{seconds['compiled'] * 1e3:.3g} ms per call against the entry's "
                          f"{seconds['entry'] * 1e3:.3g} ms ({backend}), under the {MIN_SPEEDUP}x it must gain")
@@ -178,7 +180,10 @@ def capture_refusal(compiled: exported.CompiledCall, device: torch.device) -> st
         return f"torch {torch.__version__}: a capture beside the serving threads would make their random draws raise"
     if not isinstance(compiled.uncompiled, torch.fx.GraphModule):
         return "its traced graph is not at hand"
-    return graph_refusal(compiled.uncompiled, device)
+    try:
+        return graph_refusal(compiled.uncompiled, device)
+    except Exception as error:  # noqa: BLE001  (torch's checks on a graph they do not expect: the capture alone is refused)
+        return f"checking its graph failed ({described(error)})"
 
 
 def graph_refusal(traced: torch.fx.GraphModule, device: torch.device) -> str:
@@ -200,7 +205,7 @@ def graph_refusal(traced: torch.fx.GraphModule, device: torch.device) -> str:
 class _Capture(NamedTuple):
     runner: object  # a _C.CudaGraphRunner
     bytes: int  # its own: static inputs and the instantiated graph (graph_pool.measured_capture)
-    pool_before: int  # the device's pool and workspace before the capture
+    grew: bool  # whether its capture grew the device's pool and workspace
 
 
 def _capture(compiled: exported.CompiledCall, handle, guard: guards.GuardRecord) -> _Capture | None:
@@ -221,6 +226,8 @@ def _capture(compiled: exported.CompiledCall, handle, guard: guards.GuardRecord)
     graph_pool.empty_allocator_caches(device)
     # The figure before and the capture under one hold of the device's lock (recursive: the
     # capture takes it again), so that no other thread's capture is counted as this one's.
+    # The figures before and after under one hold of the device's lock (recursive: the capture
+    # takes it again), so that no other thread's capture is counted as this one's growth.
     with graph_pool.device_lock(device):
         pool_before = graph_pool.pool_and_workspace_bytes(device)
         try:
@@ -229,19 +236,33 @@ def _capture(compiled: exported.CompiledCall, handle, guard: guards.GuardRecord)
                 charge=False)
         except Exception:  # noqa: BLE001  (a failed capture is cleaned up in C++: csrc/core/pool_generations.h)
             return None
-    return _Capture(runner, entry_bytes, pool_before)
+        grew = graph_pool.pool_and_workspace_bytes(device) > pool_before
+    return _Capture(runner, entry_bytes, grew)
 
 
 def _kept_capture(captured: _Capture, compiled_bytes: int, handle) -> BuiltEntry | None:
-    """The captured form's entry, where it fits in the budget's free room with what its capture
-    added to the pool (charged then); else None, and the capture let go of."""
+    """The captured form's entry, where it fits in the budget's free room with the pool as it is
+    (charged then); else None, and the capture let go of, on every way out."""
     entry_bytes = captured.bytes + compiled_bytes  # the runner holds the compiled graph, and with it its constants
     try:
-        graph_pool.keep_in_free_room(handle, captured.runner, entry_bytes, captured.pool_before)
-    except graph_pool.NotKept:
+        graph_pool.keep_in_free_room(handle, captured.runner, entry_bytes, captured.grew)
+    except graph_pool.NotKept:  # let go of there
         return None
+    except BaseException:
+        _let_go(captured, handle)
+        raise
     return BuiltEntry(runner=None, bytes=entry_bytes, backend="compile+cuda_graph", entry_runner=captured.runner,
                       ran_call=False)
+
+
+def _let_go(captured: _Capture, handle) -> None:
+    """Lets go of a capture not kept without evicting (an upgrade never evicts); a failure to
+    rebuild the pool without it is warned of, never raised over what the upgrade returns."""
+    try:
+        graph_pool.let_go_of_new(handle, captured.runner, captured.grew, evict=False)
+    except Exception as error:  # noqa: BLE001  (its graph is released first: what failed is the rebuild)
+        warnings.warn(f"shapecache: rebuilding the graph pool of {handle.device} without an upgrade's graph failed "
+                      f"({described(error)})", RuntimeWarning, stacklevel=2)
 
 
 def _first_run(run_compiled, device: torch.device) -> None:
