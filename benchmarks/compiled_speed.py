@@ -222,13 +222,6 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {'x'.join(map(str, size))} | {r.get('compile') or '-'} | {r['calls_while_upgrading']} | "
                          f"{r['p99_while_upgrading_ms']:.2f} | {ratio:.3f} | {r['upgrade_s']:.1f} | "
                          f"{', '.join(r.get('entries', [])) or '-'} |")
-        from shapecache._backends.graph_pool import captures_leave_other_threads_draws_alone
-
-        versions = sorted({r["torch"] for r in upgraded if r.get("device") != "cpu"})
-        for version in versions:  # (compile+cuda_graph in "entry after": the capture was kept)
-            captures = captures_leave_other_threads_draws_alone(version)
-            lines += ["", f"torch {version}: the upgrade {'captures' if captures else 'does not capture'} its compiled "
-                      f"form as a CUDA graph{'' if captures else ' (from torch 2.13 only: docs/gpu.md)'}"]
     return "\n".join(lines)
 
 
