@@ -53,6 +53,21 @@ def backends(cached_thing) -> list:
     return [entry["backend"] for entry in sc.stats(cached_thing)["entries"]]
 
 
+def hit_until_upgraded(model, x, plain, upgrades: int, tries: int = 4) -> None:
+    """Hits the bucket and waits until `upgrades` upgrades were kept. An upgrade asked for at a
+    hit may wait for a later one: where the build queue (shared by the process's other cached
+    functions) has no room for it, or where the model seemed changed while it was built (the
+    Upgrade rule, csrc/cache/miss_policy.h); each such hit asks again."""
+    for _ in range(tries):
+        torch.testing.assert_close(model(x), plain(x), rtol=1e-5, atol=1e-5)
+        assert sc.wait(model, timeout=WAIT)
+        if sc.stats(model)["upgrades"] >= upgrades:
+            return
+    stats = sc.stats(model)
+    raise AssertionError(f"not upgraded {upgrades} times after {tries} hits: "
+                         f"{ {k: stats[k] for k in ('upgrades', 'upgrades_not_kept', 'invalidations', 'builds')} }")
+
+
 def test_the_threshold_is_a_gain_of_three_percent():
     assert upgrade.MIN_SPEEDUP == 1.03
     assert upgrade.pays(1.0, 1 / 1.03)
@@ -134,9 +149,8 @@ def test_an_upgraded_module_reads_its_weights_where_they_are():
     x = torch.randn(32, 64)
     with torch.no_grad():
         sc.cached(model, upgrade=True)
-        for _ in range(2):
-            torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
-        assert sc.wait(model, timeout=WAIT)
+        torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)  # the eager entry: the plain call
+        hit_until_upgraded(model, x, plain, upgrades=1)
         assert counts(model)["upgrades"] == 1 and backends(model) == ["compile"]
         # Freezing off: no copy of the linear layer's weights is charged to (or held by) the entry.
         assert sc.stats(model)["entries"][0]["bytes"] == 0
@@ -152,12 +166,11 @@ def test_an_upgraded_module_reads_its_weights_where_they_are():
         # A weight replaced (a new Parameter) is a change: the entry is rebuilt (eager, then upgraded again).
         model.linear.weight = torch.nn.Parameter(model.linear.weight * 0.5)
         plain.linear.weight = torch.nn.Parameter(plain.linear.weight * 0.5)
-        for _ in range(2):
-            torch.testing.assert_close(model(x), plain(x), rtol=1e-5, atol=1e-5)
-        assert sc.wait(model, timeout=WAIT)
+        torch.testing.assert_close(model(x), plain(x), rtol=1e-5, atol=1e-5)  # rebuilt eager
+        hit_until_upgraded(model, x, plain, upgrades=2)
         torch.testing.assert_close(model(x), plain(x), rtol=1e-5, atol=1e-5)
     stats = sc.stats(model)
-    assert (stats["invalidations"], stats["upgrades"], stats["uncached_calls"]) == (1, 2, 0)
+    assert (stats["invalidations"], stats["upgrades"], stats["uncached_calls"]) == (1, 2, 0), stats
     assert backends(model) == ["compile"]
 
 
