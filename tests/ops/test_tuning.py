@@ -140,7 +140,9 @@ def test_cached_with_tuned_convs_charges_the_workspace_to_the_budget(tmp_path, m
         torch.testing.assert_close(net(x), expected, rtol=1e-4, atol=1e-4)
     st = sc.stats(net)
     arena = _C.workspace_stats(torch.device("cpu"))["bytes"]
-    assert st["workspace_bytes"] == arena and st["bytes"] == st["entry_bytes"] + arena
+    # The arena is the process's, one per device: what it held when this cache charged it, at
+    # most what it holds now (another test's cache, or its build still running, may grow it).
+    assert 0 < st["workspace_bytes"] <= arena and st["bytes"] == st["entry_bytes"] + st["workspace_bytes"]
     assert all(type(m.forward).__name__ == "method" for m in net.layers if isinstance(m, torch.nn.Conv2d))
     sc.uncached(net)
     assert all("forward" not in m.__dict__ for m in net.layers)
