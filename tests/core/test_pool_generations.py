@@ -726,13 +726,20 @@ def test_an_upgrades_graph_that_fits_in_the_free_room_is_charged_with_the_pool_i
     machine.torch_never_asserts()
 
 
-def test_an_upgrades_graph_without_free_room_evicts_nothing_and_leaves_the_pool_as_it_found_it():
-    machine = PoolUnderBudget(outputs_per_size=0)  # the figures below are the temporaries'
-    machine.call(4)  # temporaries 160, inputs 40
-    machine.call(3)  # 120, in the blocks the first left; inputs 30
-    handle = _C._testing.build_handle(machine.device.cache, CPU)
-    runner, grew = _upgrade_graph(machine, 6)  # 240 more: the pool holds 400, the budget
+def _upgrade_graph_filling_the_pool():
+    """Two graphs (temporaries 160 and 120, inputs 40 and 30), and an upgrade's graph that grows
+    their pool by 240, to the budget of 400. Returns the machine, a handle, that graph and
+    whether it grew the pool."""
+    machine = PoolUnderBudget(outputs_per_size=0)  # the figures are the temporaries'
+    machine.call(4)
+    machine.call(3)  # in the blocks the first left
+    runner, grew = _upgrade_graph(machine, 6)
     assert grew and machine.device.pool_bytes() == 400
+    return machine, _C._testing.build_handle(machine.device.cache, CPU), runner, grew
+
+
+def test_an_upgrades_graph_without_free_room_evicts_nothing_and_leaves_the_pool_as_it_found_it():
+    machine, handle, runner, grew = _upgrade_graph_filling_the_pool()
     # Evicting 4 and 3 and rebuilding the pool would make room; an upgrade does neither.
     with pytest.raises(graph_pool.NotKept):
         graph_pool.keep_in_free_room(handle, runner, 60, grew, layer=machine.device.layer())
@@ -748,11 +755,7 @@ def test_an_upgrades_graph_without_free_room_evicts_nothing_and_leaves_the_pool_
 def test_an_upgrades_graph_let_go_of_beside_a_running_graph_evicts_nothing_and_is_charged_later():
     # A graph running on another thread keeps the pool from being rebuilt: the growth stays,
     # charged only where it fits (an upgrade never evicts), else at the device's next charge.
-    machine = PoolUnderBudget(outputs_per_size=0)  # the figures below are the temporaries'
-    machine.call(4)  # temporaries 160, inputs 40
-    machine.call(3)  # 120, in the blocks the first left; inputs 30
-    handle = _C._testing.build_handle(machine.device.cache, CPU)
-    runner, grew = _upgrade_graph(machine, 6)  # 240 more: the pool holds 400
+    machine, handle, runner, grew = _upgrade_graph_filling_the_pool()
     evictions = machine.device.cache.stats()["evictions"]
     charged = machine.device.cache.stats()["devices"]["cpu"]["pool_bytes"]
     graph_pool.let_go_of_new(_PinnedView(handle), runner, grew, machine.device.layer(), evict=False)
