@@ -17,19 +17,20 @@ py::object BuildHandle::to_python(BuildHandle handle) {
   return object;
 }
 
-void BuildHandle::set_shared_bytes(std::optional<int64_t> pool, std::optional<int64_t> workspace) {
+SharedBytes BuildHandle::shared_given(std::optional<int64_t> pool, std::optional<int64_t> workspace) const {
   SharedBytes bytes = cache_->shared_bytes(device_);  // a figure not given stays as it is
   if (pool) bytes.pool = *pool;
   if (workspace) bytes.workspace = *workspace;
-  auto evicted = cache_->set_shared_bytes(device_, bytes);
+  return bytes;
+}
+
+void BuildHandle::set_shared_bytes(std::optional<int64_t> pool, std::optional<int64_t> workspace) {
+  auto evicted = cache_->set_shared_bytes(device_, shared_given(pool, workspace));
 }
 
 bool BuildHandle::set_shared_bytes_if_free(std::optional<int64_t> pool, std::optional<int64_t> workspace,
                                            int64_t bytes) {
-  SharedBytes shared = cache_->shared_bytes(device_);
-  if (pool) shared.pool = *pool;
-  if (workspace) shared.workspace = *workspace;
-  return cache_->set_shared_bytes_if_free(device_, shared, bytes);
+  return cache_->set_shared_bytes_if_free(device_, shared_given(pool, workspace), bytes);
 }
 
 py::list BuildHandle::set_entry_bytes(uint64_t id, int64_t bytes) {

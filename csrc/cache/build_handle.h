@@ -60,6 +60,9 @@ class BuildHandle {
   void count_pool_rebuild() { cache_->count_pool_rebuild(device_); }
 
  private:
+  // The device's shared bytes as charged, with the figures given in place of theirs.
+  SharedBytes shared_given(std::optional<int64_t> pool, std::optional<int64_t> workspace) const;
+
   std::shared_ptr<ShapeCache> cache_;
   c10::Device device_;
   bool run_call_;

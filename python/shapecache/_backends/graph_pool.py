@@ -98,12 +98,21 @@ def every_device_lock() -> contextlib.ExitStack:
 def charge_shared_bytes(handle) -> None:
     """Charges the device's pool and workspace, as the allocator holds them now, to the
     cache's budget (growth evicts least recently used entries)."""
-    device = handle.device
-    handle.set_shared_bytes(pool=_C.cuda_graph_pool_bytes(device), workspace=_C.workspace_stats(device)["bytes"])
+    handle.set_shared_bytes(**_shared_figures(handle.device))
+
+
+def charge_shared_bytes_if_free(handle, entry_bytes: int) -> bool:
+    """`charge_shared_bytes` where the pool and workspace as they are now and an entry of
+    `entry_bytes` fit in the budget's free room (evicting nothing); whether it charged them."""
+    return handle.set_shared_bytes_if_free(**_shared_figures(handle.device), bytes=entry_bytes)
+
+
+def _shared_figures(device) -> dict:
+    return {"pool": _C.cuda_graph_pool_bytes(device), "workspace": _C.workspace_stats(device)["bytes"]}
 
 
 def pool_and_workspace_bytes(device) -> int:
-    return _C.cuda_graph_pool_bytes(device) + _C.workspace_stats(device)["bytes"]
+    return sum(_shared_figures(device).values())
 
 
 def measured_capture(capture, handle, charge: bool = True) -> tuple:
@@ -172,14 +181,6 @@ class PoolLayer(NamedTuple):
     # in the budget's free room, evicting nothing; returns whether it charged them
     charge_if_free: Callable
     lock: Callable  # device -> its capture lock, as a context manager
-
-
-def charge_shared_bytes_if_free(handle, entry_bytes: int) -> bool:
-    """`charge_shared_bytes` where the pool and workspace as they are now and an entry of
-    `entry_bytes` fit in the budget's free room (evicting nothing); whether it charged them."""
-    device = handle.device
-    return handle.set_shared_bytes_if_free(pool=_C.cuda_graph_pool_bytes(device),
-                                           workspace=_C.workspace_stats(device)["bytes"], bytes=entry_bytes)
 
 
 CUDA_LAYER = PoolLayer(graphs_of=is_graph, recapture=measured_recapture, release=release_device_memory,

@@ -224,8 +224,6 @@ def _capture(compiled: exported.CompiledCall, handle, guard: guards.GuardRecord)
     # before every capture (cuda_graph.py): a graph's private pool takes no blocks of another
     # stream, so they would stay reserved beside it, outside any budget.
     graph_pool.empty_allocator_caches(device)
-    # The figure before and the capture under one hold of the device's lock (recursive: the
-    # capture takes it again), so that no other thread's capture is counted as this one's.
     # The figures before and after under one hold of the device's lock (recursive: the capture
     # takes it again), so that no other thread's capture is counted as this one's growth.
     with graph_pool.device_lock(device):
