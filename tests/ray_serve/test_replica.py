@@ -17,7 +17,7 @@ import torch
 
 import shapecache as sc
 from shapecache.ray_serve import CachedReplica, SharedDir
-from shapecache.ray_serve._placement import ReplicaState
+from shapecache.ray_serve._placement import COUNTS, ReplicaState, routing_stats
 from shapecache.ray_serve._replica import PREWARM_LIMIT
 from shapecache.testing.models import SmallConvNet
 
@@ -81,6 +81,10 @@ def test_a_replica_holds_the_sizes_whose_entries_are_cached():
     # what the router weighs: each held size's bytes, the sizes evicted, the cache's counts
     assert state.size_bytes.keys() == {(8, 12), (12, 8)} and state.evicted == {(8, 8): 1}
     assert state.counts["evictions"] == 1 and state.counts["builds"] == 3 and state.building == 0
+    replica(size=(8, 12))
+    # and the requests of each size it served, which a replica started later pre-warms by
+    requests = ReplicaState.from_routing_stats("r", replica.record_routing_stats()).requests
+    assert requests == {(8, 8): 1, (8, 12): 2, (12, 8): 1}
 
 
 def test_each_request_can_say_what_it_got():
@@ -131,12 +135,13 @@ def test_the_fleet_view_reads_what_each_replica_published_and_nothing_else(tmp_p
     for replica in (first, second):
         replica.record_routing_stats()
     fleet = tmp_path / NetReplica.replicas_dir()
-    (fleet / "torn.json").write_bytes(b'{"shapecache": {"version": 2, "sizes": [[8,')
-    (fleet / "infinite.json").write_bytes(b'{"shapecache": {"version": 2, "published_at": Infinity}}')
+    (fleet / "torn.json").write_bytes(b'{"shapecache": {"version": 3, "sizes": [[8,')
+    (fleet / "infinite.json").write_bytes(b'{"shapecache": {"version": 3, "published_at": Infinity}}')
     (fleet / "deep.json").write_bytes(b"[" * 100_000)
     (fleet / "huge.json").write_bytes(b" " * (5 << 20))
     states = sorted(NetReplica.fleet_view(tmp_path), key=lambda state: sorted(state.sizes))
     assert [(s.sizes, s.counts["hits"], s.counts["builds"]) for s in states] == [({(8, 8)}, 1, 1), ({(8, 12)}, 0, 1)]
+    assert [s.requests for s in states] == [{(8, 8): 2}, {(8, 12): 1}]
     assert NetReplica.fleet_view(tmp_path, max_age_s=1e-9) == []  # a replica that stopped publishing is gone
     monkeypatch.delenv("SHAPECACHE_SHARED_DIR", raising=False)
     with pytest.raises(ValueError, match="shared_dir=None"):
@@ -315,6 +320,27 @@ def test_a_replica_started_after_others_prewarms_the_fleet_s_hot_sizes(tmp_path)
     assert sc.stats(second.cached)["misses"] == misses  # served by the pre-warmed entry
     # what a replica pre-warms is not the fleet's demand: the records did not grow
     assert len((tmp_path / NetReplica.sizes_file()).read_text().splitlines()) == 3
+
+
+def test_a_replacement_prewarms_the_most_requested_sizes_first_a_dead_replica_s_demand_included(tmp_path):
+    shared = SharedDir(tmp_path)
+    # (16, 16) was built most often (it kept being evicted), but was requested least
+    shared.record_sizes([(16, 16), (16, 16), (16, 16), (8, 8), (8, 12), (12, 12)], NetReplica.sizes_file())
+    now = time.time()
+    published = {
+        "live": ({(8, 8): 50, (16, 16): 3}, now),
+        "dead": ({(8, 12): 40, (12, 12): 2}, now - 3600),  # killed an hour ago: its demand is the replacement's
+        "foreign": ({(99, 99): 10**9, (16, 16): -10**9}, now),  # sizes no replica built, and no count, order nothing
+    }
+    for replica_id, (requests, at) in published.items():
+        stats = routing_stats([], {"bytes": 0, "budget": None, "entries": [], "pending_builds": 0,
+                                   **dict.fromkeys(COUNTS, 0)}, at, requests=requests)
+        shared.publish_replica(NetReplica.replicas_dir(), replica_id, stats)
+    assert shared.hot_sizes(NetReplica.sizes_file(), replicas=NetReplica.replicas_dir()) == \
+        [(8, 8), (8, 12), (16, 16), (12, 12)]
+    assert shared.hot_sizes(NetReplica.sizes_file()) == [(16, 16), (12, 12), (8, 12), (8, 8)]  # built: most first
+    replacement = NetReplica(shared_dir=tmp_path, max_entries=2, prewarm="inline")
+    assert replacement.prewarmed == [(8, 8), (8, 12)] and held(replacement) == {(8, 8), (8, 12)}
 
 
 def test_sizes_built_in_the_background_on_request_are_recorded_once_built_and_prewarmed_by_the_next(tmp_path):

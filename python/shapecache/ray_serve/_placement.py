@@ -91,7 +91,7 @@ PLAN_PERIOD_S = 1.0
 # Sizes whose request rate (requests per half-life) is below this are left out of the plan:
 # they reserve no room.
 PLANNED_RATE = 0.5
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # What a replica's publication counts, as sc.stats names them.
 COUNTS = ("calls", "hits", "misses", "builds", "evictions", "uncached_calls")
 
@@ -133,7 +133,7 @@ def _finite(value: float) -> float:
     return value
 
 
-def _sizes_with_bytes(value: object) -> dict:
+def _by_size(value: object) -> dict:
     """{size: number} from a publication's [[size, number], ...]."""
     return {tuple(int(d) for d in size): int(number) for size, number in value}
 
@@ -155,6 +155,7 @@ class ReplicaState:
     size_bytes: Mapping = field(default_factory=dict)  # size -> bytes of the entries its calls used
     counts: Mapping = field(default_factory=dict)  # COUNTS, as its cache counted them
     evicted: Mapping = field(default_factory=dict)  # size -> times its entries were evicted here
+    requests: Mapping = field(default_factory=dict)  # size -> requests of it served here since the replica started
 
     @classmethod
     def from_routing_stats(cls, replica_id: str, stats: object, full: bool = False) -> ReplicaState:
@@ -176,9 +177,10 @@ class ReplicaState:
                 published_at=_finite(float(ours["published_at"])),
                 full=full,
                 building=int(ours["building"]),
-                size_bytes=_sizes_with_bytes(ours["size_bytes"]),
+                size_bytes=_by_size(ours["size_bytes"]),
                 counts={name: int(counts[name]) for name in COUNTS},
-                evicted=_sizes_with_bytes(ours["evicted"]),
+                evicted=_by_size(ours["evicted"]),
+                requests=_by_size(ours["requests"]),
             )
         except (KeyError, TypeError, ValueError, OverflowError):
             return cls(replica_id, full=full)
@@ -193,11 +195,12 @@ class ReplicaState:
 
 
 def routing_stats(sizes: Iterable[Size], figures: Mapping, published_at: float, building: int = 0,
-                  size_bytes: Mapping | None = None, evicted: Mapping | None = None) -> dict:
+                  size_bytes: Mapping | None = None, evicted: Mapping | None = None,
+                  requests: Mapping | None = None) -> dict:
     """What a replica publishes: the sizes it holds, its cache's figures (``sc.stats``:
     bytes, budget, entries, pending_builds and COUNTS), the requests building now, the
-    bytes of each size held and how often each size was evicted, in the format
-    ``ReplicaState`` reads."""
+    bytes of each size held, how often each size was evicted and how many requests of each
+    it served, in the format ``ReplicaState`` reads."""
     return {
         FORMAT_KEY: {
             "version": FORMAT_VERSION,
@@ -210,6 +213,7 @@ def routing_stats(sizes: Iterable[Size], figures: Mapping, published_at: float, 
             "size_bytes": sorted([list(size), int(nbytes)] for size, nbytes in (size_bytes or {}).items()),
             "counts": {name: int(figures[name]) for name in COUNTS},
             "evicted": sorted([list(size), int(times)] for size, times in (evicted or {}).items()),
+            "requests": sorted([list(size), int(count)] for size, count in (requests or {}).items()),
             "published_at": published_at,
         }
     }

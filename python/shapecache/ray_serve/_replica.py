@@ -41,8 +41,9 @@ logger = logging.getLogger("shapecache")
 # build (seconds to minutes) before the replica serves its first request, and a record of
 # the fleet's sizes may hold hundreds.
 PREWARM_LIMIT = 8
-# Sizes whose evictions a replica publishes, the most recently evicted kept.
-EVICTED_SIZES = 256
+# Sizes whose evictions, and sizes whose requests, a replica publishes: the most recently
+# evicted (requested) kept.
+PUBLISHED_SIZES = 256
 # How long a size whose call ran uncached (its build queued in the background) is published as
 # held without a call of it served by entries: its build ends within the compile's deadline.
 AWAITING_S = 600.0
@@ -97,7 +98,8 @@ class CachedReplica:
                  prewarm: str | None = None):
         """`cached`: what ``sc.wrap`` or ``sc.cached`` returned. `shared_dir` (default:
         SHAPECACHE_SHARED_DIR, when set): the directory replicas share; the fleet's hot sizes
-        recorded there are built, the most built first, up to `prewarm_limit` sizes (default
+        recorded there are built, the most requested first (as the fleet's replicas, live or
+        gone, published their requests), up to `prewarm_limit` sizes (default
         PREWARM_LIMIT; None: every recorded size) and while the next fits the budget beside
         those built (``prewarm_fits``). `prewarm`: "background": the replica is ready at once
         and builds them on a thread of its own, serving meanwhile, each size published as held
@@ -131,6 +133,7 @@ class CachedReplica:
         self.__serving: collections.Counter = collections.Counter()  # sizes being served now
         self.__building: collections.Counter = collections.Counter()  # ... of those, not held when their call came
         self.__evicted: dict[tuple, int] = {}  # size -> times its entries went (most recent last)
+        self.__requests: dict[tuple, int] = {}  # size -> requests of it served (most recent last)
         # size -> when a call of it last ran uncached (its build queued in the background): it is
         # published as held until a call of it is served by entries, or for AWAITING_S
         self.__awaiting: dict[tuple, float] = {}
@@ -149,7 +152,7 @@ class CachedReplica:
         hot = []
         if self.shared_dir is not None:
             self.shared_dir.apply()
-            hot = self.shared_dir.hot_sizes(self.__sizes_file, prewarm_limit)
+            hot = self.shared_dir.hot_sizes(self.__sizes_file, prewarm_limit, self.replicas_dir())
         if not hot:
             self.__prewarmed.set()
         elif prewarm == "inline":
@@ -227,8 +230,9 @@ class CachedReplica:
         # replica, a background one does not.
         building = max(0, not_held - figures["pending_builds"])
         with self.__lock:
-            evicted = dict(self.__evicted)
-        stats = routing_stats(held, figures, time.time(), building=building, size_bytes=size_bytes, evicted=evicted)
+            evicted, requests = dict(self.__evicted), dict(self.__requests)
+        stats = routing_stats(held, figures, time.time(), building=building, size_bytes=size_bytes, evicted=evicted,
+                              requests=requests)
         if self.shared_dir is not None:
             self.__write_fleet_view(stats)
         return stats
@@ -295,7 +299,7 @@ class CachedReplica:
             self.__awaiting = {s: at for s, at in self.__awaiting.items() if now - at < AWAITING_S}
             for size in [s for s, ids in self.__entries_of.items() if not ids <= bytes_of.keys()]:
                 del self.__entries_of[size]
-                remember(self.__evicted, size, self.__evicted.get(size, 0) + 1, EVICTED_SIZES)
+                remember(self.__evicted, size, self.__evicted.get(size, 0) + 1, PUBLISHED_SIZES)
             size_bytes = {s: sum(bytes_of[i] for i in ids) for s, ids in self.__entries_of.items()}
             held = set(self.__entries_of) | set(self.__serving) | set(self.__awaiting)
             return figures, held, size_bytes, len(self.__building)
@@ -335,6 +339,7 @@ class CachedReplica:
             builds = size not in self.__entries_of
             if serving:
                 self.__serving[size] += 1
+                remember(self.__requests, size, self.__requests.get(size, 0) + 1, PUBLISHED_SIZES)
             if builds:
                 self.__building[size] += 1
         built: list = []
@@ -367,7 +372,7 @@ class CachedReplica:
                     self.__awaiting[size] = time.monotonic()
 
     def __prewarm(self, sizes: list[tuple]) -> None:
-        """Builds `sizes` in their order (the most built first) while the next fits."""
+        """Builds `sizes` in their order (the most requested first) while the next fits."""
         if len(self.size_keys) > 1:
             sizes = [s for s in sizes if len(s) == len(self.size_keys)]
         start = time.perf_counter()

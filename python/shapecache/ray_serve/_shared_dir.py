@@ -167,12 +167,15 @@ class SharedDir:
         finally:
             os.close(fd)
 
-    def hot_sizes(self, name: str, limit: int | None = None) -> list[tuple[int, ...]]:
-        """The sizes the fleet built, most often built first (then the larger first): the
-        sizes a new replica builds before it reports ready. The record is other processes'
-        writing: a line that is not a size a request could have had (torn, foreign, not JSON,
-        not UTF-8, numbers out of range, a side not in 1..MAX_SIDE) is skipped, and the count
-        of those is logged; no line can keep a replica from starting."""
+    def hot_sizes(self, name: str, limit: int | None = None, replicas: str | None = None) -> list[tuple[int, ...]]:
+        """The sizes the fleet built (the record `name`), the most requested first: by the
+        requests of each that the replicas publishing in the fleet's directory `replicas`
+        (``CachedReplica.replicas_dir()``) served, counting those gone within GONE_AFTER_S
+        (their demand outlives them); then the most often built, then the larger. These are
+        the sizes a new replica builds. The record is other processes' writing: a line that is
+        not a size a request could have had (torn, foreign, not JSON, not UTF-8, numbers out of
+        range, a side not in 1..MAX_SIDE) is skipped, and the count of those is logged; no line
+        can keep a replica from starting. The replicas' stats only order the record's sizes."""
         counts: collections.Counter = collections.Counter()
         skipped = 0
         try:
@@ -186,7 +189,10 @@ class SharedDir:
             return []
         if skipped:
             logger.warning("shapecache: %d lines of %s are not sizes and were skipped", skipped, self.path / name)
-        ranked = sorted(counts, key=lambda s: (-counts[s], -math.prod(s), s))
+        requests: collections.Counter = collections.Counter()
+        for state in self.fleet(replicas, GONE_AFTER_S) if replicas is not None else ():
+            requests.update({size: count for size, count in state.requests.items() if size in counts and count > 0})
+        ranked = sorted(counts, key=lambda s: (-requests[s], -counts[s], -math.prod(s), s))
         return ranked if limit is None else ranked[:limit]
 
 
