@@ -152,15 +152,23 @@ def kill_busiest_replica(app_name: str, replies: list) -> str:
 
 
 def rehomed_seconds(killed: str, before: list, after: list) -> dict:
-    """For each size the killed replica served before the kill: seconds from its first request
-    after the kill to the end of its first hit (inf: none)."""
+    """For each size the killed replica served before the kill: (seconds from its first request
+    after the kill to the end of its first hit, inf where none was; the requests of it after
+    the kill). A size requested once after the kill, by the request that built it again, has
+    had no chance of a hit."""
     sizes = {tuple(r["size"]) for r in before if r["replica"] == killed}
-    seconds = {}
+    rehomed = {}
     for size in sizes:
         mine = sorted((r for r in after if tuple(r["size"]) == size), key=lambda r: r["sent"])
         hits = [r["ended"] for r in mine if not r["built"]]
-        seconds[size] = (min(hits) - mine[0]["sent"]) if mine and hits else math.inf
-    return seconds
+        rehomed[size] = ((min(hits) - mine[0]["sent"]) if mine and hits else math.inf, len(mine))
+    return rehomed
+
+
+def rehomed_text(rehomed: dict) -> str:
+    """'256x256 6.1 s (9 requests after the kill), 128x256 never (1 request after the kill)'."""
+    return ", ".join(f"{h}x{w} {'never' if math.isinf(s) else f'{s:.1f} s'} ({n} request{'s' * (n != 1)} after the kill)"
+                     for (h, w), (s, n) in sorted(rehomed.items()))
 
 
 def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
@@ -355,7 +363,7 @@ def main(argv=None) -> int:
             for r, name in ((d, "default"), (a, "affinity")):
                 if r["rehomed"] is not None:
                     print(f"{kind} {name}: the killed replica's sizes, first request after the kill to first hit: "
-                          + ", ".join(f"{h}x{w} {s:.1f} s" for (h, w), s in sorted(r["rehomed"].items())))
+                          + rehomed_text(r["rehomed"]))
             if a["published"] is not None:
                 p = a["published"]
                 print(f"{kind}: the affinity replicas published {p['packages']} of {p['of']} packages, "
@@ -370,7 +378,7 @@ def main(argv=None) -> int:
             print(f"\nshared directory against cold: {new_replica['cold']['served_all'] / new_replica['shared']['served_all']:.1f}x "
                   "faster to serve every hot size")
     runs = {f"{k}/{r}": {**v, "rehomed": None if v["rehomed"] is None else
-                         {f"{h}x{w}": s for (h, w), s in v["rehomed"].items()}}
+                         {f"{h}x{w}": {"seconds": s, "requests": n} for (h, w), (s, n) in v["rehomed"].items()}}
             for (k, r), v in results.items()}
     print(json.dumps({"runs": runs, "new_replica": new_replica}), file=sys.stderr)
     for failure in failures:
