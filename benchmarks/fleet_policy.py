@@ -2,7 +2,7 @@
 torch: shapecache/ray_serve/_simulated_fleet.py), with and without a replica killed half-way.
 
     python benchmarks/fleet_policy.py [--fleet diffusion|res-convnet] [--seeds 10] [--requests 4000]
-                                      [--replicas 3] [--budget-entries 2.5]
+                                      [--replicas 3] [--budget-entries 2.5] [--prewarm-s SECONDS]
 
 `--fleet diffusion` (the default): six sizes from 512x512 to 896x896 whose entries take
 100 MiB per 512x512 of area and 20 s per 512x512 to build, three clients, a budget of
@@ -10,7 +10,9 @@ torch: shapecache/ray_serve/_simulated_fleet.py), with and without a replica kil
 minute later with an empty cache. `--fleet res-convnet`: the fleet of
 `benchmarks/ray_serve.py --sizes 6 --replicas 3 --kill --budget-mib 136` as measured there:
 six sizes whose frozen entries take 54 MiB and 7 s to build, 136 MiB per replica (two
-entries), two clients, a replacement 5 s after the kill. Each
+entries), two clients, a replacement 5 s after the kill. `--prewarm-s S`: the replacement
+pre-warms (``prewarm_order``: what no live replica holds first), S seconds a size (a package's
+load: under a second; a build: `build_s`); by default it starts empty. Each
 router runs the same streams (Zipf, s=1.1), one per seed; inline builds (a miss waits for its
 build) and background builds (a miss is served uncached while the replica's compiler builds).
 
@@ -39,6 +41,7 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--budget-entries", type=float, default=2.5)
+    parser.add_argument("--prewarm-s", type=float, default=None)
     args = parser.parse_args(argv)
     if args.fleet == "diffusion":
         sizes = {s: SizeCost(int(s[0] * s[1] / 512 / 512 * 100 * MiB), 20 * s[0] * s[1] / 512 / 512) for s in SIDES}
@@ -48,8 +51,9 @@ def main(argv=None) -> int:
                                                       (256, 128)]}
         fleet = {"clients": 2, "restart_s": 5.0}
     budget = int(args.budget_entries * statistics.mean(c.bytes for c in sizes.values()))
+    prewarm = "empty" if args.prewarm_s is None else f"pre-warming {args.prewarm_s:g} s a size"
     print(f"{args.replicas} replicas, budget {budget / MiB:.0f} MiB each, {len(sizes)} sizes, "
-          f"{args.requests} requests, {args.seeds} seeds")
+          f"{args.requests} requests, {args.seeds} seeds, the replacement {prewarm}")
     print(f"{'build':<11}{'kill':<6}{'router':<10}{'hit rate':>9}{'worst':>7}{'p50 s':>8}{'p99 s':>8}"
           f"{'builds':>8}{'evicted':>8}{'re-homed s':>12}{'worst':>8}")
     for build in ("inline", "background"):
@@ -57,7 +61,8 @@ def main(argv=None) -> int:
             p99 = {}
             for router in ("default", "affinity"):
                 reports = [simulate_fleet(SimulatedFleet(sizes, replicas=args.replicas, budget=budget, build=build,
-                                          requests=args.requests, kill_at_fraction=kill, seed=seed, **fleet), router)
+                                          requests=args.requests, kill_at_fraction=kill, seed=seed,
+                                                         prewarm_s=args.prewarm_s, **fleet), router)
                            for seed in range(args.seeds)]
                 rehomed = [s for r in reports for s in r.rehomed_s.values()] or [math.nan]
                 p99[router] = statistics.median(r.p99_s for r in reports)

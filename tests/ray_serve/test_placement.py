@@ -254,17 +254,19 @@ def figures(nbytes, budget, entries, pending):
 
 def test_routing_stats_round_trip_and_foreign_stats_count_as_missing():
     stats = routing_stats([(64, 64), (96, 128)], figures(5 * MiB, 100 * MiB, 2, 1), NOW, building=1,
-                          size_bytes={(64, 64): 3 * MiB}, requests={(64, 64): 7, (32, 32): 1})
+                          size_bytes={(64, 64): 3 * MiB}, requests={(64, 64): 7, (32, 32): 1}, period_s=2.5)
     state = ReplicaState.from_routing_stats("a", stats, full=True)
     assert state == ReplicaState("a", frozenset({(64, 64), (96, 128)}), 5 * MiB, 100 * MiB, 2, 1, NOW, True,
                                  building=1, size_bytes={(64, 64): 3 * MiB},
-                                 counts={name: i for i, name in enumerate(COUNTS)}, requests={(64, 64): 7, (32, 32): 1})
+                                 counts={name: i for i, name in enumerate(COUNTS)}, requests={(64, 64): 7, (32, 32): 1},
+                                 period_s=2.5)
     ours = stats[FORMAT_KEY]
     for foreign in ({}, None, {"queue": 3}, {FORMAT_KEY: {"version": 99}}, {FORMAT_KEY: {"version": FORMAT_VERSION, "sizes": "x"}},
                     {FORMAT_KEY: {"version": FORMAT_VERSION}}, {FORMAT_KEY: {**ours, "size_bytes": [[1]]}},
                     {FORMAT_KEY: {**ours, "counts": {}}}, {FORMAT_KEY: {**ours, "version": 2}},
                     {FORMAT_KEY: {**ours, "requests": [[[64, 64], "many"]]}},
-                    {FORMAT_KEY: {k: v for k, v in ours.items() if k != "requests"}}):
+                    {FORMAT_KEY: {k: v for k, v in ours.items() if k != "requests"}},
+                    {FORMAT_KEY: {**ours, "period_s": float("nan")}}):
         assert ReplicaState.from_routing_stats("a", foreign) == ReplicaState("a")
 
 

@@ -81,10 +81,13 @@ def test_a_replica_holds_the_sizes_whose_entries_are_cached():
     # what the router weighs: each held size's bytes, the sizes evicted, the cache's counts
     assert state.size_bytes.keys() == {(8, 12), (12, 8)} and state.evicted == {(8, 8): 1}
     assert state.counts["evictions"] == 1 and state.counts["builds"] == 3 and state.building == 0
+    assert NetReplica().record_routing_stats()["shapecache"]["period_s"] is None  # a first publication
     replica(size=(8, 12))
-    # and the requests of each size it served, which a replica started later pre-warms by
-    requests = ReplicaState.from_routing_stats("r", replica.record_routing_stats()).requests
-    assert requests == {(8, 8): 1, (8, 12): 2, (12, 8): 1}
+    # the requests of each size it served, which a replica started later pre-warms by, and the
+    # time since its last publication, which tells one started later whether it is gone
+    again = ReplicaState.from_routing_stats("r", replica.record_routing_stats())
+    assert again.requests == {(8, 8): 1, (8, 12): 2, (12, 8): 1}
+    assert 0 < again.period_s < 60
 
 
 def test_each_request_can_say_what_it_got():
@@ -322,25 +325,26 @@ def test_a_replica_started_after_others_prewarms_the_fleet_s_hot_sizes(tmp_path)
     assert len((tmp_path / NetReplica.sizes_file()).read_text().splitlines()) == 3
 
 
-def test_a_replacement_prewarms_the_most_requested_sizes_first_a_dead_replica_s_demand_included(tmp_path):
+def test_a_replacement_prewarms_what_no_live_replica_holds_then_the_most_requested(tmp_path):
     shared = SharedDir(tmp_path)
     # (16, 16) was built most often (it kept being evicted), but was requested least
     shared.record_sizes([(16, 16), (16, 16), (16, 16), (8, 8), (8, 12), (12, 12)], NetReplica.sizes_file())
     now = time.time()
-    published = {
-        "live": ({(8, 8): 50, (16, 16): 3}, now),
-        "dead": ({(8, 12): 40, (12, 12): 2}, now - 3600),  # killed an hour ago: its demand is the replacement's
-        "foreign": ({(99, 99): 10**9, (16, 16): -10**9}, now),  # sizes no replica built, and no count, order nothing
+    published = {  # replica id -> (sizes held, requests served, published at, its period)
+        "live": ([(8, 8)], {(8, 8): 50, (16, 16): 3}, now - 1, 2.0),
+        # killed a minute ago: its sizes are held nowhere now, and its demand is the replacement's
+        "dead": ([(8, 12), (12, 12)], {(8, 12): 40, (12, 12): 2}, now - 60, 2.0),
+        "foreign": ([], {(99, 99): 10**9, (16, 16): -10**9}, now, None),  # sizes no replica built, and no count
     }
-    for replica_id, (requests, at) in published.items():
-        stats = routing_stats([], {"bytes": 0, "budget": None, "entries": [], "pending_builds": 0,
-                                   **dict.fromkeys(COUNTS, 0)}, at, requests=requests)
+    for replica_id, (sizes, requests, at, period) in published.items():
+        stats = routing_stats(sizes, {"bytes": 0, "budget": None, "entries": [], "pending_builds": 0,
+                                      **dict.fromkeys(COUNTS, 0)}, at, requests=requests, period_s=period)
         shared.publish_replica(NetReplica.replicas_dir(), replica_id, stats)
     assert shared.hot_sizes(NetReplica.sizes_file(), replicas=NetReplica.replicas_dir()) == \
-        [(8, 8), (8, 12), (16, 16), (12, 12)]
+        [(8, 12), (16, 16), (12, 12), (8, 8)]
     assert shared.hot_sizes(NetReplica.sizes_file()) == [(16, 16), (12, 12), (8, 12), (8, 8)]  # built: most first
     replacement = NetReplica(shared_dir=tmp_path, max_entries=2, prewarm="inline")
-    assert replacement.prewarmed == [(8, 8), (8, 12)] and held(replacement) == {(8, 8), (8, 12)}
+    assert replacement.prewarmed == [(8, 12), (16, 16)] and held(replacement) == {(8, 12), (16, 16)}
 
 
 def test_sizes_built_in_the_background_on_request_are_recorded_once_built_and_prewarmed_by_the_next(tmp_path):

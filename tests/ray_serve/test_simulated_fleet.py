@@ -40,6 +40,18 @@ def test_with_a_replica_killed_affinity_keeps_its_hits_and_its_tail_where_the_de
     assert all(seconds < float("inf") for r in affinity for seconds in r.rehomed_s.values())
 
 
+def test_a_replacement_that_prewarms_builds_first_what_no_live_replica_holds_and_keeps_the_goals():
+    affinity = runs("inline", "affinity", prewarm_s=0.5)  # each size a package's load
+    assert statistics.mean(r.hit_rate for r in affinity) >= 0.95
+    for report in affinity:
+        assert report.prewarmed, "the replacement pre-warmed nothing"
+        # what no live replica held (its predecessor's sizes, and those the survivors evicted) first, as
+        # far as they fit
+        first = report.prewarmed[:len(report.held_nowhere)]
+        assert set(first) <= report.held_nowhere or report.held_nowhere <= set(first)
+        assert len(report.prewarmed) == len(set(report.prewarmed))
+
+
 @pytest.mark.parametrize("kill_at_fraction", [None, 0.5])
 def test_with_background_builds_no_request_waits_for_a_build(kill_at_fraction):
     # A request waits at most for the requests ahead of it, each served uncached or as a hit.

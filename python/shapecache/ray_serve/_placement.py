@@ -156,6 +156,7 @@ class ReplicaState:
     counts: Mapping = field(default_factory=dict)  # COUNTS, as its cache counted them
     evicted: Mapping = field(default_factory=dict)  # size -> times its entries were evicted here
     requests: Mapping = field(default_factory=dict)  # size -> requests of it served here since the replica started
+    period_s: float | None = None  # seconds since its publication before this one; None: its first
 
     @classmethod
     def from_routing_stats(cls, replica_id: str, stats: object, full: bool = False) -> ReplicaState:
@@ -181,6 +182,7 @@ class ReplicaState:
                 counts={name: int(counts[name]) for name in COUNTS},
                 evicted=_by_size(ours["evicted"]),
                 requests=_by_size(ours["requests"]),
+                period_s=None if ours["period_s"] is None else _finite(float(ours["period_s"])),
             )
         except (KeyError, TypeError, ValueError, OverflowError):
             return cls(replica_id, full=full)
@@ -196,11 +198,12 @@ class ReplicaState:
 
 def routing_stats(sizes: Iterable[Size], figures: Mapping, published_at: float, building: int = 0,
                   size_bytes: Mapping | None = None, evicted: Mapping | None = None,
-                  requests: Mapping | None = None) -> dict:
+                  requests: Mapping | None = None, period_s: float | None = None) -> dict:
     """What a replica publishes: the sizes it holds, its cache's figures (``sc.stats``:
     bytes, budget, entries, pending_builds and COUNTS), the requests building now, the
     bytes of each size held, how often each size was evicted and how many requests of each
-    it served, in the format ``ReplicaState`` reads."""
+    it served, and the seconds since its last publication (None: this is its first), in the
+    format ``ReplicaState`` reads."""
     return {
         FORMAT_KEY: {
             "version": FORMAT_VERSION,
@@ -215,6 +218,7 @@ def routing_stats(sizes: Iterable[Size], figures: Mapping, published_at: float, 
             "evicted": sorted([list(size), int(times)] for size, times in (evicted or {}).items()),
             "requests": sorted([list(size), int(count)] for size, count in (requests or {}).items()),
             "published_at": published_at,
+            "period_s": period_s,
         }
     }
 

@@ -134,6 +134,7 @@ class CachedReplica:
         self.__building: collections.Counter = collections.Counter()  # ... of those, not held when their call came
         self.__evicted: dict[tuple, int] = {}  # size -> times its entries went (most recent last)
         self.__requests: dict[tuple, int] = {}  # size -> requests of it served (most recent last)
+        self.__published: float | None = None  # time.monotonic() of its last routing stats
         # size -> when a call of it last ran uncached (its build queued in the background): it is
         # published as held until a call of it is served by entries, or for AWAITING_S
         self.__awaiting: dict[tuple, float] = {}
@@ -229,10 +230,14 @@ class CachedReplica:
         # queued in the background (served uncached meanwhile): an inline build holds the
         # replica, a background one does not.
         building = max(0, not_held - figures["pending_builds"])
+        now = time.monotonic()
         with self.__lock:
             evicted, requests = dict(self.__evicted), dict(self.__requests)
+            # Its period, as a replica started later reads it: how long its silence means it is gone.
+            period_s = None if self.__published is None else now - self.__published
+            self.__published = now
         stats = routing_stats(held, figures, time.time(), building=building, size_bytes=size_bytes, evicted=evicted,
-                              requests=requests)
+                              requests=requests, period_s=period_s)
         if self.shared_dir is not None:
             self.__write_fleet_view(stats)
         return stats

@@ -10,7 +10,11 @@ What it models of Ray Serve (2.60) and of a replica:
   ``max_ongoing_requests`` (the one with the shortest queue within the rank), else retries
   after `backoff_s`; the default policy takes the shorter queue of two replicas drawn at
   random. A killed replica's requests are retried at once; Serve starts a replacement
-  `restart_s` later, with an empty cache.
+  `restart_s` later, with an empty cache, which pre-warms where `prewarm_s` is set: the sizes
+  in ``prewarm_order`` (what no live replica holds first, then the most requested, as the
+  replicas' last publications say), one at a time, `prewarm_s` each (a package's load from
+  the shared directory, or a build), while the next fits its budget; a size being pre-warmed
+  is published as building, as ``CachedReplica`` does.
 - A replica runs its admitted requests one model call at a time (a CPU replica's calls share
   its cores; a GPU replica's share its device). A size it holds is a hit (`hit_s`); one it
   does not is built inline in the call (`build_s` more) or, with ``build="background"``,
@@ -18,8 +22,8 @@ What it models of Ray Serve (2.60) and of a replica:
   is kept while its bytes fit the budget beside what is held, the least recently used going
   first.
 - A replica publishes what ``CachedReplica.record_routing_stats`` does every `stats_period_s`
-  (each at its own phase): the sizes held or being served, bytes, builds in flight and the
-  bytes of each size.
+  (each at its own phase): the sizes held or being served, bytes, builds in flight, the
+  bytes of each size, the requests of each and its period.
 
 What it does not model: the GIL and queue-length probes answered late (``spill_after_s``),
 memory other than the cache's, several routers.
@@ -35,6 +39,7 @@ import random
 from dataclasses import dataclass, field, replace
 
 from shapecache.ray_serve._placement import Placement, ReplicaState
+from shapecache.ray_serve._prewarm_order import live, prewarm_order
 
 __all__ = ["FleetReport", "SimulatedFleet", "SizeCost", "simulate_fleet"]
 
@@ -68,6 +73,7 @@ class SimulatedFleet:
     warm_up_fraction: float = 0.2  # requests before this fraction of the stream are not counted
     kill_at_fraction: float | None = 0.5  # a replica is killed when this fraction has arrived
     restart_s: float = 60.0
+    prewarm_s: float | None = None  # seconds a replacement takes to pre-warm a size; None: it pre-warms none
     seed: int = 0
 
     def stream(self) -> list[Size]:
@@ -91,6 +97,7 @@ class _Replica:
     published: ReplicaState | None = None
     alive: bool = True
     evicted: collections.Counter = field(default_factory=collections.Counter)  # size -> times evicted
+    requests: collections.Counter = field(default_factory=collections.Counter)  # size -> requests admitted
 
     def queue(self) -> int:
         return len(self.admitted) + (self.running is not None)
@@ -113,7 +120,8 @@ class _Replica:
         self.published = ReplicaState(
             self.rid, listed, held, self.budget, len(self.entries), len(self.pending), now,
             building=max(0, len(self.building) - len(self.pending)), size_bytes=dict(self.entries),
-            evicted=dict(self.evicted))
+            evicted=dict(self.evicted), requests=dict(self.requests),
+            period_s=None if self.published is None else now - self.published.published_at)
 
 
 @dataclass
@@ -140,6 +148,10 @@ class FleetReport:
     builds: int
     # the killed replica's sizes -> seconds from their first request after the kill to their first hit
     rehomed_s: dict
+    # what the replacement pre-warmed, in order, and the sizes built before that no live replica's
+    # publication listed when it started
+    prewarmed: tuple = ()
+    held_nowhere: frozenset = frozenset()
 
 
 def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None = None,
@@ -180,8 +192,12 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
     first_hit: dict = {}
     done: list[_Request] = []
     evictions = builds = 0
+    built: collections.Counter = collections.Counter()  # size -> builds on request: the sizes record
+    prewarmed: list = []
+    held_nowhere: set = set()
 
     def admit(replica: _Replica, request: _Request, now: float) -> None:
+        replica.requests[request.size] += 1
         request.builds = request.size not in replica.entries
         if request.builds:
             replica.building[request.size] += 1
@@ -203,11 +219,13 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
             seconds = fleet.hit_s
         elif fleet.build == "inline":
             builds += 1
+            built[request.size] += 1
             seconds = cost.build_s + fleet.hit_s
         else:
             seconds = fleet.uncached_s
             if request.size not in replica.pending:
                 builds += 1
+                built[request.size] += 1
                 replica.pending.add(request.size)
                 replica.builds_ready_at = max(now, replica.builds_ready_at) + cost.build_s
                 at(replica.builds_ready_at, "built", replica, request.size)
@@ -256,6 +274,26 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
             route(request, now)
         elif what == "restart":
             start_replica(now)
+            if fleet.prewarm_s is not None:
+                new = replicas[-1]
+                published = [r.published for r in replicas if r.published is not None]
+                held_nowhere = set(built) - {s for state in published if live(state, now) for s in state.sizes}
+                at(now, "prewarm", new, prewarm_order(built, published, now))
+        elif what == "prewarm":  # the next size of the replica's pre-warm, while it fits
+            replica, sizes = args
+            sizes = [size for size in sizes if size not in replica.entries]
+            if replica.alive and sizes and sum(replica.entries.values()) + fleet.sizes[sizes[0]].bytes <= replica.budget:
+                replica.building[sizes[0]] += 1
+                at(now + fleet.prewarm_s, "prewarmed", replica, sizes)
+        elif what == "prewarmed":
+            replica, sizes = args
+            replica.building[sizes[0]] -= 1
+            if not replica.building[sizes[0]]:
+                del replica.building[sizes[0]]
+            if replica.alive:
+                evictions += replica.keep(sizes[0], fleet.sizes[sizes[0]].bytes)
+                prewarmed.append(sizes[0])
+                at(now, "prewarm", replica, sizes[1:])
         elif what == "publish":
             replica = args[0]
             if replica.alive:
@@ -294,4 +332,6 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
         evictions=evictions,
         builds=builds,
         rehomed_s={size: first_hit.get(size, math.inf) for size in sorted(first_request)},
+        prewarmed=tuple(prewarmed),
+        held_nowhere=frozenset(held_nowhere),
     )
