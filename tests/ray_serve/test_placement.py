@@ -3,6 +3,8 @@ no torch. Each test states the rule of the module's docstring it checks."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
@@ -263,11 +265,16 @@ def test_routing_stats_round_trip_and_foreign_stats_count_as_missing():
     ours = stats[FORMAT_KEY]
     for foreign in ({}, None, {"queue": 3}, {FORMAT_KEY: {"version": 99}}, {FORMAT_KEY: {"version": FORMAT_VERSION, "sizes": "x"}},
                     {FORMAT_KEY: {"version": FORMAT_VERSION}}, {FORMAT_KEY: {**ours, "size_bytes": [[1]]}},
-                    {FORMAT_KEY: {**ours, "counts": {}}}, {FORMAT_KEY: {**ours, "version": 2}},
+                    {FORMAT_KEY: {**ours, "counts": {}}}, {FORMAT_KEY: {**ours, "version": FORMAT_VERSION - 1}},
                     {FORMAT_KEY: {**ours, "requests": [[[64, 64], "many"]]}},
-                    {FORMAT_KEY: {k: v for k, v in ours.items() if k != "requests"}},
                     {FORMAT_KEY: {**ours, "period_s": float("nan")}}):
         assert ReplicaState.from_routing_stats("a", foreign) == ReplicaState("a")
+    # a replica of an earlier release publishes neither requests nor its period; a period not
+    # above 0 is none
+    earlier = {FORMAT_KEY: {k: v for k, v in ours.items() if k not in ("requests", "period_s")}}
+    assert ReplicaState.from_routing_stats("a", earlier, full=True) == replace(state, requests={}, period_s=None)
+    for period in (0, -2.0):
+        assert ReplicaState.from_routing_stats("a", {FORMAT_KEY: {**ours, "period_s": period}}).period_s is None
 
 
 sizes = st.tuples(st.integers(1, 4), st.integers(1, 4))

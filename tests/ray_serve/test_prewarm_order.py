@@ -3,44 +3,80 @@ a plain function of the sizes record and the replicas' last publications."""
 
 from __future__ import annotations
 
+import pytest
+
 from shapecache.ray_serve._placement import ReplicaState
-from shapecache.ray_serve._prewarm_order import FIRST_SILENCE_S, LIVE_PERIODS, live, prewarm_order
+from shapecache.ray_serve._prewarm_order import (
+    FIRST_SILENCE_S,
+    LIVE_CEILING_S,
+    LIVE_FLOOR_S,
+    LIVE_PERIODS,
+    decided_at,
+    live,
+    prewarm_order,
+)
 
 NOW = 1_000_000.0
 
 
-def replica(rid: str, sizes=(), requests=None, silent_s: float = 0.0, period_s: float | None = 2.0) -> ReplicaState:
+def replica(rid: str, sizes=(), requests=None, silent_s: float = 0.0, period_s: float | None = 8.0) -> ReplicaState:
     return ReplicaState(rid, sizes=frozenset(sizes), published_at=NOW - silent_s, requests=requests or {},
                         period_s=period_s)
 
 
-def test_a_replica_is_gone_once_it_has_missed_its_periods():
-    assert live(replica("a", silent_s=LIVE_PERIODS * 2.0), NOW)
-    assert not live(replica("a", silent_s=LIVE_PERIODS * 2.0 + 0.1), NOW)
-    assert live(replica("a", silent_s=LIVE_PERIODS * 10.0, period_s=10.0), NOW)  # its own period, not another's
-    # one that published once says no period: gone after FIRST_SILENCE_S
-    assert live(replica("a", silent_s=FIRST_SILENCE_S - 1, period_s=None), NOW)
-    assert not live(replica("a", silent_s=FIRST_SILENCE_S + 1, period_s=None), NOW)
-    assert not live(ReplicaState("a"), NOW)  # nothing valid published
+@pytest.mark.parametrize(("period_s", "silence_s"), [
+    (8.0, LIVE_PERIODS * 8.0),  # its own periods...
+    (1.0, LIVE_FLOOR_S),  # ...but never sooner than the floor (a late stats call)...
+    (1e-6, LIVE_FLOOR_S),
+    (1e300, LIVE_CEILING_S),  # ...nor later than the ceiling
+    (None, FIRST_SILENCE_S),  # it published once: no period known
+])
+def test_a_replica_is_gone_once_silent_for_its_periods_within_bounds(period_s, silence_s):
+    assert live(replica("a", silent_s=silence_s - 0.5, period_s=period_s), NOW)
+    assert not live(replica("a", silent_s=silence_s + 0.5, period_s=period_s), NOW)
+    # a stamp ahead of this clock by more than that is a clock gone wrong, or a forgery
+    assert live(replica("a", silent_s=-(silence_s - 0.5), period_s=period_s), NOW)
+    assert not live(replica("a", silent_s=-(silence_s + 0.5), period_s=period_s), NOW)
 
 
-def test_sizes_no_live_replica_holds_come_first_then_the_most_requested_then_the_most_built():
-    built = {(64, 64): 1, (96, 64): 5, (128, 128): 1, (64, 96): 1, (32, 32): 2}
+def test_a_pre_warm_waits_until_a_replica_that_missed_a_publication_is_live_again_or_gone():
+    on_time = replica("a", silent_s=7.0)  # within its period of 8 s
+    assert decided_at([on_time], NOW) == NOW
+    late = replica("b", silent_s=12.0)  # missed one: dead, or a stats call answered late
+    assert decided_at([on_time, late], NOW) == NOW - 12.0 + LIVE_PERIODS * 8.0
+    gone = replica("c", silent_s=60.0)
+    first = replica("d", silent_s=25.0, period_s=None)  # no period: nothing missed that it can tell
+    assert decided_at([gone, first], NOW) == NOW
+    forged = replica("e", silent_s=-10**6, period_s=1e300)  # far ahead: not live, so not waited for
+    assert decided_at([forged], NOW) == NOW
+
+
+def test_nothing_published_is_not_live():
+    assert not live(ReplicaState("a"), NOW)
+
+
+def test_requested_sizes_no_live_replica_holds_come_first_then_the_most_requested_then_the_most_built():
+    built = {(64, 64): 1, (96, 64): 5, (128, 128): 1, (64, 96): 1, (32, 32): 2, (16, 16): 9}
     fleet = [
         replica("survivor", sizes={(64, 64), (32, 32)}, requests={(64, 64): 90, (96, 64): 2}),
         replica("dead", sizes={(128, 128), (64, 96)}, requests={(128, 128): 30, (64, 96): 40}, silent_s=60),
     ]
     # the dead replica's sizes, the most requested first; then the one that kept being evicted
-    # (built most, requested least); then what the survivor holds
-    assert prewarm_order(built, fleet, NOW) == [(64, 96), (128, 128), (96, 64), (64, 64), (32, 32)]
+    # (built most, requested least); then, with what the survivor holds, (16, 16), which no
+    # publication says was requested (the record keeps every size ever built)
+    assert prewarm_order(built, fleet, NOW) == [(64, 96), (128, 128), (96, 64), (64, 64), (16, 16), (32, 32)]
     # while its silence is within its periods the dead replica counts as holding its sizes: the
-    # size no one holds first, then the most requested
-    assert prewarm_order(built, fleet, NOW - 59) == [(96, 64), (64, 64), (64, 96), (128, 128), (32, 32)]
+    # requested size no one holds first, then the most requested
+    live_yet = [fleet[0], replica("dead", sizes={(128, 128), (64, 96)}, requests={(128, 128): 30, (64, 96): 40},
+                                  silent_s=LIVE_PERIODS * 8.0 - 1)]
+    assert prewarm_order(built, live_yet, NOW) == [(96, 64), (64, 64), (64, 96), (128, 128), (16, 16), (32, 32)]
     # without publications: the most built first, then the larger
-    assert prewarm_order(built, [], NOW) == [(96, 64), (32, 32), (128, 128), (64, 96), (64, 64)]
+    assert prewarm_order(built, [], NOW) == [(16, 16), (96, 64), (32, 32), (128, 128), (64, 96), (64, 64)]
 
 
 def test_published_counts_order_only_the_recorded_sizes_and_only_where_positive():
     built = {(64, 64): 1, (96, 64): 1}
-    fleet = [replica("foreign", requests={(640, 640): 10**9, (64, 64): -10**9, (96, 64): 0})]
-    assert prewarm_order(built, fleet, NOW) == [(96, 64), (64, 64)]  # equal: the larger first
+    fleet = [replica("foreign", requests={(640, 640): 10**9, (96, 64): -10**9, (64, 64): 0})]
+    assert prewarm_order(built, fleet, NOW) == [(96, 64), (64, 64)]  # no count: the larger first
+    fleet = [replica("other", requests={(64, 64): 1})]
+    assert prewarm_order(built, fleet, NOW) == [(64, 64), (96, 64)]

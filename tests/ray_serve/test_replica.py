@@ -138,8 +138,8 @@ def test_the_fleet_view_reads_what_each_replica_published_and_nothing_else(tmp_p
     for replica in (first, second):
         replica.record_routing_stats()
     fleet = tmp_path / NetReplica.replicas_dir()
-    (fleet / "torn.json").write_bytes(b'{"shapecache": {"version": 3, "sizes": [[8,')
-    (fleet / "infinite.json").write_bytes(b'{"shapecache": {"version": 3, "published_at": Infinity}}')
+    (fleet / "torn.json").write_bytes(b'{"shapecache": {"version": 2, "sizes": [[8,')
+    (fleet / "infinite.json").write_bytes(b'{"shapecache": {"version": 2, "published_at": Infinity}}')
     (fleet / "deep.json").write_bytes(b"[" * 100_000)
     (fleet / "huge.json").write_bytes(b" " * (5 << 20))
     states = sorted(NetReplica.fleet_view(tmp_path), key=lambda state: sorted(state.sizes))
@@ -331,7 +331,7 @@ def test_a_replacement_prewarms_what_no_live_replica_holds_then_the_most_request
     shared.record_sizes([(16, 16), (16, 16), (16, 16), (8, 8), (8, 12), (12, 12)], NetReplica.sizes_file())
     now = time.time()
     published = {  # replica id -> (sizes held, requests served, published at, its period)
-        "live": ([(8, 8)], {(8, 8): 50, (16, 16): 3}, now - 1, 2.0),
+        "live": ([(8, 8)], {(8, 8): 50, (16, 16): 3}, now - 1, 600.0),
         # killed a minute ago: its sizes are held nowhere now, and its demand is the replacement's
         "dead": ([(8, 12), (12, 12)], {(8, 12): 40, (12, 12): 2}, now - 60, 2.0),
         "foreign": ([], {(99, 99): 10**9, (16, 16): -10**9}, now, None),  # sizes no replica built, and no count
@@ -345,6 +345,8 @@ def test_a_replacement_prewarms_what_no_live_replica_holds_then_the_most_request
     assert shared.hot_sizes(NetReplica.sizes_file()) == [(16, 16), (12, 12), (8, 12), (8, 8)]  # built: most first
     replacement = NetReplica(shared_dir=tmp_path, max_entries=2, prewarm="inline")
     assert replacement.prewarmed == [(8, 12), (16, 16)] and held(replacement) == {(8, 12), (16, 16)}
+    # what it pre-warmed is not demand: it publishes no request
+    assert ReplicaState.from_routing_stats("r", replacement.record_routing_stats()).requests == {}
 
 
 def test_sizes_built_in_the_background_on_request_are_recorded_once_built_and_prewarmed_by_the_next(tmp_path):

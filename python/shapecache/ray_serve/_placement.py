@@ -91,7 +91,7 @@ PLAN_PERIOD_S = 1.0
 # Sizes whose request rate (requests per half-life) is below this are left out of the plan:
 # they reserve no room.
 PLANNED_RATE = 0.5
-FORMAT_VERSION = 3
+FORMAT_VERSION = 2
 # What a replica's publication counts, as sc.stats names them.
 COUNTS = ("calls", "hits", "misses", "builds", "evictions", "uncached_calls")
 
@@ -133,6 +133,14 @@ def _finite(value: float) -> float:
     return value
 
 
+def _period(value: object) -> float | None:
+    """A publication's period: None where it says none, or one that is no period (not above 0)."""
+    if value is None:
+        return None
+    period = _finite(float(value))
+    return period if period > 0 else None
+
+
 def _by_size(value: object) -> dict:
     """{size: number} from a publication's [[size, number], ...]."""
     return {tuple(int(d) for d in size): int(number) for size, number in value}
@@ -155,8 +163,8 @@ class ReplicaState:
     size_bytes: Mapping = field(default_factory=dict)  # size -> bytes of the entries its calls used
     counts: Mapping = field(default_factory=dict)  # COUNTS, as its cache counted them
     evicted: Mapping = field(default_factory=dict)  # size -> times its entries were evicted here
-    requests: Mapping = field(default_factory=dict)  # size -> requests of it served here since the replica started
-    period_s: float | None = None  # seconds since its publication before this one; None: its first
+    requests: Mapping = field(default_factory=dict)  # size -> requests of it started here since the replica started
+    period_s: float | None = None  # seconds since its publication before this one; None: its first, or not said
 
     @classmethod
     def from_routing_stats(cls, replica_id: str, stats: object, full: bool = False) -> ReplicaState:
@@ -181,8 +189,9 @@ class ReplicaState:
                 size_bytes=_by_size(ours["size_bytes"]),
                 counts={name: int(counts[name]) for name in COUNTS},
                 evicted=_by_size(ours["evicted"]),
-                requests=_by_size(ours["requests"]),
-                period_s=None if ours["period_s"] is None else _finite(float(ours["period_s"])),
+                # (read as none where missing: a replica of an earlier release, in a rolling upgrade)
+                requests=_by_size(ours.get("requests", ())),
+                period_s=_period(ours.get("period_s")),
             )
         except (KeyError, TypeError, ValueError, OverflowError):
             return cls(replica_id, full=full)
@@ -202,7 +211,7 @@ def routing_stats(sizes: Iterable[Size], figures: Mapping, published_at: float, 
     """What a replica publishes: the sizes it holds, its cache's figures (``sc.stats``:
     bytes, budget, entries, pending_builds and COUNTS), the requests building now, the
     bytes of each size held, how often each size was evicted and how many requests of each
-    it served, and the seconds since its last publication (None: this is its first), in the
+    it started, and the seconds since its last publication (None: this is its first), in the
     format ``ReplicaState`` reads."""
     return {
         FORMAT_KEY: {

@@ -98,8 +98,9 @@ class CachedReplica:
                  prewarm: str | None = None):
         """`cached`: what ``sc.wrap`` or ``sc.cached`` returned. `shared_dir` (default:
         SHAPECACHE_SHARED_DIR, when set): the directory replicas share; the fleet's hot sizes
-        recorded there are built, the most requested first (as the fleet's replicas, live or
-        gone, published their requests), up to `prewarm_limit` sizes (default
+        recorded there are built, those the fleet requests and no live replica holds first,
+        then the most requested (``SharedDir.hot_sizes``, read again before each size), up to
+        `prewarm_limit` sizes (default
         PREWARM_LIMIT; None: every recorded size) and while the next fits the budget beside
         those built (``prewarm_fits``). `prewarm`: "background": the replica is ready at once
         and builds them on a thread of its own, serving meanwhile, each size published as held
@@ -133,7 +134,7 @@ class CachedReplica:
         self.__serving: collections.Counter = collections.Counter()  # sizes being served now
         self.__building: collections.Counter = collections.Counter()  # ... of those, not held when their call came
         self.__evicted: dict[tuple, int] = {}  # size -> times its entries went (most recent last)
-        self.__requests: dict[tuple, int] = {}  # size -> requests of it served (most recent last)
+        self.__requests: dict[tuple, int] = {}  # size -> requests of it started (most recent last)
         self.__published: float | None = None  # time.monotonic() of its last routing stats
         # size -> when a call of it last ran uncached (its build queued in the background): it is
         # published as held until a call of it is served by entries, or for AWAITING_S
@@ -153,13 +154,14 @@ class CachedReplica:
         hot = []
         if self.shared_dir is not None:
             self.shared_dir.apply()
-            hot = self.shared_dir.hot_sizes(self.__sizes_file, prewarm_limit, self.replicas_dir())
+            hot = self.__hot_sizes()
         if not hot:
             self.__prewarmed.set()
         elif prewarm == "inline":
-            self.__prewarm(hot)
+            self.__prewarm(hot, prewarm_limit)
         else:
-            threading.Thread(target=self.__prewarm, args=(hot,), name="shapecache-prewarm", daemon=True).start()
+            threading.Thread(target=self.__prewarm, args=(hot, prewarm_limit), name="shapecache-prewarm",
+                             daemon=True).start()
 
     @classmethod
     def sizes_file(cls) -> str:
@@ -230,10 +232,10 @@ class CachedReplica:
         # queued in the background (served uncached meanwhile): an inline build holds the
         # replica, a background one does not.
         building = max(0, not_held - figures["pending_builds"])
-        now = time.monotonic()
         with self.__lock:
             evicted, requests = dict(self.__evicted), dict(self.__requests)
             # Its period, as a replica started later reads it: how long its silence means it is gone.
+            now = time.monotonic()
             period_s = None if self.__published is None else now - self.__published
             self.__published = now
         stats = routing_stats(held, figures, time.time(), building=building, size_bytes=size_bytes, evicted=evicted,
@@ -376,17 +378,43 @@ class CachedReplica:
                 elif serving and not failed and self.__builds_in_background:  # ran uncached: its build is queued
                     self.__awaiting[size] = time.monotonic()
 
-    def __prewarm(self, sizes: list[tuple]) -> None:
-        """Builds `sizes` in their order (the most requested first) while the next fits."""
-        if len(self.size_keys) > 1:
-            sizes = [s for s in sizes if len(s) == len(self.size_keys)]
+    def __hot_sizes(self) -> list[tuple]:
+        """The fleet's hot sizes with as many sides as this class's size keys, in the order a new
+        replica builds them (``SharedDir.hot_sizes``)."""
+        hot = self.shared_dir.hot_sizes(self.__sizes_file, None, self.replicas_dir())
+        return [s for s in hot if len(s) == len(self.size_keys)] if len(self.size_keys) > 1 else hot
+
+    def __prewarm(self, hot: list[tuple], limit: int | None) -> None:
+        """Builds the fleet's hot sizes, `hot` as first read, up to `limit` of them (None: every
+        one), while the next fits. A predecessor's death shows in the fleet's publications only
+        once it has been silent for a while (_prewarm_order.py), and then its sizes come first:
+        so the pre-warm starts once the replicas that missed a publication are known to be live
+        or gone (at most LIVE_CEILING_S), and reads the order again before each size."""
         start = time.perf_counter()
         self.__warming.on = True
+        tried: set = set()
         try:
-            for size in sizes:
+            wait = self.shared_dir.decided_s(self.replicas_dir())
+            if wait > 0:  # a replica that missed a publication may have died: its sizes come first if so
+                logger.info("shapecache: pre-warming in %.1f s, once the replicas that missed a publication are known "
+                            "to be live or gone", wait)
+                time.sleep(wait)
+            while limit is None or len(tried) < limit:
+                if tried or wait > 0:
+                    try:
+                        hot = self.__hot_sizes()
+                    except OSError as error:  # the order as last read
+                        logger.debug("shapecache: could not read the hot sizes again: %s", error)
+                size = next((s for s in hot if s not in tried), None)
+                if size is None:
+                    break
+                tried.add(size)
+                with self.__lock:
+                    if size in self.__entries_of:  # held already (a request built it meanwhile)
+                        continue
                 if not self.prewarm_fits():
                     logger.info("shapecache: the budget is full after pre-warming %d of %d hot sizes",
-                                len(self.prewarmed), len(sizes))
+                                len(self.prewarmed), len(hot))
                     break
                 try:
                     with self.__using(size, serving=False) as (built, used, _):  # held, and published, once built

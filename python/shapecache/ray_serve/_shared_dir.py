@@ -44,7 +44,7 @@ from pathlib import Path
 from shapecache._backends import SHARED_DIR_VARIABLE, shared_packages_directory, untrusted_shared_directory
 from shapecache._old_files import remove_old_files
 from shapecache.ray_serve._placement import ReplicaState
-from shapecache.ray_serve._prewarm_order import prewarm_order
+from shapecache.ray_serve._prewarm_order import decided_at, prewarm_order
 from shapecache.ray_serve._request_size import MAX_DIMENSIONS, MAX_SIDE
 
 logger = logging.getLogger("shapecache")
@@ -167,15 +167,21 @@ class SharedDir:
         finally:
             os.close(fd)
 
+    def decided_s(self, replicas: str) -> float:
+        """Seconds until each replica publishing in the fleet's directory `replicas` that missed a
+        publication is known to be live or gone (``decided_at``): 0 where none did."""
+        now = time.time()
+        return decided_at(self.fleet(replicas, GONE_AFTER_S), now) - now
+
     def hot_sizes(self, name: str, limit: int | None = None, replicas: str | None = None) -> list[tuple[int, ...]]:
         """The sizes the fleet built (the record `name`) in the order a new replica builds them
-        (``prewarm_order``: those no live replica holds first, then the most requested), as the
-        replicas publishing in the fleet's directory `replicas` (``CachedReplica.
-        replicas_dir()``; None: none) published them, those gone within GONE_AFTER_S included.
-        The record is other processes' writing: a line that is not a size a request could have
-        had (torn, foreign, not JSON, not UTF-8, numbers out of range, a side not in
-        1..MAX_SIDE) is skipped, and the count of those is logged; no line can keep a replica
-        from starting. The replicas' stats only order the record's sizes."""
+        (``prewarm_order``: those requested that no live replica holds first, then the most
+        requested), as the replicas publishing in the fleet's directory `replicas`
+        (``CachedReplica.replicas_dir()``; None: none) published them, those gone within
+        GONE_AFTER_S included. The record is other processes' writing: a line that is not a
+        size a request could have had (torn, foreign, not JSON, not UTF-8, numbers out of range,
+        a side not in 1..MAX_SIDE) is skipped, and the count of those is logged; no line can
+        keep a replica from starting. The replicas' stats only order the record's sizes."""
         counts: collections.Counter = collections.Counter()
         skipped = 0
         try:
@@ -189,7 +195,7 @@ class SharedDir:
             return []
         if skipped:
             logger.warning("shapecache: %d lines of %s are not sizes and were skipped", skipped, self.path / name)
-        fleet = self.fleet(replicas, GONE_AFTER_S) if replicas is not None else []
+        fleet = self.fleet(replicas, GONE_AFTER_S) if replicas is not None and counts else []
         ranked = prewarm_order(counts, fleet, time.time())
         return ranked if limit is None else ranked[:limit]
 

@@ -11,8 +11,9 @@ What it models of Ray Serve (2.60) and of a replica:
   after `backoff_s`; the default policy takes the shorter queue of two replicas drawn at
   random. A killed replica's requests are retried at once; Serve starts a replacement
   `restart_s` later, with an empty cache, which pre-warms where `prewarm_s` is set: the sizes
-  in ``prewarm_order`` (what no live replica holds first, then the most requested, as the
-  replicas' last publications say), one at a time, `prewarm_s` each (a package's load from
+  in ``prewarm_order`` (what is requested and no live replica holds first, then the most
+  requested, as the replicas' last publications say, read again before each size, starting
+  once the replicas that missed a publication are decided: ``decided_at``), one at a time, `prewarm_s` each (a package's load from
   the shared directory, or a build), while the next fits its budget; a size being pre-warmed
   is published as building, as ``CachedReplica`` does.
 - A replica runs its admitted requests one model call at a time (a CPU replica's calls share
@@ -26,7 +27,9 @@ What it models of Ray Serve (2.60) and of a replica:
   bytes of each size, the requests of each and its period.
 
 What it does not model: the GIL and queue-length probes answered late (``spill_after_s``),
-memory other than the cache's, several routers.
+memory other than the cache's, several routers, what a pre-warm costs the replica's own calls
+(its thread shares the replica's cores) and a pre-warm before the replica is ready
+(``prewarm="inline"``, the default on CUDA, during which Serve routes nothing to it).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import random
 from dataclasses import dataclass, field, replace
 
 from shapecache.ray_serve._placement import Placement, ReplicaState
-from shapecache.ray_serve._prewarm_order import live, prewarm_order
+from shapecache.ray_serve._prewarm_order import decided_at, live, prewarm_order
 
 __all__ = ["FleetReport", "SimulatedFleet", "SizeCost", "simulate_fleet"]
 
@@ -104,6 +107,9 @@ class _Replica:
 
     def keep(self, size: Size, nbytes: int) -> int:
         """Caches `size`, evicting the least recently used; returns how many were evicted."""
+        if size in self.entries:  # (a request built it while the pre-warm did, or the other way)
+            self.entries.move_to_end(size)
+            return 0
         if nbytes > self.budget:
             return 0
         evicted = 0
@@ -148,10 +154,10 @@ class FleetReport:
     builds: int
     # the killed replica's sizes -> seconds from their first request after the kill to their first hit
     rehomed_s: dict
-    # what the replacement pre-warmed, in order, and the sizes built before that no live replica's
-    # publication listed when it started
+    # what the replacement pre-warmed, in order, and how many of those no live replica's
+    # publication listed when the pre-warm chose them
     prewarmed: tuple = ()
-    held_nowhere: frozenset = frozenset()
+    prewarmed_held_nowhere: int = 0
 
 
 def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None = None,
@@ -160,6 +166,8 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
     (`placement`, default a new ``Placement``) or "default" (power of two choices)."""
     if router not in ("affinity", "default"):
         raise ValueError(f"router={router!r}: expected 'affinity' or 'default'")
+    if fleet.prewarm_s is not None and not fleet.prewarm_s > 0:
+        raise ValueError(f"prewarm_s={fleet.prewarm_s!r}: expected a positive number of seconds a size, or None")
     stream = fleet.stream() if stream is None else stream
     rng = random.Random(fleet.seed + 1)
     placement = Placement() if placement is None else placement
@@ -194,7 +202,7 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
     evictions = builds = 0
     built: collections.Counter = collections.Counter()  # size -> builds on request: the sizes record
     prewarmed: list = []
-    held_nowhere: set = set()
+    prewarmed_held_nowhere = 0
 
     def admit(replica: _Replica, request: _Request, now: float) -> None:
         replica.requests[request.size] += 1
@@ -274,26 +282,31 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
             route(request, now)
         elif what == "restart":
             start_replica(now)
-            if fleet.prewarm_s is not None:
-                new = replicas[-1]
+            if fleet.prewarm_s is not None:  # once the replicas that missed a publication are decided
                 published = [r.published for r in replicas if r.published is not None]
-                held_nowhere = set(built) - {s for state in published if live(state, now) for s in state.sizes}
-                at(now, "prewarm", new, prewarm_order(built, published, now))
-        elif what == "prewarm":  # the next size of the replica's pre-warm, while it fits
-            replica, sizes = args
-            sizes = [size for size in sizes if size not in replica.entries]
-            if replica.alive and sizes and sum(replica.entries.values()) + fleet.sizes[sizes[0]].bytes <= replica.budget:
-                replica.building[sizes[0]] += 1
-                at(now + fleet.prewarm_s, "prewarmed", replica, sizes)
+                at(decided_at(published, now), "prewarm", replicas[-1], set())
+        elif what == "prewarm":  # the replica's pre-warm chooses its next size, while one fits
+            replica, tried = args
+            published = [r.published for r in replicas if r.published is not None]
+            size = next((s for s in prewarm_order(built, published, now) if s not in tried), None)
+            if replica.alive and size is not None:
+                tried.add(size)
+                if size in replica.entries or size in replica.pending:
+                    at(now, "prewarm", replica, tried)
+                elif sum(replica.entries.values()) + fleet.sizes[size].bytes <= replica.budget:
+                    replica.building[size] += 1
+                    lacking = not any(size in p.sizes for p in published if live(p, now))
+                    at(now + fleet.prewarm_s, "prewarmed", replica, tried, size, lacking)
         elif what == "prewarmed":
-            replica, sizes = args
-            replica.building[sizes[0]] -= 1
-            if not replica.building[sizes[0]]:
-                del replica.building[sizes[0]]
+            replica, tried, size, lacking = args
+            replica.building[size] -= 1
+            if not replica.building[size]:
+                del replica.building[size]
             if replica.alive:
-                evictions += replica.keep(sizes[0], fleet.sizes[sizes[0]].bytes)
-                prewarmed.append(sizes[0])
-                at(now, "prewarm", replica, sizes[1:])
+                evictions += replica.keep(size, fleet.sizes[size].bytes)
+                prewarmed.append(size)
+                prewarmed_held_nowhere += lacking
+                at(now, "prewarm", replica, tried)
         elif what == "publish":
             replica = args[0]
             if replica.alive:
@@ -333,5 +346,5 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
         builds=builds,
         rehomed_s={size: first_hit.get(size, math.inf) for size in sorted(first_request)},
         prewarmed=tuple(prewarmed),
-        held_nowhere=frozenset(held_nowhere),
+        prewarmed_held_nowhere=prewarmed_held_nowhere,
     )
