@@ -331,7 +331,8 @@ def main(argv=None) -> int:
                     failures.append(f"{kind}/{router}: {type(error).__name__}: {error}")
                 print(f"  {kind:8} {router:9} done", flush=True)
         if affinity_dir is not None:
-            hot = SharedDir(affinity_dir).hot_sizes(ModelReplica.sizes_file())
+            # (in the order the shared replica pre-warms them, so that each request asks for the next)
+            hot = SharedDir(affinity_dir).hot_sizes(ModelReplica.sizes_file(), replicas=ModelReplica.replicas_dir())
             if not hot:  # a third replica would measure nothing
                 failures.append("new replica: the affinity run recorded no hot size (none of its builds ended "
                                 "within the stream)")
