@@ -349,6 +349,35 @@ def test_a_replacement_prewarms_what_no_live_replica_holds_then_the_most_request
     assert ReplicaState.from_routing_stats("r", replacement.record_routing_stats()).requests == {}
 
 
+def publish(shared: SharedDir, replica_id: str, sizes, requests: dict, at: float, period_s: float | None) -> None:
+    stats = routing_stats(sizes, {"bytes": 0, "budget": None, "entries": [], "pending_builds": 0,
+                                  **dict.fromkeys(COUNTS, 0)}, at, requests=requests, period_s=period_s)
+    shared.publish_replica(NetReplica.replicas_dir(), replica_id, stats)
+
+
+@pytest.mark.parametrize("late_replica", ["died", "published again"])
+def test_a_prewarm_waits_for_a_replica_that_missed_a_publication_to_be_gone_or_live(tmp_path, monkeypatch, late_replica):
+    from shapecache.ray_serve import _replica
+
+    shared = SharedDir(tmp_path)
+    shared.record_sizes([(8, 8), (8, 12)], NetReplica.sizes_file())
+    now = time.time()
+    publish(shared, "other", [(8, 8)], {(8, 8): 50}, now, 600.0)
+    publish(shared, "late", [(8, 12)], {(8, 12): 40}, now - 4, 2.0)  # its period is 2 s: it missed one
+    slept = []
+
+    def sleep(seconds):  # meanwhile the late replica is found gone, or publishes again
+        slept.append(seconds)
+        at = time.time() - 100 if late_replica == "died" else time.time()
+        publish(shared, "late", [(8, 12)], {(8, 12): 40}, at, 2.0)
+
+    monkeypatch.setattr(_replica, "_sleep", sleep)
+    replica = NetReplica(shared_dir=tmp_path, max_entries=1, prewarm="inline")  # room for one size
+    assert slept and all(0 < s <= 1.0 for s in slept)
+    # died: its size is held nowhere, so it comes first; alive: each size is held, the most requested first
+    assert replica.prewarmed == ([(8, 12)] if late_replica == "died" else [(8, 8)])
+
+
 def test_sizes_built_in_the_background_on_request_are_recorded_once_built_and_prewarmed_by_the_next(tmp_path):
     first = BackgroundReplica(shared_dir=tmp_path, max_entries=4)
     sizes_file = tmp_path / BackgroundReplica.sizes_file()

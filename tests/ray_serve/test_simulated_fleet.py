@@ -44,8 +44,10 @@ def test_a_replacement_that_prewarms_builds_what_no_live_replica_holds_and_keeps
     affinity = runs("inline", "affinity", prewarm_s=0.5)  # each size a package's load
     assert statistics.mean(r.hit_rate for r in affinity) >= 0.95
     assert all(r.prewarmed and len(r.prewarmed) == len(set(r.prewarmed)) for r in affinity)
-    # the sizes its predecessor held, or the survivors evicted, that were requested
+    # the sizes its predecessor held, or the survivors evicted, that were requested; also where the
+    # replacement starts while its predecessor's silence is short of gone (it waits: decided_at)
     assert any(r.prewarmed_held_nowhere for r in affinity)
+    assert any(r.prewarmed_held_nowhere for r in runs("inline", "affinity", prewarm_s=0.5, restart_s=5.0))
     with pytest.raises(ValueError, match="prewarm_s=-1"):
         simulate_fleet(SimulatedFleet(SIZES, budget=BUDGET, requests=10, prewarm_s=-1), "affinity")
 

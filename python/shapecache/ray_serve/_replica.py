@@ -51,6 +51,8 @@ AWAITING_S = 600.0
 # shared directory that is slow or hung (a network volume gone away) must not delay the
 # router's stats past Serve's timeout for them.
 FLEET_WRITE_WAIT_S = 0.5
+# How the pre-warm waits for the fleet's publications to be decided (a test replaces it).
+_sleep = time.sleep
 # The name a replica outside Ray Serve publishes under.
 _THIS_PROCESS = f"{socket.gethostname()}-{os.getpid()}"
 
@@ -154,7 +156,11 @@ class CachedReplica:
         hot = []
         if self.shared_dir is not None:
             self.shared_dir.apply()
-            hot = self.__hot_sizes()
+            try:
+                hot = self.__hot_sizes()
+            except OSError as error:  # a replica that cannot read the record serves without a pre-warm
+                logger.warning("shapecache: could not read the fleet's hot sizes in %s: %s; no pre-warm",
+                               self.shared_dir.path, error)
         if not hot:
             self.__prewarmed.set()
         elif prewarm == "inline":
@@ -384,26 +390,37 @@ class CachedReplica:
         hot = self.shared_dir.hot_sizes(self.__sizes_file, None, self.replicas_dir())
         return [s for s in hot if len(s) == len(self.size_keys)] if len(self.size_keys) > 1 else hot
 
+    def __wait_until_decided(self) -> bool:
+        """Waits while a replica that missed a publication is not yet known to be live (it
+        publishes again) or gone (``decided_at``), looking again every second; returns whether
+        it waited. A predecessor's death shows only so, and then its sizes come first."""
+        wait = self.shared_dir.decided_s(self.replicas_dir())
+        if wait <= 0:
+            return False
+        logger.info("shapecache: pre-warming in at most %.1f s, once the replicas that missed a publication are "
+                    "known to be live or gone", wait)
+        deadline = time.monotonic() + wait
+        while wait > 0 and time.monotonic() < deadline:
+            _sleep(min(wait, 1.0))
+            wait = self.shared_dir.decided_s(self.replicas_dir())
+        return True
+
     def __prewarm(self, hot: list[tuple], limit: int | None) -> None:
         """Builds the fleet's hot sizes, `hot` as first read, up to `limit` of them (None: every
-        one), while the next fits. A predecessor's death shows in the fleet's publications only
-        once it has been silent for a while (_prewarm_order.py), and then its sizes come first:
-        so the pre-warm starts once the replicas that missed a publication are known to be live
-        or gone (at most LIVE_CEILING_S), and reads the order again before each size."""
+        one; sizes held already are passed over, not counted), while the next fits. It starts
+        once the replicas that missed a publication are decided (``__wait_until_decided``) and
+        reads the order again before each size."""
         start = time.perf_counter()
         self.__warming.on = True
-        tried: set = set()
+        tried: set = set()  # the sizes chosen, built or not
+        attempted = 0  # those it tried to build (what `limit` counts)
         try:
-            wait = self.shared_dir.decided_s(self.replicas_dir())
-            if wait > 0:  # a replica that missed a publication may have died: its sizes come first if so
-                logger.info("shapecache: pre-warming in %.1f s, once the replicas that missed a publication are known "
-                            "to be live or gone", wait)
-                time.sleep(wait)
-            while limit is None or len(tried) < limit:
-                if tried or wait > 0:
+            waited = self.__wait_until_decided()
+            while limit is None or attempted < limit:
+                if tried or waited:
                     try:
-                        hot = self.__hot_sizes()
-                    except OSError as error:  # the order as last read
+                        hot = self.__hot_sizes() or hot  # (a record gone meanwhile: the order as last read)
+                    except OSError as error:
                         logger.debug("shapecache: could not read the hot sizes again: %s", error)
                 size = next((s for s in hot if s not in tried), None)
                 if size is None:
@@ -412,6 +429,7 @@ class CachedReplica:
                 with self.__lock:
                     if size in self.__entries_of:  # held already (a request built it meanwhile)
                         continue
+                attempted += 1
                 if not self.prewarm_fits():
                     logger.info("shapecache: the budget is full after pre-warming %d of %d hot sizes",
                                 len(self.prewarmed), len(hot))

@@ -29,7 +29,8 @@ What it models of Ray Serve (2.60) and of a replica:
 What it does not model: the GIL and queue-length probes answered late (``spill_after_s``),
 memory other than the cache's, several routers, what a pre-warm costs the replica's own calls
 (its thread shares the replica's cores) and a pre-warm before the replica is ready
-(``prewarm="inline"``, the default on CUDA, during which Serve routes nothing to it).
+(``prewarm="inline"``, the default on CUDA, during which Serve routes nothing to it), and
+``prewarm_limit`` (each replacement pre-warms while sizes fit).
 """
 
 from __future__ import annotations
