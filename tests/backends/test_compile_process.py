@@ -42,7 +42,7 @@ def loaded_compiled_modules() -> int:
 
 @pytest.mark.parametrize("compiler", ["process", "thread"])
 def test_a_frozen_background_build_compiles_where_it_is_told_and_answers_as_the_model(compiler, monkeypatch, tmp_path):
-    from shapecache._backends import compile_process
+    from shapecache._backends import compile_process, package_extractions
 
     assert not compile_process.PROCESS.failed, compile_process.PROCESS.failed  # no earlier test ended the route here
     monkeypatch.setenv("SHAPECACHE_BACKGROUND_COMPILER", compiler)
@@ -71,6 +71,8 @@ def test_a_frozen_background_build_compiles_where_it_is_told_and_answers_as_the_
             st = sc.stats(cached)
             # While the entry lives: its extracted library, but no second copy of its constants.
             extracted = sorted(p.name for p in tmp_path.glob("aotinductor_*/**/*") if p.is_file())
+            # marked as shapecache's, which a later process sweeps if this one were killed now
+            ours = [package_extractions._holds_ours(d) for d in tmp_path.glob("aotinductor_*")]
         finally:
             sc.uncached(net)
         gc.collect()
@@ -82,6 +84,7 @@ def test_a_frozen_background_build_compiles_where_it_is_told_and_answers_as_the_
     if compiler == "process":
         assert modules == 0  # compiled elsewhere: nothing of the compiler's loaded here
         assert any(name.endswith(".so") for name in extracted), extracted
+        assert ours == [True]
         assert not any(name.endswith("_weights.blob") for name in extracted), extracted
     else:
         assert modules >= 1

@@ -61,6 +61,7 @@ import zipfile
 import torch
 
 from shapecache import _background
+from shapecache._backends import package_extractions
 from shapecache._backends.compile_settings import CompileSettings
 from shapecache._backends.compilers import (
     DEADLINE_VARIABLE,
@@ -238,7 +239,8 @@ def load(path: str) -> Package:
         loader = _package_loader(path)
     except Exception as error:  # noqa: BLE001  (zipfile's and the loader's failures share no base class)
         raise Failed(described(error)) from error
-    _remove_extracted(blobs)
+    package_extractions.remove_extracted_constants(blobs)
+    package_extractions.remove_orphaned_once()
     return Package(loader, sum(blobs.values()))
 
 
@@ -250,7 +252,7 @@ def _package_loader(path: str):
     inductor's vector-instruction probes (cpu_vec_isa.pick_vec_isa: a second in a new process).
     A package's key holds what that compares (package_store.setting, the host). The loader
     extracts the package to a directory of its own, removed when it is freed, and reads the
-    constants into memory: their file is removed at once (_remove_extracted: in a temporary
+    constants into memory: their file is removed at once (package_extractions: in a temporary
     directory on tmpfs, a second copy of the weights for the entry's life)."""
     return torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
 
@@ -590,22 +592,6 @@ def _why(error: BaseException) -> str:
     return (named[-1] if named else described(error))[:_REPLY_LIMIT]
 
 
-def _remove_extracted(blobs) -> None:
-    """Removes the constants files named `blobs` that the loader extracted beside the library it
-    loaded, which /proc/self/maps names (nothing where there is none: not Linux)."""
-    libraries = {name.removesuffix("_weights.blob") + ".so" for name in blobs}
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split(None, 5)[-1].strip() for line in maps if line.rstrip().endswith(".so")}
-    except OSError:
-        return
-    for path in paths:
-        if os.path.basename(path) in libraries:
-            blob = path.removesuffix(".so") + "_weights.blob"
-            with contextlib.suppress(OSError):
-                os.remove(blob)
-
-
 _building = {"directory": None}  # in the compiler's process: the directory of the build it runs
 
 
@@ -708,7 +694,8 @@ def _compile(saved: str, package: str, options: dict, seconds: dict) -> None:
             raise NotForThisGraph
         seconds["read"] = time.perf_counter() - began
         torch._inductor.aoti_compile_and_package(program, package_path=package,
-                                                 inductor_configs={**options, **_PACKAGE_OPTIONS})
+                                                 inductor_configs=package_extractions.marked(
+                                                     {**options, **_PACKAGE_OPTIONS}))
         seconds["compile"] = time.perf_counter() - began - seconds["read"]
         with zipfile.ZipFile(package) as archive:
             blobs = [os.path.basename(n) for n in archive.namelist() if n.endswith("_weights.blob")]
