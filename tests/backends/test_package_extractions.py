@@ -10,6 +10,8 @@ import mmap
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 from shapecache._backends import package_extractions
@@ -40,13 +42,8 @@ def test_only_old_directories_no_process_maps_are_removed(tmp_path):
     (tmp_path / f"{PREFIX}file").write_bytes(b"x")
     published, _ = extracted(tmp_path, "published", old, {KEY_METADATA: "ab12"})  # the store's: ours
     foreign, _ = extracted(tmp_path, "foreign", old, {"AOTI_DEVICE_KEY": "cuda"})  # another program's
-    # another process of this user maps a library in `in_use`, as a live loader does
-    mapper = subprocess.Popen([sys.executable, "-c", (
-        "import mmap, sys\n"
-        f"f = open({str(library)!r}, 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n"
-        "print('mapped', flush=True); sys.stdin.read()")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    mapper = mapped_elsewhere(library)  # as a live loader maps its library
     try:
-        assert mapper.stdout.readline().strip() == "mapped"
         os.utime(in_use, (time.time() - old,) * 2)
         assert remove_orphaned(tmp_path) == 2
     finally:
@@ -57,6 +54,55 @@ def test_only_old_directories_no_process_maps_are_removed(tmp_path):
     assert (tmp_path / f"{PREFIX}file").exists()
     # once that process has ended, its directory is an orphan too
     assert remove_orphaned(tmp_path) == 1 and not in_use.exists()
+
+
+def mapped_elsewhere(library):
+    """A process of this user that maps `library`, as a live loader maps its package's."""
+    mapper = subprocess.Popen([sys.executable, "-c", (
+        "import mmap, sys\n"
+        f"f = open({str(library)!r}, 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n"
+        "print('mapped', flush=True); sys.stdin.read()")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert mapper.stdout.readline().strip() == "mapped"
+    return mapper
+
+
+def test_the_sweep_runs_once_per_process_on_a_thread_in_the_temporary_directory_as_the_maps_name_it(
+        tmp_path, monkeypatch):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)  # TMPDIR through a link: the maps name the resolved path
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "link"))
+    monkeypatch.setattr(package_extractions, "_sweep_lock", threading.Lock())
+    old = ORPHANED_AFTER_S + 60
+    orphan, _ = extracted(real, "orphan", old)
+    in_use, library = extracted(real, "in_use", old)
+    mapper = mapped_elsewhere(library)
+    try:
+        os.utime(in_use, (time.time() - old,) * 2)
+        package_extractions.remove_orphaned_once()
+        [sweep] = [t for t in threading.enumerate() if t.name == "shapecache-sweep"]
+        sweep.join(60)
+        assert not orphan.exists() and in_use.exists()
+        later, _ = extracted(real, "later", old)
+        package_extractions.remove_orphaned_once()  # once per process
+        assert later.exists()
+    finally:
+        mapper.communicate("")
+
+
+def test_nothing_is_removed_where_others_may_write_without_the_sticky_bit_or_of_another_user(tmp_path):
+    orphan, _ = extracted(tmp_path, "orphan", ORPHANED_AFTER_S + 60)
+    tmp_path.chmod(0o777)
+    try:
+        assert remove_orphaned(tmp_path) == 0 and orphan.exists()
+        tmp_path.chmod(0o1777)  # as /tmp
+        if os.geteuid() == 0:
+            os.chown(orphan, 65534, 65534)
+            assert remove_orphaned(tmp_path) == 0 and orphan.exists()  # another user's
+            os.chown(orphan, 0, 0)
+        assert remove_orphaned(tmp_path) == 1 and not orphan.exists()
+    finally:
+        tmp_path.chmod(0o755)
 
 
 def test_nothing_is_removed_without_proc(tmp_path, monkeypatch):

@@ -10,8 +10,14 @@ memory, and removes the directory when it is freed. Two things are left to whoev
   are killed and replaced accumulates them; the first package a process loads sweeps those
   of shapecache's packages (their metadata says so: ``marked``) that this user owns, over
   ORPHANED_AFTER_S old, and under which no process of this user maps a file
-  (``remove_orphaned_once``). Other programs' packages are left alone: a loader of CUDA
-  kernels reads them from its directory as it first runs them.
+  (``remove_orphaned_once``), on a thread of its own. Other programs' packages are left
+  alone: a loader of CUDA kernels reads them from its directory as it first runs them.
+
+What the maps cannot show (a process in another PID namespace sharing the directory, one whose
+maps this user cannot read) costs nothing wrong: shapecache's packages are of CPU graphs, whose
+loader reads the constants and maps the library as it is made, so a live loader whose
+directory is removed runs on, and is freed without error (torch 2.13: the destructor removes
+its directory with errors ignored). Only the directory is gone a little sooner.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ ORPHANED_AFTER_S = 3600.0
 MARKER = "shapecache_package"
 _METADATA_LIMIT = 1 << 16  # bytes: a metadata file larger than this is not read
 
-_swept = threading.Event()
+_sweep_lock = threading.Lock()  # held from the first sweep on
 
 
 def marked(inductor_configs: dict) -> dict:
@@ -52,11 +58,7 @@ def remove_extracted_constants(blobs) -> None:
     """Removes the constants files named `blobs` that the loader extracted beside the library it
     loaded, which /proc/self/maps names (nothing where there is none: not Linux)."""
     libraries = {name.removesuffix("_weights.blob") + ".so" for name in blobs}
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split(None, 5)[-1].strip() for line in maps if line.rstrip().endswith(".so")}
-    except OSError:
-        return
+    paths = {path for path in _mapped_files("self") or () if path.endswith(".so")}
     for path in paths:
         if os.path.basename(path) in libraries:
             blob = path.removesuffix(".so") + "_weights.blob"
@@ -65,23 +67,41 @@ def remove_extracted_constants(blobs) -> None:
 
 
 def remove_orphaned_once() -> None:
-    """The first time this process asks: ``remove_orphaned`` in the temporary directory."""
-    if _swept.is_set():
-        return
-    _swept.set()
-    removed = remove_orphaned(Path(tempfile.gettempdir()))
-    if removed:
-        logger.info("shapecache: removed %d package directories that killed processes left in %s", removed,
-                    tempfile.gettempdir())
+    """The first time this process asks: ``remove_orphaned`` in the temporary directory, on a
+    thread of its own (it lists the directory and reads this user's processes' maps)."""
+    if not _sweep_lock.acquire(blocking=False):
+        return  # (never released: once per process)
+
+    def sweep():
+        root = Path(os.path.realpath(tempfile.gettempdir()))  # (the maps name resolved paths)
+        try:
+            removed = remove_orphaned(root)
+        except Exception as error:  # noqa: BLE001 - housekeeping: never a build's failure
+            logger.debug("shapecache: sweeping %s failed: %s", root, error)
+            return
+        if removed:
+            logger.info("shapecache: removed %d package directories that killed processes left in %s", removed, root)
+
+    with contextlib.suppress(RuntimeError):  # (no thread can start: the interpreter is exiting)
+        threading.Thread(target=sweep, name="shapecache-sweep", daemon=True).start()
 
 
 def remove_orphaned(root: Path, now: float | None = None) -> int:
     """Removes the directories ``aotinductor_*`` directly in `root` that hold one of
     shapecache's packages, that this user owns, last modified over ORPHANED_AFTER_S before
-    `now`, and under which no process of this user maps a file; returns how many. (A process
-    whose maps cannot be read, one not dumpable, is not a shapecache process: its loaders are
-    Python's.) Links and other files are left alone, as are errors (the next process sweeps)."""
+    `now`, and under which no process of this user maps a file (as far as the maps can be
+    read: the module says why what they cannot show costs nothing wrong); returns how many.
+    Nothing where others may write `root` without its sticky bit. Links and other files are
+    left alone, as are errors (the next process sweeps)."""
     now = time.time() if now is None else now
+    try:
+        status = root.stat()
+    except OSError:
+        return 0
+    # In a directory others may write without the sticky bit, they could rename or swap what is
+    # checked before it is removed.
+    if status.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not status.st_mode & stat.S_ISVTX:
+        return 0
     candidates = []
     with contextlib.suppress(OSError):
         for path in root.glob(PREFIX + "*"):
@@ -122,22 +142,30 @@ def _holds_ours(directory: Path) -> bool:
 
 
 def _mapped_by_this_user() -> set[str] | None:
-    """The files that this user's processes whose maps can be read map (/proc/<pid>/maps); None
-    where there is no /proc."""
-    files: set[str] = set()
+    """The files that this user's processes whose maps can be read map; None where there is no
+    /proc."""
     try:
         pids = [entry for entry in os.listdir("/proc") if entry.isdigit()]
     except OSError:
         return None
+    files: set[str] = set()
     for pid in pids:
-        try:
-            if os.stat(f"/proc/{pid}").st_uid != os.geteuid():
-                continue
-            with open(f"/proc/{pid}/maps") as maps:
-                for line in maps:
-                    fields = line.split(None, 5)
-                    if len(fields) == 6 and fields[5].startswith("/"):
-                        files.add(fields[5].rstrip("\n"))
-        except OSError:  # ended meanwhile, or not dumpable
-            continue
+        with contextlib.suppress(OSError):
+            if os.stat(f"/proc/{pid}").st_uid == os.geteuid():
+                files |= _mapped_files(pid) or set()
+    return files
+
+
+def _mapped_files(pid: str) -> set[str] | None:
+    """The files process `pid` ("self": this one) maps, by /proc/<pid>/maps (a name that is not
+    UTF-8 read with surrogate escapes); None where it cannot be read."""
+    files = set()
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as maps:
+            for line in maps:
+                fields = line.split(None, 5)
+                if len(fields) == 6 and fields[5].startswith(b"/"):
+                    files.add(os.fsdecode(fields[5].rstrip(b"\n")))
+    except OSError:  # ended meanwhile, or not readable
+        return None
     return files
