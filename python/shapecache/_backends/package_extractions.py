@@ -128,7 +128,7 @@ def remove_orphaned(root: Path, now: float | None = None) -> int:
 def _holds_ours(directory: Path) -> bool:
     """Whether the package extracted in `directory` is shapecache's: a metadata file of it
     (``<root>/data/aotinductor/<model>/*_metadata.json``) names MARKER or the store's key."""
-    from shapecache._backends.package_store import KEY_METADATA
+    from shapecache._backends.package_store import KEY_METADATA  # (here: it imports compile_process, which imports this)
 
     for path in directory.glob("*/data/aotinductor/*/*_metadata.json"):
         with contextlib.suppress(OSError, ValueError, RecursionError):

@@ -62,14 +62,14 @@ def live(state: ReplicaState, now: float) -> bool:
 
 def decided_at(fleet: Iterable[ReplicaState], now: float) -> float:
     """When each replica of `fleet` that has missed a publication, but is not gone yet, will be
-    gone unless it publishes again: `now` where none has. A pre-warm that
-    starts then builds a dead predecessor's sizes first rather than after the others."""
+    gone unless it publishes again (at most LIVE_CEILING_S on): `now` where none has. A pre-warm
+    that starts then builds a dead predecessor's sizes first rather than after the others."""
     decided = now
     for state in fleet:
         if state.period_s is not None and live(state, now) and now - state.published_at > state.period_s + 1.0:
             # (a moment past the silence: at its very end the replica still counts as live)
             decided = max(decided, state.published_at + silence_s(state) + 0.1)
-    return min(decided, now + LIVE_CEILING_S)
+    return decided
 
 
 def prewarm_order(built: Mapping, fleet: Iterable[ReplicaState], now: float) -> list[tuple[int, ...]]:

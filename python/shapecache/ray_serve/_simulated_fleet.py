@@ -13,9 +13,10 @@ What it models of Ray Serve (2.60) and of a replica:
   `restart_s` later, with an empty cache, which pre-warms where `prewarm_s` is set: the sizes
   in ``prewarm_order`` (what is requested and no live replica holds first, then the most
   requested, as the replicas' last publications say, read again before each size, starting
-  once the replicas that missed a publication are decided: ``decided_at``), one at a time, `prewarm_s` each (a package's load from
-  the shared directory, or a build), while the next fits its budget; a size being pre-warmed
-  is published as building, as ``CachedReplica`` does.
+  once the replicas that missed a publication are decided: ``decided_at``), one at a time,
+  `prewarm_s` each (a package's load from the shared directory, or a build), while the next
+  fits its budget; a size being pre-warmed is published as building, as ``CachedReplica``
+  does.
 - A replica runs its admitted requests one model call at a time (a CPU replica's calls share
   its cores; a GPU replica's share its device). A size it holds is a hit (`hit_s`); one it
   does not is built inline in the call (`build_s` more) or, with ``build="background"``,
@@ -205,6 +206,10 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
     prewarmed: list = []
     prewarmed_held_nowhere = 0
 
+    def publications() -> list[ReplicaState]:
+        """Each replica's last publication, the dead ones' included (their files stay)."""
+        return [r.published for r in replicas if r.published is not None]
+
     def admit(replica: _Replica, request: _Request, now: float) -> None:
         replica.requests[request.size] += 1
         request.builds = request.size not in replica.entries
@@ -284,11 +289,10 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
         elif what == "restart":
             start_replica(now)
             if fleet.prewarm_s is not None:  # once the replicas that missed a publication are decided
-                published = [r.published for r in replicas if r.published is not None]
-                at(decided_at(published, now), "prewarm", replicas[-1], set())
+                at(decided_at(publications(), now), "prewarm", replicas[-1], set())
         elif what == "prewarm":  # the replica's pre-warm chooses its next size, while one fits
             replica, tried = args
-            published = [r.published for r in replicas if r.published is not None]
+            published = publications()
             size = next((s for s in prewarm_order(built, published, now) if s not in tried), None)
             if replica.alive and size is not None:
                 tried.add(size)
