@@ -267,12 +267,15 @@ def test_routing_stats_round_trip_and_foreign_stats_count_as_missing():
                     {FORMAT_KEY: {"version": FORMAT_VERSION}}, {FORMAT_KEY: {**ours, "size_bytes": [[1]]}},
                     {FORMAT_KEY: {**ours, "counts": {}}}, {FORMAT_KEY: {**ours, "version": FORMAT_VERSION - 1}},
                     {FORMAT_KEY: {**ours, "requests": [[[64, 64], "many"]]}},
-                    {FORMAT_KEY: {**ours, "period_s": float("nan")}}):
+                    {FORMAT_KEY: {**ours, "period_s": float("nan")}}, {FORMAT_KEY: {**ours, "stopped": "yes"}},
+                    {FORMAT_KEY: {**ours, "stopped": 1}}):
         assert ReplicaState.from_routing_stats("a", foreign) == ReplicaState("a")
     # a replica of an earlier release publishes neither requests nor its period; a period not
     # above 0 is none
-    earlier = {FORMAT_KEY: {k: v for k, v in ours.items() if k not in ("requests", "period_s")}}
+    earlier = {FORMAT_KEY: {k: v for k, v in ours.items() if k not in ("requests", "period_s", "stopped")}}
     assert ReplicaState.from_routing_stats("a", earlier, full=True) == replace(state, requests={}, period_s=None)
+    last = routing_stats([(64, 64)], figures(5 * MiB, 100 * MiB, 1, 0), NOW, stopped=True)  # Serve stopped it
+    assert ReplicaState.from_routing_stats("a", last).stopped and not state.stopped
     for period in (0, -2.0):
         assert ReplicaState.from_routing_stats("a", {FORMAT_KEY: {**ours, "period_s": period}}).period_s is None
 

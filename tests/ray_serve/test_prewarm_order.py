@@ -82,3 +82,17 @@ def test_published_counts_order_only_the_recorded_sizes_and_only_where_positive(
     assert prewarm_order(built, fleet, NOW) == [(96, 64), (64, 64)]  # no count: the larger first
     fleet = [replica("other", requests={(64, 64): 1})]
     assert prewarm_order(built, fleet, NOW) == [(64, 64), (96, 64)]
+
+
+def test_a_stopped_replica_is_gone_at_once_its_sizes_first_and_nothing_waits_for_it():
+    # Serve stopped it (a rolling update): its last publication says so, a moment ago
+    built = {(64, 64): 1, (96, 64): 1, (128, 128): 1}
+    survivor = replica("survivor", sizes={(64, 64)}, requests={(64, 64): 90})
+    stopped = ReplicaState("old", sizes=frozenset({(96, 64), (128, 128)}), published_at=NOW - 0.5,
+                           requests={(96, 64): 10, (128, 128): 20}, period_s=8.0, stopped=True)
+    assert not live(stopped, NOW)
+    assert prewarm_order(built, [survivor, stopped], NOW) == [(128, 128), (96, 64), (64, 64)]
+    # silent past a period after its last publication: not a replica that missed one
+    quiet = ReplicaState("old", published_at=NOW - 12.0, period_s=8.0, stopped=True)
+    assert decided_at([survivor, quiet], NOW) == NOW
+    assert decided_at([survivor, replica("old", silent_s=12.0)], NOW) > NOW  # (unstopped: waited for)

@@ -70,6 +70,13 @@ def test_two_replicas_each_size_served_by_one_replica_and_nothing_left_behind():
     victim_sizes = {size for size, replica in replica_of.items() if replica == victim}
     assert victim_sizes and victim_sizes <= {tuple(size) for size, *_ in after_kill}
 
+    # deleted: each replica Serve stopped published its last stats, marked so; the killed one could not
+    stopped = result["stopped"]
+    killed = [rid for rid in stopped if victim.endswith(rid)]
+    assert len(killed) == 1 and not stopped[killed[0]], (victim, stopped)
+    others = {rid: s for rid, s in stopped.items() if rid not in killed}
+    assert others and all(others.values()), stopped
+
     deadline = time.monotonic() + 30
     while (left := ray_processes() - before) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -4,6 +4,7 @@ The replica class imports nothing of Ray; Ray Serve only calls its methods."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -349,10 +350,11 @@ def test_a_replacement_prewarms_what_no_live_replica_holds_then_the_most_request
     assert ReplicaState.from_routing_stats("r", replacement.record_routing_stats()).requests == {}
 
 
-def publish(shared: SharedDir, replica_id: str, sizes, requests: dict, at: float, period_s: float | None) -> None:
+def publish(shared: SharedDir, replica_id: str, sizes, requests: dict, at: float, period_s: float | None,
+            replica_class=None) -> None:
     stats = routing_stats(sizes, {"bytes": 0, "budget": None, "entries": [], "pending_builds": 0,
                                   **dict.fromkeys(COUNTS, 0)}, at, requests=requests, period_s=period_s)
-    shared.publish_replica(NetReplica.replicas_dir(), replica_id, stats)
+    shared.publish_replica((replica_class or NetReplica).replicas_dir(), replica_id, stats)
 
 
 @pytest.mark.parametrize("late_replica", ["died", "published again"])
@@ -439,6 +441,65 @@ def test_a_replica_serves_while_it_prewarms_and_publishes_a_size_once_it_is_buil
     assert replica.prewarmed == [(16, 16), (8, 8)] and held(replica) == {(16, 16), (8, 8), (12, 12)}
     recorded = [json.loads(line)["size"] for line in (tmp_path / Slow.sizes_file()).read_text().splitlines()]
     assert recorded == [[16, 16], [8, 8], [12, 12]]  # what the pre-warm built is not recorded again
+
+
+def test_a_stopped_replica_says_so_and_the_next_prewarms_its_sizes_first_without_waiting(tmp_path, monkeypatch):
+    from shapecache.ray_serve import _replica
+
+    release = threading.Event()
+
+    class Slow(NetReplica):
+        def warm_up(self, size):
+            assert release.wait(60)
+            super().warm_up(size)
+
+    shared = SharedDir(tmp_path)
+    shared.record_sizes([(8, 8), (8, 12), (12, 12)], Slow.sizes_file())
+    old = Slow(shared_dir=tmp_path, max_entries=4)  # pre-warming (12, 12), the largest, when Serve stops it
+    old.record_routing_stats()
+    for size in [(8, 12)] * 3 + [(12, 12)]:
+        old(size=size)
+    time.sleep(0.05)
+    old.record_routing_stats()  # a publication with a period: its silence would be waited for
+    old.stop()  # as Ray Serve calls it (through __del__) when it stops the replica, its requests drained
+    release.set()
+    assert old.wait_prewarmed(60) and old.prewarmed == [(12, 12)]  # the size under way, then no next
+    old.stop()  # (again: nothing)
+    [state] = shared.fleet(Slow.replicas_dir())
+    assert state.stopped and state.sizes == {(8, 12), (12, 12)} and state.requests == {(8, 12): 3, (12, 12): 1}
+    # a routing-stats call during the rest of its shutdown does not make it live again
+    assert ReplicaState.from_routing_stats("r", old.record_routing_stats()).stopped
+    assert shared.fleet(Slow.replicas_dir())[0].stopped
+
+    # as the fleet sees it 5 s on, beside a live replica holding a size requested more
+    path = tmp_path / Slow.replicas_dir() / f"{_replica._THIS_PROCESS}-{id(old):x}.json"
+    last = json.loads(path.read_text())
+    last["shapecache"].update(published_at=time.time() - 5, period_s=2.0)
+    path.write_text(json.dumps(last))
+    publish(shared, "survivor", [(8, 8)], {(8, 8): 50}, time.time(), 600.0, Slow)
+    slept = []
+    monkeypatch.setattr(_replica, "_sleep", slept.append)
+    new = Slow(shared_dir=tmp_path, max_entries=2, prewarm="inline")  # a rolling update's new replica
+    assert slept == []  # nothing to wait for, though the old one is silent past its period
+    assert new.prewarmed == [(8, 12), (12, 12)]  # what it held and served, the most requested first
+    # (unmarked, its sizes would count as held, and (8, 8) would come first after a wait)
+
+    # Outside Serve the garbage collector's call publishes nothing: it may come on any thread,
+    # at any allocation, where a lock or a thread started could deadlock
+    outside = NetReplica(shared_dir=tmp_path / "outside", max_entries=1)
+    outside.record_routing_stats()
+    del outside
+    gc.collect()
+    [left] = SharedDir(tmp_path / "outside").fleet(NetReplica.replicas_dir())
+    assert not left.stopped
+
+    class Partial(NetReplica):
+        def __init__(self):
+            raise RuntimeError("a constructor that failed")
+
+    with pytest.raises(RuntimeError):
+        Partial()
+    Partial.__new__(Partial).__del__()  # a replica made in part: nothing raised
 
 
 def test_the_shared_directory_sets_the_caches_and_skips_torn_lines(tmp_path, monkeypatch, caplog):

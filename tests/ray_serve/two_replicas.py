@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -19,7 +20,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from shapecache.ray_serve import CachedReplica, deployment  # noqa: E402
+from shapecache.ray_serve import CachedReplica, SharedDir, deployment  # noqa: E402
 
 SIZES = [(8, 8), (8, 12), (12, 8), (16, 16)]
 ROUNDS = 6
@@ -54,9 +55,10 @@ class TinyNet(CachedReplica):
 
 def main() -> int:
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    shared = tempfile.TemporaryDirectory(prefix="two-replicas-")
     try:
         serve.start(proxy_location="Disabled")
-        app = deployment(TinyNet, num_replicas=2, stats_period_s=STATS_PERIOD_S, spill_after_s=SPILL_AFTER_S, max_ongoing_requests=4,
+        app = deployment(TinyNet, shared_dir=shared.name, num_replicas=2, stats_period_s=STATS_PERIOD_S, spill_after_s=SPILL_AFTER_S, max_ongoing_requests=4,
                          ray_actor_options={"num_cpus": 0.5}).bind()
         handle = serve.run(app, name="tiny", route_prefix=None)
         # Until the replicas first publish what they hold (one stats period after they start),
@@ -82,11 +84,16 @@ def main() -> int:
                     after_kill.append([size, *reply, time.monotonic() - killed_at])
                 except Exception as error:  # noqa: BLE001 - the test reports it
                     after_kill.append([size, None, repr(error), time.monotonic() - killed_at])
+        # Serve stops the replicas left (a delete, as a rolling update or a scale-down stops
+        # some): each publishes its last stats, marked stopped, to the fleet view
+        serve.delete("tiny")
+        stopped = {s.replica_id: s.stopped for s in SharedDir(shared.name).fleet(TinyNet.replicas_dir(), 3600)}
         print(json.dumps({"served": served, "served_by_a_new_router": served_fresh, "killed": victim,
-                          "after_kill": after_kill}))
+                          "after_kill": after_kill, "stopped": stopped}))
     finally:
         serve.shutdown()
         ray.shutdown()
+        shared.cleanup()
     return 0
 
 

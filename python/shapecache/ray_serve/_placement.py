@@ -141,6 +141,12 @@ def _period(value: object) -> float | None:
     return period if period > 0 else None
 
 
+def _flag(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{value!r} is not true or false")
+    return value
+
+
 def _by_size(value: object) -> dict:
     """{size: number} from a publication's [[size, number], ...]."""
     return {tuple(int(d) for d in size): int(number) for size, number in value}
@@ -165,6 +171,7 @@ class ReplicaState:
     evicted: Mapping = field(default_factory=dict)  # size -> times its entries were evicted here
     requests: Mapping = field(default_factory=dict)  # size -> requests of it started here since the replica started
     period_s: float | None = None  # seconds since its publication before this one; None: its first, or not said
+    stopped: bool = False  # it published its last: Serve stopped it (a rolling update, a scale-down, a delete)
 
     @classmethod
     def from_routing_stats(cls, replica_id: str, stats: object, full: bool = False) -> ReplicaState:
@@ -192,6 +199,7 @@ class ReplicaState:
                 # (read as none where missing: a replica of an earlier release, in a rolling upgrade)
                 requests=_by_size(ours.get("requests", ())),
                 period_s=_period(ours.get("period_s")),
+                stopped=_flag(ours.get("stopped", False)),
             )
         except (KeyError, TypeError, ValueError, OverflowError):
             return cls(replica_id, full=full)
@@ -207,12 +215,12 @@ class ReplicaState:
 
 def routing_stats(sizes: Iterable[Size], figures: Mapping, published_at: float, building: int = 0,
                   size_bytes: Mapping | None = None, evicted: Mapping | None = None,
-                  requests: Mapping | None = None, period_s: float | None = None) -> dict:
+                  requests: Mapping | None = None, period_s: float | None = None, stopped: bool = False) -> dict:
     """What a replica publishes: the sizes it holds, its cache's figures (``sc.stats``:
     bytes, budget, entries, pending_builds and COUNTS), the requests building now, the
     bytes of each size held, how often each size was evicted and how many requests of each
-    it started, and the seconds since its last publication (None: this is its first), in the
-    format ``ReplicaState`` reads."""
+    it started, the seconds since its last publication (None: this is its first) and whether
+    it was stopped (this is its last), in the format ``ReplicaState`` reads."""
     return {
         FORMAT_KEY: {
             "version": FORMAT_VERSION,
@@ -228,6 +236,7 @@ def routing_stats(sizes: Iterable[Size], figures: Mapping, published_at: float, 
             "requests": sorted([list(size), int(count)] for size, count in (requests or {}).items()),
             "published_at": published_at,
             "period_s": period_s,
+            "stopped": bool(stopped),
         }
     }
 

@@ -26,7 +26,9 @@ publication, which says no period, FIRST_SILENCE_S. A publication stamped furthe
 that is a clock gone wrong, and not live. The clocks of the nodes are taken to agree within
 a few seconds. A replacement that starts sooner after its predecessor's death sees the dead
 replica's sizes as held: ``CachedReplica`` starts its pre-warm once the replicas that missed a
-publication are decided (``decided_at``), and reads the order again before each size.
+publication are decided (``decided_at``), and reads the order again before each size. A
+replica that Serve stops (a rolling update, a scale-down) publishes its last, marked
+``stopped``: it is gone at once, with nothing to wait for.
 """
 
 from __future__ import annotations
@@ -56,8 +58,10 @@ def silence_s(state: ReplicaState) -> float:
 
 
 def live(state: ReplicaState, now: float) -> bool:
-    """Whether the replica whose last publication is `state` still publishes, as of `now`."""
-    return state.published_at is not None and abs(now - state.published_at) <= silence_s(state)
+    """Whether the replica whose last publication is `state` still publishes, as of `now`: one
+    that published its last (stopped) does not."""
+    return (not state.stopped and state.published_at is not None
+            and abs(now - state.published_at) <= silence_s(state))
 
 
 def decided_at(fleet: Iterable[ReplicaState], now: float) -> float:

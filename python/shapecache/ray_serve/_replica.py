@@ -142,6 +142,7 @@ class CachedReplica:
         # published as held until a call of it is served by entries, or for AWAITING_S
         self.__awaiting: dict[tuple, float] = {}
         self.__fleet_written: threading.Event | None = None  # set when the last fleet-view write ended
+        self.__stopped = False  # Serve stopped it (__del__): its publications say so, and its pre-warm ends
         self.shared_dir = SharedDir.from_option(shared_dir)
         # The fleet's record of this class's sizes: deployments of other classes sharing the
         # directory keep records of their own.
@@ -244,19 +245,54 @@ class CachedReplica:
             now = time.monotonic()
             period_s = None if self.__published is None else now - self.__published
             self.__published = now
+            stopped = self.__stopped
         stats = routing_stats(held, figures, time.time(), building=building, size_bytes=size_bytes, evicted=evicted,
-                              requests=requests, period_s=period_s)
+                              requests=requests, period_s=period_s, stopped=stopped)
         if self.shared_dir is not None:
-            self.__write_fleet_view(stats)
+            self.__write_fleet_view(stats, after_the_last=stopped)
         return stats
 
-    def __write_fleet_view(self, stats: dict) -> None:
+    def stop(self) -> None:
+        """Publishes this replica's last routing stats, which say it stopped, so that a replica
+        started after it treats it as gone at once: its sizes come first in that replica's
+        pre-warm, which does not wait for its silence (``_prewarm_order``). A pre-warm under way
+        ends before its next size. Ray Serve calls it (through ``__del__``) as it stops the
+        replica (a rolling update, a scale-down, a delete), once its requests have drained; a
+        second call does nothing."""
+        with self.__lock:
+            if self.__stopped:
+                return
+            self.__stopped = True
+        if self.shared_dir is not None:
+            self.record_routing_stats()
+
+    def __del__(self):
+        """Ray Serve's hook as it stops a replica: ``stop``. The garbage collector calls it too,
+        on whatever thread allocates, where taking a lock or starting a thread can deadlock; it
+        does so only for a replica outside Serve (one in Serve is collected after Serve's call,
+        or never), which publishes no last stats. A subclass that defines ``__del__`` calls
+        this one."""
+        # (getattr: a replica whose __init__ raised has not these)
+        if isinstance(getattr(self, "_CachedReplica__replica_id", None), str) and \
+                not getattr(self, "_CachedReplica__stopped", True):
+            try:
+                self.stop()
+            except Exception as error:  # noqa: BLE001 - never out of a destructor: the fleet sees it gone once silent
+                logger.warning("shapecache: could not publish that the replica stopped: %s", error)
+
+    def __write_fleet_view(self, stats: dict, after_the_last: bool = False) -> None:
         """Writes `stats` to the shared directory for the fleet view, on a thread of its own,
         waiting for it up to FLEET_WRITE_WAIT_S. A write that takes longer (a network volume
         gone away can block one for good) neither delays the router's stats nor holds one of
-        Serve's threads each period: while it is under way, later periods write nothing. (A
-        daemon thread, not an executor's: those are joined at the interpreter's exit.)"""
+        Serve's threads each period: while it is under way, later periods write nothing.
+        `after_the_last`: a write that must not be lost (the replica's last) first waits up to
+        FLEET_WRITE_WAIT_S for one under way. (A daemon thread, not an executor's: those are
+        joined at the interpreter's exit.)"""
         written = threading.Event()
+        with self.__lock:
+            under_way = self.__fleet_written
+        if after_the_last and under_way is not None:
+            under_way.wait(FLEET_WRITE_WAIT_S)
         with self.__lock:
             if self.__fleet_written is not None and not self.__fleet_written.is_set():
                 logger.debug("shapecache: the last write to %s is still under way", self.shared_dir.path)
@@ -400,7 +436,7 @@ class CachedReplica:
         logger.info("shapecache: pre-warming in at most %.1f s, once the replicas that missed a publication are "
                     "known to be live or gone", wait)
         deadline = time.monotonic() + wait
-        while wait > 0 and time.monotonic() < deadline:
+        while wait > 0 and time.monotonic() < deadline and not self.__stopped:
             _sleep(min(wait, 1.0))
             wait = self.shared_dir.decided_s(self.replicas_dir())
         return True
@@ -416,7 +452,7 @@ class CachedReplica:
         attempted = 0  # those it tried to build (what `limit` counts)
         try:
             waited = self.__wait_until_decided()
-            while limit is None or attempted < limit:
+            while (limit is None or attempted < limit) and not self.__stopped:
                 if tried or waited:
                     try:
                         hot = self.__hot_sizes() or hot  # (a record gone meanwhile: the order as last read)
