@@ -3,6 +3,7 @@ torch: shapecache/ray_serve/_simulated_fleet.py), with and without a replica kil
 
     python benchmarks/fleet_policy.py [--fleet diffusion|res-convnet] [--seeds 10] [--requests 4000]
                                       [--replicas 3] [--budget-entries 2.5] [--prewarm-s SECONDS]
+                                      [--publish-s SECONDS] [--load-s SECONDS] [--build-factor 1]
 
 `--fleet diffusion` (the default): six sizes from 512x512 to 896x896 whose entries take
 100 MiB per 512x512 of area and 20 s per 512x512 to build, three clients, a budget of
@@ -12,7 +13,12 @@ minute later with an empty cache. `--fleet res-convnet`: the fleet of
 six sizes whose frozen entries take 54 MiB and 7 s to build, 136 MiB per replica (two
 entries), two clients, a replacement 5 s after the kill. `--prewarm-s S`: the replacement
 pre-warms (``prewarm_order``: what no live replica holds first), S seconds a size (a package's
-load: under a second; a build: `build_s`); by default it starts empty. Each
+load: under a second; a build: `build_s`); by default it starts empty. `--publish-s S`: a
+size's package is in the shared directory S seconds after its first build ends (0: the build's
+own package), and a replica that lacks the size then loads it in `--load-s` seconds (default
+0.5) instead of building it; by default no package is published. `--build-factor F`: every
+build takes F times as long (a build that compiles its package where another compiles a
+graph). Each
 router runs the same streams (Zipf, s=1.1), one per seed; inline builds (a miss waits for its
 build) and background builds (a miss is served uncached while the replica's compiler builds).
 
@@ -42,34 +48,45 @@ def main(argv=None) -> int:
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--budget-entries", type=float, default=2.5)
     parser.add_argument("--prewarm-s", type=float, default=None)
+    parser.add_argument("--publish-s", type=float, default=None)
+    parser.add_argument("--load-s", type=float, default=0.5)
+    parser.add_argument("--build-factor", type=float, default=1.0)
     args = parser.parse_args(argv)
+    if not (args.load_s > 0 and args.build_factor > 0):
+        parser.error(f"--load-s={args.load_s}, --build-factor={args.build_factor}: expected positive numbers")
     if args.fleet == "diffusion":
-        sizes = {s: SizeCost(int(s[0] * s[1] / 512 / 512 * 100 * MiB), 20 * s[0] * s[1] / 512 / 512) for s in SIDES}
+        sizes = {s: SizeCost(int(s[0] * s[1] / 512 / 512 * 100 * MiB), 20 * s[0] * s[1] / 512 / 512 * args.build_factor,
+                             args.load_s) for s in SIDES}
         fleet = {"clients": 3, "restart_s": 60.0}
     else:
-        sizes = {s: SizeCost(54 * MiB, 7.0) for s in [(256, 256), (256, 192), (192, 256), (192, 192), (128, 256),
+        sizes = {s: SizeCost(54 * MiB, 7.0 * args.build_factor, args.load_s) for s in [(256, 256), (256, 192), (192, 256), (192, 192), (128, 256),
                                                       (256, 128)]}
         fleet = {"clients": 2, "restart_s": 5.0}
     budget = int(args.budget_entries * statistics.mean(c.bytes for c in sizes.values()))
     prewarm = "empty" if args.prewarm_s is None else f"pre-warming {args.prewarm_s:g} s a size"
+    published = ("no packages" if args.publish_s is None
+                 else f"packages published {args.publish_s:g} s after a size's first build, loaded in {args.load_s:g} s")
     print(f"{args.replicas} replicas, budget {budget / MiB:.0f} MiB each, {len(sizes)} sizes, "
-          f"{args.requests} requests, {args.seeds} seeds, the replacement {prewarm}")
+          f"{args.requests} requests, {args.seeds} seeds, the replacement {prewarm}, {published}, "
+          f"builds x{args.build_factor:g}")
     print(f"{'build':<11}{'kill':<6}{'router':<10}{'hit rate':>9}{'worst':>7}{'p50 s':>8}{'p99 s':>8}"
-          f"{'builds':>8}{'evicted':>8}{'re-homed s':>12}{'worst':>8}")
+          f"{'builds':>8}{'loads':>7}{'evicted':>8}{'re-homed s':>12}{'worst':>8}")
     for build in ("inline", "background"):
         for kill in (None, 0.5):
             p99 = {}
             for router in ("default", "affinity"):
                 reports = [simulate_fleet(SimulatedFleet(sizes, replicas=args.replicas, budget=budget, build=build,
                                           requests=args.requests, kill_at_fraction=kill, seed=seed,
-                                                         prewarm_s=args.prewarm_s, **fleet), router)
+                                                         prewarm_s=args.prewarm_s, publish_s=args.publish_s,
+                                                         **fleet), router)
                            for seed in range(args.seeds)]
                 rehomed = [s for r in reports for s in r.rehomed_s.values()] or [math.nan]
                 p99[router] = statistics.median(r.p99_s for r in reports)
                 print(f"{build:<11}{'yes' if kill else 'no':<6}{router:<10}"
                       f"{statistics.mean(r.hit_rate for r in reports):>9.3f}{min(r.hit_rate for r in reports):>7.3f}"
                       f"{statistics.median(r.p50_s for r in reports):>8.2f}{p99[router]:>8.2f}"
-                      f"{statistics.mean(r.builds for r in reports):>8.1f}{statistics.mean(r.evictions for r in reports):>8.1f}"
+                      f"{statistics.mean(r.builds for r in reports):>8.1f}{statistics.mean(r.loads for r in reports):>7.1f}"
+                      f"{statistics.mean(r.evictions for r in reports):>8.1f}"
                       f"{statistics.median(rehomed):>12.1f}{max(rehomed):>8.1f}")
             print(f"{'':<27}p99 affinity / default: {p99['affinity'] / p99['default']:.2f}")
     held, new = rank_cost()

@@ -52,6 +52,23 @@ def test_a_replacement_that_prewarms_builds_what_no_live_replica_holds_and_keeps
         simulate_fleet(SimulatedFleet(SIZES, budget=BUDGET, requests=10, prewarm_s=-1), "affinity")
 
 
+def test_a_size_whose_package_is_published_is_loaded_not_built_again():
+    # The res-convnet fleet of benchmarks/ray_serve.py: six sizes of 54 MiB and 7 s builds, two
+    # entries per replica, two clients, a replacement 5 s after the kill
+    sizes = {s: SizeCost(54 * MiB, 7.0, load_s=0.5) for s in SIDES}
+    fleet = {"budget": 136 * MiB, "clients": 2, "restart_s": 5.0, "requests": 300}
+    never = [simulate_fleet(SimulatedFleet(sizes, seed=seed, **fleet), "affinity") for seed in SEEDS]
+    at_once = [simulate_fleet(SimulatedFleet(sizes, seed=seed, publish_s=0.0, **fleet), "affinity") for seed in SEEDS]
+    assert all(r.loads == 0 for r in never)
+    # each size compiles once in the fleet; every later build, after an eviction or the kill, loads
+    assert all(r.builds == len(SIDES) and r.loads > 0 for r in at_once)
+    # so with the kill no request waits for a compile after warm-up: p99 is a load, not a build
+    assert statistics.median(r.p99_s for r in never) >= 7.0
+    assert statistics.median(r.p99_s for r in at_once) < 7.0 / 2
+    with pytest.raises(ValueError, match="publish_s=-1"):
+        simulate_fleet(SimulatedFleet(sizes, publish_s=-1, **fleet), "affinity")
+
+
 @pytest.mark.parametrize("kill_at_fraction", [None, 0.5])
 def test_with_background_builds_no_request_waits_for_a_build(kill_at_fraction):
     # A request waits at most for the requests ahead of it, each served uncached or as a hit.

@@ -20,9 +20,11 @@ What it models of Ray Serve (2.60) and of a replica:
 - A replica runs its admitted requests one model call at a time (a CPU replica's calls share
   its cores; a GPU replica's share its device). A size it holds is a hit (`hit_s`); one it
   does not is built inline in the call (`build_s` more) or, with ``build="background"``,
-  served uncached (`uncached_s`) while its compiler builds it, one build at a time. An entry
-  is kept while its bytes fit the budget beside what is held, the least recently used going
-  first.
+  served uncached (`uncached_s`) while its compiler builds it, one build at a time. Where
+  `publish_s` is set, a size's package is in the shared directory that long after its first
+  build ends, and a replica that lacks the size from then on loads it (`load_s`) in place of
+  the build; a load is a miss, as a build is. An entry is kept while its bytes fit the budget
+  beside what is held, the least recently used going first.
 - A replica publishes what ``CachedReplica.record_routing_stats`` does every `stats_period_s`
   (each at its own phase): the sizes held or being served, bytes, builds in flight, the
   bytes of each size, the requests of each and its period.
@@ -53,10 +55,12 @@ Size = tuple[int, ...]
 
 @dataclass(frozen=True)
 class SizeCost:
-    """What one size costs a replica: its entry's bytes and its build's seconds."""
+    """What one size costs a replica: its entry's bytes, its build's seconds, and the seconds a
+    load of its package from the shared directory takes, once one is there."""
 
     bytes: int
     build_s: float
+    load_s: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,10 @@ class SimulatedFleet:
     kill_at_fraction: float | None = 0.5  # a replica is killed when this fraction has arrived
     restart_s: float = 60.0
     prewarm_s: float | None = None  # seconds a replacement takes to pre-warm a size; None: it pre-warms none
+    # seconds from the end of a size's first build to its package in the shared directory,
+    # after which a replica that lacks the size loads it (SizeCost.load_s) instead of building
+    # it; None: never (a graph that is not shared, or a publication the stream outlasts)
+    publish_s: float | None = None
     seed: int = 0
 
     def stream(self) -> list[Size]:
@@ -153,13 +161,14 @@ class FleetReport:
     p99_s: float
     mean_wait_s: float  # from arrival to the model call's start: routing and the replica's queue
     evictions: int
-    builds: int
+    builds: int  # builds that compiled (loads of a published package are `loads`)
     # the killed replica's sizes -> seconds from their first request after the kill to their first hit
     rehomed_s: dict
     # what the replacement pre-warmed, in order, and how many of those no live replica's
     # publication listed when the pre-warm chose them
     prewarmed: tuple = ()
     prewarmed_held_nowhere: int = 0
+    loads: int = 0
 
 
 def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None = None,
@@ -170,6 +179,9 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
         raise ValueError(f"router={router!r}: expected 'affinity' or 'default'")
     if fleet.prewarm_s is not None and not fleet.prewarm_s > 0:
         raise ValueError(f"prewarm_s={fleet.prewarm_s!r}: expected a positive number of seconds a size, or None")
+    if fleet.publish_s is not None and not 0 <= fleet.publish_s < math.inf:
+        raise ValueError(f"publish_s={fleet.publish_s!r}: expected the seconds from a size's first build to its "
+                         "package in the shared directory (0 or more), or None")
     stream = fleet.stream() if stream is None else stream
     rng = random.Random(fleet.seed + 1)
     placement = Placement() if placement is None else placement
@@ -201,8 +213,9 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
     first_request: dict = {}
     first_hit: dict = {}
     done: list[_Request] = []
-    evictions = builds = 0
+    evictions = builds = loads = 0
     built: collections.Counter = collections.Counter()  # size -> builds on request: the sizes record
+    package_at: dict = {}  # size -> when its package is in the shared directory
     prewarmed: list = []
     prewarmed_held_nowhere = 0
 
@@ -219,29 +232,39 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
         if replica.running is None:
             run_next(replica, now)
 
+    def build_s(size: Size, now: float) -> float:
+        """What the build of `size` that starts `now` takes: a load where its package is there."""
+        nonlocal builds, loads
+        built[size] += 1
+        if package_at.get(size, math.inf) <= now:
+            loads += 1
+            return fleet.sizes[size].load_s
+        builds += 1
+        return fleet.sizes[size].build_s
+
+    def compiled(size: Size, now: float) -> None:
+        """A build of `size` ended `now`: its package is published, where it is the first."""
+        if fleet.publish_s is not None and size not in package_at:
+            package_at[size] = now + fleet.publish_s
+
     def run_next(replica: _Replica, now: float) -> None:
-        nonlocal builds
         if not replica.admitted:
             replica.running = None
             return
         request = replica.running = replica.admitted.popleft()
         request.started = now
-        cost = fleet.sizes[request.size]
         if request.size in replica.entries:
             request.hit = True
             replica.entries.move_to_end(request.size)
             seconds = fleet.hit_s
         elif fleet.build == "inline":
-            builds += 1
-            built[request.size] += 1
-            seconds = cost.build_s + fleet.hit_s
+            seconds = build_s(request.size, now) + fleet.hit_s
         else:
             seconds = fleet.uncached_s
             if request.size not in replica.pending:
-                builds += 1
-                built[request.size] += 1
                 replica.pending.add(request.size)
-                replica.builds_ready_at = max(now, replica.builds_ready_at) + cost.build_s
+                start = max(now, replica.builds_ready_at)
+                replica.builds_ready_at = start + build_s(request.size, start)
                 at(replica.builds_ready_at, "built", replica, request.size)
         at(now + seconds, "finish", replica, request)
 
@@ -321,6 +344,7 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
             replica, size = args
             replica.pending.discard(size)
             if replica.alive:
+                compiled(size, now)
                 evictions += replica.keep(size, fleet.sizes[size].bytes)
         elif what == "finish":
             replica, request = args
@@ -331,6 +355,7 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
                 if not replica.building[request.size]:
                     del replica.building[request.size]
             if not request.hit and fleet.build == "inline":
+                compiled(request.size, now)
                 evictions += replica.keep(request.size, fleet.sizes[request.size].bytes)
             request.finished = now
             done.append(request)
@@ -352,4 +377,5 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
         rehomed_s={size: first_hit.get(size, math.inf) for size in sorted(first_request)},
         prewarmed=tuple(prewarmed),
         prewarmed_held_nowhere=prewarmed_held_nowhere,
+        loads=loads,
     )
