@@ -446,16 +446,18 @@ def test_a_replica_serves_while_it_prewarms_and_publishes_a_size_once_it_is_buil
 def test_a_stopped_replica_says_so_and_the_next_prewarms_its_sizes_first_without_waiting(tmp_path, monkeypatch):
     from shapecache.ray_serve import _replica
 
-    release = threading.Event()
+    entered, release = threading.Event(), threading.Event()
 
     class Slow(NetReplica):
         def warm_up(self, size):
+            entered.set()
             assert release.wait(60)
             super().warm_up(size)
 
     shared = SharedDir(tmp_path)
     shared.record_sizes([(8, 8), (8, 12), (12, 12)], Slow.sizes_file())
     old = Slow(shared_dir=tmp_path, max_entries=4)  # pre-warming (12, 12), the largest, when Serve stops it
+    assert entered.wait(60)
     old.record_routing_stats()
     for size in [(8, 12)] * 3 + [(12, 12)]:
         old(size=size)
@@ -472,7 +474,7 @@ def test_a_stopped_replica_says_so_and_the_next_prewarms_its_sizes_first_without
     assert shared.fleet(Slow.replicas_dir())[0].stopped
 
     # as the fleet sees it 5 s on, beside a live replica holding a size requested more
-    path = tmp_path / Slow.replicas_dir() / f"{_replica._THIS_PROCESS}-{id(old):x}.json"
+    [path] = (tmp_path / Slow.replicas_dir()).glob("*.json")
     last = json.loads(path.read_text())
     last["shapecache"].update(published_at=time.time() - 5, period_s=2.0)
     path.write_text(json.dumps(last))
@@ -500,6 +502,30 @@ def test_a_stopped_replica_says_so_and_the_next_prewarms_its_sizes_first_without
     with pytest.raises(RuntimeError):
         Partial()
     Partial.__new__(Partial).__del__()  # a replica made in part: nothing raised
+
+
+def test_a_stats_call_read_before_the_stop_does_not_write_over_the_last_publication(tmp_path, monkeypatch):
+    from shapecache.ray_serve import _replica
+
+    read, go_on = threading.Event(), threading.Event()
+
+    def slow_stats(*args, **kwargs):  # a stats call that read the replica, then lost the CPU
+        stats = routing_stats(*args, **kwargs)
+        if not kwargs["stopped"]:
+            read.set()
+            assert go_on.wait(60)
+        return stats
+
+    replica = NetReplica(shared_dir=tmp_path)
+    monkeypatch.setattr(_replica, "routing_stats", slow_stats)
+    late = threading.Thread(target=replica.record_routing_stats)
+    late.start()
+    assert read.wait(60)
+    replica.stop()
+    go_on.set()
+    late.join(60)
+    [state] = SharedDir(tmp_path).fleet(NetReplica.replicas_dir())
+    assert state.stopped
 
 
 def test_the_shared_directory_sets_the_caches_and_skips_torn_lines(tmp_path, monkeypatch, caplog):

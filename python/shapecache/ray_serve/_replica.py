@@ -267,18 +267,24 @@ class CachedReplica:
             self.record_routing_stats()
 
     def __del__(self):
-        """Ray Serve's hook as it stops a replica: ``stop``. The garbage collector calls it too,
-        on whatever thread allocates, where taking a lock or starting a thread can deadlock; it
-        does so only for a replica outside Serve (one in Serve is collected after Serve's call,
-        or never), which publishes no last stats. A subclass that defines ``__del__`` calls
-        this one."""
-        # (getattr: a replica whose __init__ raised has not these)
-        if isinstance(getattr(self, "_CachedReplica__replica_id", None), str) and \
-                not getattr(self, "_CachedReplica__stopped", True):
-            try:
-                self.stop()
-            except Exception as error:  # noqa: BLE001 - never out of a destructor: the fleet sees it gone once silent
-                logger.warning("shapecache: could not publish that the replica stopped: %s", error)
+        """Ray Serve's hook as it stops a replica: ``stop``, where this object is the one the
+        replica serves (its context's ``servable_object``). The garbage collector calls it
+        too, on whatever thread allocates, where taking a lock or starting a thread can
+        deadlock: for any other object (outside Serve, or another CachedReplica in a replica's
+        process, which shares its id) it does nothing, and the replica Serve serves is
+        collected only after Serve's call. A subclass that defines ``__del__`` calls this one."""
+        serve = sys.modules.get("ray.serve")  # (no import: nothing that takes the import lock)
+        if serve is None or getattr(self, "_CachedReplica__stopped", True):  # (a replica whose __init__ raised)
+            return
+        try:
+            if serve.get_replica_context().servable_object is not self:
+                return
+        except Exception:  # noqa: BLE001 - not in a replica
+            return
+        try:
+            self.stop()
+        except Exception as error:  # noqa: BLE001 - never out of a destructor: the fleet sees it gone once silent
+            logger.warning("shapecache: could not publish that the replica stopped: %s", error)
 
     def __write_fleet_view(self, stats: dict, after_the_last: bool = False) -> None:
         """Writes `stats` to the shared directory for the fleet view, on a thread of its own,
@@ -294,8 +300,12 @@ class CachedReplica:
         if after_the_last and under_way is not None:
             under_way.wait(FLEET_WRITE_WAIT_S)
         with self.__lock:
+            if self.__stopped and not after_the_last:  # stats read before the stop: the last is written
+                return
             if self.__fleet_written is not None and not self.__fleet_written.is_set():
-                logger.debug("shapecache: the last write to %s is still under way", self.shared_dir.path)
+                log = logger.warning if after_the_last else logger.debug
+                log("shapecache: the last write to %s is still under way; %s", self.shared_dir.path,
+                    "the replica's last publication (stopped) is not written" if after_the_last else "skipped")
                 return
             self.__fleet_written = written
         replica_id = self.replica_id() or f"{_THIS_PROCESS}-{id(self):x}"
