@@ -41,8 +41,12 @@ FROZEN = {"options": {"freezing": True}}
     ("background, not frozen", {}, True, None, False, ("inductor",)),
     ("background, options not JSON", {"options": {"freezing": True, "post_grad_custom_post_pass": object()}}, True,
      None, False, ("inductor",)),
-    ("inline, shared", FROZEN, False, None, True, ("inductor", "store")),
+    # shared: the package is the entry, inline or not (not compiled a second time to share it)
+    ("inline, shared", FROZEN, False, None, True, ("process", "inductor", "store")),
+    ("inline, shared, thread asked for background builds", FROZEN, False, "thread", True,
+     ("process", "inductor", "store")),
     ("background, shared", FROZEN, True, None, True, ("process", "inductor", "store")),
+    ("background, shared, thread asked", FROZEN, True, "thread", True, ("inductor", "store")),
     ("inline, not frozen, shared", {}, False, None, True, ("inductor",)),
 ])
 def test_each_build_gets_the_route_its_options_device_and_place_say(case, compile_options, in_background, compiler,

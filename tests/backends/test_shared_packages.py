@@ -316,6 +316,35 @@ def test_a_background_build_publishes_the_package_its_compiler_made(shared, monk
         assert sc.stats(cached)["hits"] == 1
 
 
+def test_an_inline_build_shares_its_own_package_at_once(shared, monkeypatch):
+    # The package is the entry: in the directory when the call returns, nothing left to compile
+    # later, whatever background builds are told
+    monkeypatch.setenv("SHAPECACHE_BACKGROUND_COMPILER", "thread")
+    net = conv_net()
+    x = torch.randn(1, 4, 12, 12)
+    with torch.no_grad():
+        cached = sc.cached(net, backend="compile", compile_options=FROZEN)
+        torch.testing.assert_close(cached(x), conv_net()(x), rtol=1e-5, atol=1e-5)
+        assert len(packages(shared)) == 1 and not _background._publishing
+        torch.testing.assert_close(cached(x), conv_net()(x), rtol=1e-5, atol=1e-5)
+    assert sc.stats(cached)["hits"] == 1
+
+
+def test_a_build_compiled_in_the_serving_process_is_published_later(shared, monkeypatch):
+    # SHAPECACHE_BACKGROUND_COMPILER=thread: a background build compiles in this process, and a
+    # worker compiles its package in the compiler's process afterwards, to share it
+    monkeypatch.setenv("SHAPECACHE_BACKGROUND_COMPILER", "thread")
+    net = conv_net()
+    x = torch.randn(1, 4, 12, 12)
+    with torch.no_grad():
+        cached = sc.cached(net, backend="compile", build="background", compile_options=FROZEN)
+        cached(x)
+        assert sc.wait(cached, timeout=300)  # its build, then its publication
+        assert len(packages(shared)) == 1
+        torch.testing.assert_close(cached(x), conv_net()(x), rtol=1e-5, atol=1e-5)
+    assert sc.stats(cached)["hits"] == 1
+
+
 def test_publishers_of_one_key_leave_one_whole_file_their_owners_alone(shared, tmp_path):
     # ... and the copies a publisher killed mid-copy left over an hour ago are removed.
     shared.mkdir(parents=True)

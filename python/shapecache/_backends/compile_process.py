@@ -1,5 +1,6 @@
 """A bucket's graph compiled in a process of its own: how a background build on the CPU keeps
-the compiler off the serving threads' GIL.
+the compiler off the serving threads' GIL, and how a build where packages are shared makes
+the package it shares.
 
 Inductor's lowering and code generation are Python that holds the GIL for most of a build (a
 minute for a UNet on the CPU); every operator a serving thread calls releases the GIL and then
@@ -13,7 +14,8 @@ weights this process then loads: in tens of milliseconds, with no Python of the 
 run here.
 
 ``ProcessCompiler`` is one of the compilers (compilers.py), chosen there for a background
-build of a graph that inductor's freezing makes (``freezing`` on, grad off): its
+build of a graph that inductor's freezing makes (``freezing`` on, grad off), and for an inline
+build of one where a shared directory is set (its package is the entry, shared as it is): its
 weights are constants, and the package holds a copy of every one it reads (an in-process
 frozen entry copies those freezing transforms and reads the rest where they are). Without
 freezing the graph reads the model's weights where they are, which a package of copies would
@@ -115,8 +117,8 @@ class ProcessCompiler:
         except Failed as failure:
             where = ("this and later builds of the process compile in the serving process, where they slow"
                      if self.failed else "it compiles in the serving process, where it slows")
-            raise CompilerFailed(f"compiling a background build in a process of its own failed ({failure}); {where} "
-                                 "the calls served meanwhile") from failure
+            raise CompilerFailed(f"compiling a build's package in a process of its own failed ({failure}); {where} "
+                                 "the calls served meanwhile, and it is not shared") from failure
         return CompiledGraph(package, [], package.constant_bytes, package=path)
 
 

@@ -5,8 +5,9 @@ A compiler turns a trace (trace.py) into a graph that runs: ``Compiler.compile``
 
 - ``InductorCompiler`` (inductor_compiler.py): inductor's ``compile_fx``, in this process.
 - ``ProcessCompiler`` (compile_process.py): AOTInductor in a process of its own, whose package
-  this process loads; for background builds of frozen graphs, so that inductor's Python never
-  holds the serving threads' GIL.
+  this process loads; for frozen graphs built in the background, so that inductor's Python
+  never holds the serving threads' GIL, and for those built inline where packages are shared,
+  so that the package the fleet loads is the entry's own, not compiled a second time.
 
 The package store (package_store.py) is a cache layer around them: looked up before any
 compiler runs, published to after.
@@ -160,7 +161,10 @@ def choose_route(traced: Trace, compile_options: dict, in_background: bool, name
       graph pass, a choices class: code of this process's), in a process whose packages work.
       Its options then hold what the build's context set in inductor's configuration.
     - Such a graph compiles in a process of its own where the build is in the background and
-      ``SHAPECACHE_BACKGROUND_COMPILER`` is not "thread"; in this process otherwise, and
+      ``SHAPECACHE_BACKGROUND_COMPILER`` is not "thread", and where the build is inline and
+      ``SHAPECACHE_SHARED_DIR`` is set: its package is the entry, and is shared as it is (an
+      inline build's wait is then the package's compile, where the fleet's next build of
+      that graph, on any replica, is a load). It compiles in this process otherwise, and
       whenever the process compiler fails.
     - The package store is used for such a graph where ``SHAPECACHE_SHARED_DIR`` is set.
     """
@@ -181,14 +185,14 @@ def choose_route(traced: Trace, compile_options: dict, in_background: bool, name
     if why:
         return Route(options, (INDUCTOR,), None, why)
     options = package_options(options)
-    compilers = (INDUCTOR,)
-    if not in_background:
-        why = "the build is inline"
-    elif background_compiler() == "thread":
-        why = f"{BACKGROUND_COMPILER}=thread"
-    else:
-        compilers = (compile_process.PROCESS, INDUCTOR)
     store = package_store.PackageStore.from_environment()
+    compilers = (INDUCTOR,)
+    if in_background and background_compiler() == "thread":
+        why = f"{BACKGROUND_COMPILER}=thread"
+    elif in_background or store is not None:
+        compilers = (compile_process.PROCESS, INDUCTOR)
+    else:
+        why = "the build is inline"
     if store is None:
         why = why or f"{package_store.ENVIRONMENT} is not set"
     return Route(options, compilers, store, why)
