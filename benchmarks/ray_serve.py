@@ -220,8 +220,9 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
 
 
 def wait_for_packages(shared: SharedDir, count: int) -> dict:
-    """Waits until the shared directory holds `count` packages (the replicas publish each frozen
-    graph after it serves, in a process of their own): their count and the seconds waited."""
+    """Waits until the shared directory holds `count` packages (a replica's build of a frozen
+    graph publishes its package as it ends; an earlier release's, after it): their count and
+    the seconds waited."""
     start = time.perf_counter()
     packages = shared.packages
     while True:

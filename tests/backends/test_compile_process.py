@@ -147,7 +147,7 @@ def test_a_build_compiles_under_the_inductor_configuration_of_the_call_that_aske
     assert not (tmp_path / "shared" / "packages").exists() or not list((tmp_path / "shared" / "packages").iterdir())
 
 
-def test_an_inline_build_and_an_unfrozen_one_compile_in_the_serving_process():
+def test_without_a_shared_directory_an_inline_build_and_an_unfrozen_one_compile_in_the_serving_process():
     net = conv_net()
     x = torch.randn(1, 4, 10, 10)
     with torch.no_grad():
@@ -296,8 +296,13 @@ def test_the_compilers_place_is_checked_when_a_background_cache_is_made(monkeypa
                                              r"seconds .* \(default 300\)"):
             sc.cached(conv_net(), backend="compile", build="background")
     net = conv_net()
+    monkeypatch.delenv("SHAPECACHE_SHARED_DIR", raising=False)
     sc.cached(net, backend="compile")  # an inline cache compiles in the serving process: not read
     sc.uncached(net)
+    # ... but where packages are shared, an inline build compiles its package there
+    monkeypatch.setenv("SHAPECACHE_SHARED_DIR", "/nonexistent/shared")
+    with pytest.raises(ValueError, match=r"SHAPECACHE_COMPILER_IDLE_S='inf'"):
+        sc.cached(net, backend="compile")
 
 
 def test_the_build_directories_of_processes_that_ended_are_removed_and_others_kept(monkeypatch, tmp_path):
@@ -549,3 +554,54 @@ def warnings_recorded():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield caught
+
+
+def test_a_compile_asked_at_a_higher_priority_never_runs_in_a_compiler_started_at_a_lower_one(monkeypatch):
+    # A background build's worker starts the compiler's process at its lower priority, which an
+    # unprivileged process cannot raise again; an inline build's request, which waits on the
+    # compile, gets a process at its own thread's priority. (Here the process is a stand-in
+    # that answers each request at once: what is tested is which process takes it.)
+    from shapecache import _background
+    from shapecache._backends import compile_process
+
+    started = []
+
+    class Answering:
+        def __init__(self, directory):
+            self.niceness, self.builds, self.gave_up, self.ended_ = compile_process.thread_niceness(), 0, "", False
+            started.append(self)
+
+        def running(self):
+            return not self.ended_
+
+        def request(self, deadline_s, **request):
+            self.builds += 1
+            return {"id": self.builds}
+
+        def end(self):
+            self.ended_ = True
+
+        ended = end
+
+    monkeypatch.setattr(compile_process, "CompilerProcess", Answering)
+    monkeypatch.setitem(compile_process._compiler, "process", None)
+    settings = compile_process.CompileSettings.of_this_thread()
+
+    def background_build():
+        _background.lower_priority()
+        compile_process._run_compiler("saved", "package", {}, settings)
+
+    worker = threading.Thread(target=background_build)
+    worker.start()
+    worker.join(60)
+    here = compile_process.thread_niceness()
+    [low] = started
+    if here is None or low.niceness is None or low.niceness <= here:
+        pytest.skip("thread priorities cannot be lowered here")
+    compile_process._run_compiler("saved", "package", {}, settings)  # an inline build's
+    assert len(started) == 2 and low.ended_ and started[1].niceness == here
+    worker = threading.Thread(target=background_build)
+    worker.start()
+    worker.join(60)
+    assert len(started) == 2 and started[1].builds == 2  # a lower-priority build takes the one that runs
+    compile_process._compiler["process"] = None

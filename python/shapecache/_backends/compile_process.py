@@ -7,8 +7,9 @@ minute for a UNet on the CPU); every operator a serving thread calls releases th
 waits to get it back, so calls served meanwhile stall for seconds (docs/background-builds.md).
 So the worker does here only what needs the live model: ``torch.export`` traces the call (a
 few seconds; the guards come from that trace, trace.py). It saves the exported program, and
-the compiler's process (``python -m shapecache._backends.compile_process``, started by the
-worker at its lower priority at the first such build, and kept warm for the next ones:
+the compiler's process (``python -m shapecache._backends.compile_process``, started at the
+first such build at the priority of the thread that asks for it, a worker's lower one or an
+inline build's, and kept warm for the next ones:
 ``CompilerProcess``) compiles it with AOTInductor into a package, whose kernels and frozen
 weights this process then loads: in tens of milliseconds, with no Python of the compiler's
 run here.
@@ -114,11 +115,11 @@ class ProcessCompiler:
         try:
             path = compile_saved(saved.path(), options)
             package = load(path)
-        except Failed as failure:
+        except (Failed, ValueError) as failure:  # (ValueError: a setting of that process's, set since it was checked)
             where = ("this and later builds of the process compile in the serving process, where they slow"
                      if self.failed else "it compiles in the serving process, where it slows")
             raise CompilerFailed(f"compiling a build's package in a process of its own failed ({failure}); {where} "
-                                 "the calls served meanwhile, and it is not shared") from failure
+                                 "the calls served meanwhile") from failure
         return CompiledGraph(package, [], package.constant_bytes, package=path)
 
 
@@ -287,6 +288,8 @@ class CompilerProcess:
         self.gave_up = ""  # why the last request was given up while the process ran (it is then killed)
         self.ran_past_deadline = False  # whether that was its deadline (not a stop)
         self.started_at = time.time()
+        # The niceness it runs at, the starting thread's, which it cannot lower (unprivileged)
+        self.niceness = thread_niceness()
         replies, self._replies_write = os.pipe()
         # -P: the working directory is not put first on its sys.path, so a module there (a
         # json.py beside the user's script) is never imported in place of the library's own.
@@ -326,7 +329,11 @@ class CompilerProcess:
         except (BrokenPipeError, ValueError):  # it ended (idle) as the request was sent
             self.end()
             return None
-        line = self._reply_line(deadline_s)
+        try:
+            line = self._reply_line(deadline_s)
+        except BaseException:  # (a Ctrl-C on an inline build's thread: the compile it asked for goes with it)
+            self.end()
+            raise
         try:
             reply = json.loads(line) if line is not None else None
             if not isinstance(reply, dict) or reply.get("id") != request["id"]:
@@ -514,12 +521,23 @@ def resident_bytes() -> int:
     return compiler.resident_bytes() if compiler is not None and compiler.process.returncode is None else 0
 
 
+def thread_niceness() -> int | None:
+    """The calling thread's niceness (on Linux a thread has one of its own, which the processes
+    it starts inherit); None where it cannot be read."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except (AttributeError, OSError):
+        return None
+
+
 def _run_compiler(saved: str, package: str, options: dict, settings: CompileSettings) -> None:
     """Has the compiler's process compile the program saved at `saved` into `package`, starting
-    one where none runs. A process that ends without replying is started anew for the build
-    once; ended again, this build fails, and where that end was a crash (or the process could
-    not start up), the route is not tried again in this process (PROCESS.failed). Raises
-    Failed, NotForThisGraph, and _background.Exiting where the interpreter is exiting."""
+    one where none runs, or where the one that runs is at a lower priority than the calling
+    thread (started by a background build: an inline build's request waits on this compile).
+    A process that ends without replying is started anew for the build once; ended again,
+    this build fails, and where that end was a crash (or the process could not start up), the
+    route is not tried again in this process (PROCESS.failed). Raises Failed,
+    NotForThisGraph, and _background.Exiting where the interpreter is exiting."""
     with _compiler["lock"]:
         ended_idle = restarted = False
         while True:
@@ -527,6 +545,11 @@ def _run_compiler(saved: str, package: str, options: dict, settings: CompileSett
             if compiler is not None and not compiler.running():  # ended idle, or killed since its last build
                 _compiler["process"] = None
                 compiler.ended()
+                compiler = None
+            niceness = thread_niceness()
+            if compiler is not None and None not in (niceness, compiler.niceness) and niceness < compiler.niceness:
+                _compiler["process"] = None  # (a process at a higher priority takes lower-priority builds as it is)
+                compiler.end()
                 compiler = None
             if compiler is None:
                 try:

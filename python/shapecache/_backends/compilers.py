@@ -91,9 +91,16 @@ def background_compiler() -> str:
         raise ValueError(f"{BACKGROUND_COMPILER}={os.environ[BACKGROUND_COMPILER]!r}: expected 'process' (a background "
                          "build compiles in a process of its own) or 'thread' (in the serving process)")
     if value == "process":
-        idle_seconds()
-        deadline_ceiling()
+        compiler_process_settings()
     return value
+
+
+def compiler_process_settings() -> None:
+    """Checks the settings of the compiler's process (IDLE_VARIABLE, DEADLINE_VARIABLE) where a
+    cached object is made whose builds may compile there: background builds, and any build
+    where packages are shared. Raises ValueError naming the variable."""
+    idle_seconds()
+    deadline_ceiling()
 
 
 IDLE_VARIABLE = "SHAPECACHE_COMPILER_IDLE_S"  # seconds the compiler's process waits for its next build
@@ -147,6 +154,9 @@ class Route:
     compilers: tuple  # tried in order: a CompilerFailed or NotForThisGraph moves on to the next
     store: PackageStore | None  # looked up first and published to after; None: not stored
     why: str  # why the first compiler is not the process one, or why nothing is stored ("" where both apply)
+    # The process compiler comes first only to make the package the store shares (an inline
+    # build): passed over where the package cannot be shared (no key, a directory not writable).
+    to_share: bool = False
 
 
 def choose_route(traced: Trace, compile_options: dict, in_background: bool, name: str) -> Route:
@@ -195,7 +205,7 @@ def choose_route(traced: Trace, compile_options: dict, in_background: bool, name
         why = "the build is inline"
     if store is None:
         why = why or f"{package_store.ENVIRONMENT} is not set"
-    return Route(options, compilers, store, why)
+    return Route(options, compilers, store, why, to_share=not in_background and store is not None)
 
 
 def package_options(options: dict) -> dict:
@@ -276,9 +286,9 @@ def compile_on(route: Route, traced: Trace, saved: SavedProgram, owner: Callable
     the store only where the route's first compiler built it: where that one refused the graph
     or failed, a package of it would be refused or fail again. `owner`: the cached function
     whose ``wait`` waits for the publication."""
-    from shapecache._backends.package_store import Bypass
+    from shapecache._backends.package_store import Bypass, writable
 
-    key, options = None, route.options
+    key, options, compilers = None, route.options, route.compilers
     if route.store is not None:
         try:
             key = route.store.key(saved, route.options)
@@ -288,9 +298,11 @@ def compile_on(route: Route, traced: Trace, saved: SavedProgram, owner: Callable
             if (found := route.store.lookup(key)) is not None:
                 return found._replace(key=key)
             options = route.store.stamped(options, key)
+        if route.to_share and (key is None or not writable(route.store.directory, route.store.secret)):
+            compilers, key = compilers[1:], None  # (a package made to share that cannot be: compiled here)
     compiled = None
-    for position, compiler in enumerate(route.compilers):
-        last = position == len(route.compilers) - 1
+    for position, compiler in enumerate(compilers):
+        last = position == len(compilers) - 1
         try:
             compiled = compiler.compile(traced, options, saved)
             if position > 0:

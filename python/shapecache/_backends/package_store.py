@@ -6,10 +6,12 @@ Used where ``SHAPECACHE_SHARED_DIR`` is set (ray_serve's shared directory) and t
 a package (compilers.choose_route): the packages are in its ``packages/`` (``directory_in``).
 ``PackageStore.key`` is made from the build's saved program; ``lookup`` loads the package of
 that key, in tens of milliseconds, with no compile (and the trace stays: the guards come from
-it). Otherwise the build compiles as it would without the directory, and ``publish`` then
-stores the package: one the process compiler made is copied in; for a graph compiled in this
-process, the saved program is handed to the build workers as a publication
-(shapecache/_background.py), which they compile in the compiler's process when no build waits.
+it). Otherwise the build compiles by its route, and ``publish`` then stores the package: one
+the process compiler made (a background build's, and an inline build's where a directory is
+set) is copied in; for a graph compiled in this process (a background build under
+SHAPECACHE_BACKGROUND_COMPILER=thread), the saved program is handed to the build workers as a
+publication (shapecache/_background.py), which they compile in the compiler's process when
+no build waits.
 
 The key is what makes the package's code and constants: the saved program (its graph and its
 weights, read from the file, less what differs between two saves of one program: the call's
