@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypedDict, TypeVar, Unpack, overload
@@ -25,12 +24,10 @@ from shapecache import _background, _checks
 from shapecache._backends import (
     BACKENDS,
     GRAPH_BACKENDS,
-    SHARED_DIR_VARIABLE,
     BuildContext,
-    background_compiler,
     builds_in_background,
     check_available,
-    compiler_process_settings,
+    check_compiler_settings,
     compiler_resident_bytes,
     make_builder,
     release_device_memory,
@@ -102,10 +99,7 @@ class CacheOptions:
         if build not in BUILDS:
             raise ValueError(f"build={build!r}: expected 'inline' (a miss waits for its build) or 'background' (a "
                              "miss runs uncached while a worker thread builds)")
-        if build == "background":
-            background_compiler()  # SHAPECACHE_BACKGROUND_COMPILER, checked here
-        elif os.environ.get(SHARED_DIR_VARIABLE):  # a frozen graph's inline build compiles its package there
-            compiler_process_settings()
+        check_compiler_settings(in_background=build == "background")
         _checks.boolean("upgrade", upgrade)
         if upgrade and backend != "auto":
             raise ValueError(f"upgrade=True was given with backend={backend!r}; it upgrades what backend='auto' "

@@ -30,7 +30,7 @@ import shapecache._backends.cuda_graph
 import shapecache._backends.eager  # noqa: F401  (each of the three registers its builders)
 from shapecache._backends import upgrade
 from shapecache._backends.compile_process import resident_bytes as compiler_resident_bytes
-from shapecache._backends.compilers import background_compiler, compiler_process_settings
+from shapecache._backends.compilers import check_settings as check_compiler_settings
 from shapecache._backends.disk_cache import disk_cache_counts, disk_cache_state
 from shapecache._backends.entry import BUILDERS, BuildContext, Builder, BuiltEntry, not_built
 from shapecache._backends.graph_pool import release_device_memory
@@ -46,8 +46,7 @@ GRAPH_BACKENDS = ("cuda_graph", "compile+cuda_graph")
 
 # The package's seam: what the rest of shapecache uses of the backends.
 __all__ = ["BACKENDS", "BUILDERS", "GRAPH_BACKENDS", "SHARED_DIR_VARIABLE", "BuildContext", "Builder", "BuiltEntry",
-           "background_compiler", "builds_in_background", "check_available", "compiler_process_settings",
-           "compiler_resident_bytes",
+           "builds_in_background", "check_available", "check_compiler_settings", "compiler_resident_bytes",
            "disk_cache_counts", "disk_cache_state", "dynamo_entry_point", "guard_record", "make_builder",
            "release_device_memory", "resolve_backend", "shared_packages_directory", "untrusted_shared_directory"]
 

@@ -85,22 +85,25 @@ def handles(compile_options: dict) -> bool:
 def background_compiler() -> str:
     """Where background builds of frozen graphs compile, as ``SHAPECACHE_BACKGROUND_COMPILER``
     says: "process" (unset, the default) or "thread"; anything else is a ValueError naming the
-    variable (checked when a cached object is made, with the process's idle time and deadline)."""
+    variable (checked when a cached object is made: check_settings)."""
     value = os.environ.get(BACKGROUND_COMPILER, "").strip().lower() or "process"
     if value not in ("process", "thread"):
         raise ValueError(f"{BACKGROUND_COMPILER}={os.environ[BACKGROUND_COMPILER]!r}: expected 'process' (a background "
                          "build compiles in a process of its own) or 'thread' (in the serving process)")
-    if value == "process":
-        compiler_process_settings()
     return value
 
 
-def compiler_process_settings() -> None:
-    """Checks the settings of the compiler's process (IDLE_VARIABLE, DEADLINE_VARIABLE) where a
-    cached object is made whose builds may compile there: background builds, and any build
-    where packages are shared. Raises ValueError naming the variable."""
-    idle_seconds()
-    deadline_ceiling()
+def check_settings(in_background: bool) -> None:
+    """Checks, where a cached object is made, the settings its builds' routes read
+    (choose_route): where builds are in the background, BACKGROUND_COMPILER; where a build may
+    compile in the compiler's process (a background one there, or any where packages are
+    shared), that process's idle time and deadline. Raises ValueError naming the variable."""
+    from shapecache._backends import package_store
+
+    in_process = in_background and background_compiler() == "process"
+    if in_process or os.environ.get(package_store.ENVIRONMENT):
+        idle_seconds()
+        deadline_ceiling()
 
 
 IDLE_VARIABLE = "SHAPECACHE_COMPILER_IDLE_S"  # seconds the compiler's process waits for its next build
