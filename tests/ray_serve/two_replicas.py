@@ -53,6 +53,20 @@ class TinyNet(CachedReplica):
         return serve.get_replica_context().replica_id.to_full_id_str(), sorted(self.sizes_held())
 
 
+def router_state(handle) -> str:
+    """What a handle's router held (Serve's private fields, read only to say why a request was
+    never routed: whether the router had its replicas, and what the size-affinity policy knew)."""
+    try:
+        router = handle._router._asyncio_router
+        request_router = router._request_router
+        if request_router is None:
+            return f"no request router yet (replicas received: {router._running_replicas is not None})"
+        return (f"{len(request_router._replicas)} replicas; homes {request_router._placement.homes}; "
+                f"published {[(rid, state) for rid, (_, state) in request_router._parsed.items()]}")
+    except Exception as error:  # noqa: BLE001 - a diagnosis only
+        return f"unreadable ({error!r})"
+
+
 def main() -> int:
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     shared = tempfile.TemporaryDirectory(prefix="two-replicas-")
@@ -70,7 +84,11 @@ def main() -> int:
         # routes by what the replicas published
         time.sleep(4 * STATS_PERIOD_S)
         fresh = serve.get_deployment_handle("TinyNet", app_name="tiny")
-        served_fresh = [[size, *fresh.remote(size=size).result(timeout_s=60)] for size in SIZES for _ in range(2)]
+        try:
+            served_fresh = [[size, *fresh.remote(size=size).result(timeout_s=60)] for size in SIZES for _ in range(2)]
+        except TimeoutError:
+            print(f"the new handle's router, as the timeout found it: {router_state(fresh)}", file=sys.stderr)
+            raise
         # One replica killed: the requests after it are served by the replicas left (Ray
         # retries a request whose replica died before it started), its sizes among them
         victim = served[-1][1]
