@@ -4,6 +4,7 @@ package store first, then the compilers in order, a failure of one warned of and
 trying. Real traces of a small model; nothing here compiles but the fallback test."""
 
 import contextlib
+import dataclasses
 import warnings
 
 import pytest
@@ -174,3 +175,55 @@ def test_the_last_compilers_failure_reaches_the_build():
         stack.callback(saved.remove)
         with pytest.raises(compilers.CompilerFailed, match="no compiler at all"):
             compilers.compile_on(compilers.Route({}, (failing,), None, ""), trace, saved, owner=Net.forward)
+
+
+@pytest.mark.parametrize(("failure", "lasting"), [
+    (compile_process.Failed("error: no member named 'x'"), True),  # the graph's compile failed
+    (compile_process.ProcessEnded("the compiler's process ended (signal 9) without compiling"), False),
+    (ValueError("SHAPECACHE_COMPILER_IDLE_S='x': expected a positive number"), False),  # a setting
+])
+def test_the_process_compiler_says_which_failures_are_the_graphs_own(failure, lasting, monkeypatch):
+    def failing(directory, options, settings=None):
+        raise failure
+
+    monkeypatch.setattr(compile_process, "compile_saved", failing)
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        trace = traced()
+        saved = compile_process.SavedProgram(trace.program)
+        stack.callback(saved.remove)
+        with pytest.raises(compilers.CompilerFailed) as raised:
+            compile_process.PROCESS.compile(trace, {"freezing": True}, saved)
+    assert raised.value.lasting is lasting
+    assert ("the same call's later builds compile in the serving process" in str(raised.value)) is lasting
+
+
+@pytest.mark.parametrize("error", [compilers.CompilerFailed("its compile failed (error: x)", lasting=True),
+                                   compilers.NotForThisGraph(),
+                                   compilers.CompilerFailed("the process ended (signal 9)", lasting=False)])
+def test_a_lasting_failure_makes_the_same_calls_later_routes_pass_the_compiler_over(error, monkeypatch, tmp_path):
+    # A compile that fails for a call's graphs (a compile error, a graph that writes what it
+    # reads) is not tried again at each of its buckets, nor are their packages stored (they
+    # would fail as that one did); a process that ended says nothing of the graph.
+    monkeypatch.setenv("SHAPECACHE_SHARED_DIR", str(tmp_path))
+    monkeypatch.setattr(Failing, "name", compile_process.PROCESS.name)
+    failing, failures = Failing(error), {}
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        net, x = Net().eval(), torch.randn(1, 4, 8, 8)
+        trace = traced(net, x)
+        saved = compile_process.SavedProgram(trace.program)
+        stack.callback(saved.remove)
+        route = compilers.choose_route(trace, FROZEN, False, "Net.forward", failures)
+        assert [c.name for c in route.compilers] == ["process", "inductor"] and route.to_share
+        route = dataclasses.replace(route, compilers=(failing, INDUCTOR))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compiled = compilers.compile_on(route, trace, saved, owner=Net.forward)
+        torch.testing.assert_close(compiled.run(x)[0], net(x))
+        later = compilers.choose_route(traced(net, torch.randn(1, 4, 12, 12)), FROZEN, False, "Net.forward", failures)
+    lasting = not isinstance(error, compilers.CompilerFailed) or error.lasting
+    assert (list(failures) == ["process"]) is lasting, failures
+    if lasting:
+        assert [c.name for c in later.compilers] == ["inductor"] and later.store is None
+        assert later.why.startswith("the compiler's process failed a graph of Net.forward before")
+    else:
+        assert [c.name for c in later.compilers] == ["process", "inductor"] and later.store is not None

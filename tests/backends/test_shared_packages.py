@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 import zipfile
 
 import pytest
@@ -415,3 +416,33 @@ def test_a_shared_directory_that_cannot_be_written_costs_a_warning_never_the_bui
         sc.cached(conv_net(), backend="compile", compile_options=FROZEN)(torch.randn(1, 4, 8, 8))
     assert published(300)
     assert len(packages(tmp_path / "writable" / "packages")) == 1
+
+
+def test_a_graph_the_compilers_process_fails_is_not_compiled_there_again_for_the_calls_next_sizes(shared,
+                                                                                                 monkeypatch):
+    # Where packages are shared an inline build compiles in the compiler's process; a compile
+    # that fails there for the call's first graph (an operator AOTInductor cannot compile) is
+    # warned of once, and the same call's next sizes compile here at once: not failed again,
+    # each build paying for both, nor stored (their packages would fail as that one did).
+    tried = []
+
+    def failing(directory, options, settings=None):
+        tried.append(directory)
+        raise compile_process.Failed("error: 'aoti_torch_cpu_unknown_op' was not declared in this scope")
+
+    monkeypatch.setattr(compile_process, "compile_saved", failing)
+    plain = conv_net()  # (the cached module's own calls are cached)
+    sizes = [torch.randn(1, 4, 8, 8), torch.randn(1, 4, 12, 12), torch.randn(1, 4, 16, 8)]
+    with torch.no_grad():
+        cached = sc.cached(conv_net(), backend="compile", compile_options=FROZEN)
+        with pytest.warns(RuntimeWarning, match="the same call's later builds compile in the serving process"):
+            torch.testing.assert_close(cached(sizes[0]), plain(sizes[0]), rtol=1e-5, atol=1e-5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no second warning
+            for x in sizes[1:]:
+                torch.testing.assert_close(cached(x), plain(x), rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(cached(x), plain(x), rtol=1e-5, atol=1e-5)
+    stats = sc.stats(cached)
+    assert len(tried) == 1 and stats["builds"] == 3 and stats["hits"] == 2
+    assert [e["backend"] for e in stats["entries"]] == ["compile"] * 3
+    assert packages(shared) == []

@@ -89,6 +89,11 @@ class Failed(Exception):
     is the error's first line, or the last line the process wrote)."""
 
 
+class ProcessEnded(Failed):
+    """The compiler's process ended or was killed before it replied (the out-of-memory killer,
+    its deadline, a stop): this build's failure, which says nothing of the graph."""
+
+
 class Package:
     """A loaded package: the graph over the call's tensors, and the bytes of its constants."""
 
@@ -116,10 +121,15 @@ class ProcessCompiler:
             path = compile_saved(saved.path(), options)
             package = load(path)
         except (Failed, ValueError) as failure:  # (ValueError: a setting of that process's, set since it was checked)
+            # A failure of the graph's own (saving it, compiling it, loading its package) is
+            # lasting: the same call's next graph would fail so too. Not so the process's end,
+            # a setting, or a route closed to every graph (``failed``).
+            lasting = isinstance(failure, Failed) and not isinstance(failure, ProcessEnded) and not self.failed
             where = ("this and later builds of the process compile in the serving process, where they slow"
-                     if self.failed else "it compiles in the serving process, where it slows")
+                     if self.failed else "it and the same call's later builds compile in the serving process, where "
+                     "they slow" if lasting else "it compiles in the serving process, where it slows")
             raise CompilerFailed(f"compiling a build's package in a process of its own failed ({failure}); {where} "
-                                 "the calls served meanwhile") from failure
+                                 "the calls served meanwhile", lasting=lasting) from failure
         return CompiledGraph(package, [], package.constant_bytes, package=path)
 
 
@@ -572,7 +582,7 @@ def _run_compiler(saved: str, package: str, options: dict, settings: CompileSett
                 compiler.end()
                 if compiler.ran_past_deadline:  # a larger graph than those measured: the next gets longer
                     _compiler["slowest"] = max(_compiler["slowest"], deadline_s)
-                raise Failed(f"the compiler's process gave no reply: {compiler.gave_up}")
+                raise ProcessEnded(f"the compiler's process gave no reply: {compiler.gave_up}")
             compiler.end()  # what a crash left running goes too; raises Exiting where exit stopped it
             status = compiler.process.returncode
             if status == 0 and not ended_idle:
@@ -582,8 +592,8 @@ def _run_compiler(saved: str, package: str, options: dict, settings: CompileSett
                 restarted = True
                 continue
             if status in (-signal.SIGKILL, 0):  # the out-of-memory killer, an operator: this build's failure only
-                raise Failed(f"the compiler's process ended ({_ending(status)}) without compiling, and again when "
-                             "started anew")
+                raise ProcessEnded(f"the compiler's process ended ({_ending(status)}) without compiling, and again "
+                                   "when started anew")
             # Its package crashed it (a toolchain that links its own copy of the C++ library),
             # which every package of this machine would, or it cannot start up: not tried again.
             PROCESS.failed = f"the compiler's process ended by {_ending(status)}, and again when started anew"

@@ -50,12 +50,19 @@ class CompiledGraph(NamedTuple):
 
 class CompilerFailed(Exception):
     """The compiler could not build this graph; the next compiler of the route builds it, with
-    a warning that says so (the message: what failed, and what it costs)."""
+    a warning that says so (the message: what failed, and what it costs). `lasting`: the
+    failure is the graph's own, which the same call's later graphs would meet too, so that
+    their routes pass over this compiler (Route.failures)."""
+
+    def __init__(self, message: str, lasting: bool = False):
+        super().__init__(message)
+        self.lasting = lasting
 
 
 class NotForThisGraph(Exception):
     """The compiler cannot build this graph as it is meant (a package of a graph that writes the
-    tensors it reads would write its own copies); the next compiler builds it, silently."""
+    tensors it reads would write its own copies); the next compiler builds it, silently, and
+    the same call's later graphs pass over it (lasting, as CompilerFailed's can be)."""
 
 
 class Compiler(Protocol):
@@ -160,10 +167,15 @@ class Route:
     # The process compiler comes first only to make the package the store shares (an inline
     # build): passed over where the package cannot be shared (no key, a directory not writable).
     to_share: bool = False
+    # The cached function's record of compilers that failed one of its graphs for good (name ->
+    # why; BuildContext.failed_compilers), which compile_on adds to: its later routes pass them over.
+    failures: dict | None = None
 
 
-def choose_route(traced: Trace, compile_options: dict, in_background: bool, name: str) -> Route:
-    """The route of one build of `traced` (`name`: the cached function's, for a warning).
+def choose_route(traced: Trace, compile_options: dict, in_background: bool, name: str,
+                 failures: dict | None = None) -> Route:
+    """The route of one build of `traced` (`name`: the cached function's, for a warning;
+    `failures`: its record of the compilers that failed one of its graphs for good, Route.failures).
 
     - Inductor's options are `compile_options`'; freezing is turned off, with a warning, where the
       graph reads weights that are inference tensors (made or loaded under inference_mode):
@@ -180,6 +192,9 @@ def choose_route(traced: Trace, compile_options: dict, in_background: bool, name
       that graph, on any replica, is a load). It compiles in this process otherwise, and
       whenever the process compiler fails.
     - The package store is used for such a graph where ``SHAPECACHE_SHARED_DIR`` is set.
+    - Where the process compiler failed one of the same function's graphs for good (a compile
+      error, a graph that writes what it reads), the graph compiles in this process and is not
+      stored: its package would fail as that one did, every build again.
     """
     from torch._inductor import config as inductor_config
 
@@ -198,6 +213,9 @@ def choose_route(traced: Trace, compile_options: dict, in_background: bool, name
     if why:
         return Route(options, (INDUCTOR,), None, why)
     options = package_options(options)
+    if failures and compile_process.PROCESS.name in failures:
+        return Route(options, (INDUCTOR,), None, f"the compiler's process failed a graph of {name} before "
+                     f"({failures[compile_process.PROCESS.name]})", failures=failures)
     store = package_store.PackageStore.from_environment()
     compilers = (INDUCTOR,)
     if in_background and background_compiler() == "thread":
@@ -208,7 +226,7 @@ def choose_route(traced: Trace, compile_options: dict, in_background: bool, name
         why = "the build is inline"
     if store is None:
         why = why or f"{package_store.ENVIRONMENT} is not set"
-    return Route(options, compilers, store, why, to_share=not in_background and store is not None)
+    return Route(options, compilers, store, why, to_share=not in_background and store is not None, failures=failures)
 
 
 def package_options(options: dict) -> dict:
@@ -285,10 +303,11 @@ _CODE_SETTINGS = ("pre_grad_custom_pass", "joint_custom_pre_pass", "joint_custom
 
 def compile_on(route: Route, traced: Trace, saved: SavedProgram, owner: Callable) -> CompiledGraph:
     """`traced`'s graph by `route`: the store's package where it has one, else the first of its
-    compilers that builds it (a failure of one is warned of, and the next builds). Published to
-    the store only where the route's first compiler built it: where that one refused the graph
-    or failed, a package of it would be refused or fail again. `owner`: the cached function
-    whose ``wait`` waits for the publication."""
+    compilers that builds it (a failure of one is warned of, and the next builds; a refusal or a
+    lasting failure is recorded in ``route.failures``). Published to the store only where the
+    route's first compiler built it: where that one refused the graph or failed, a package of it
+    would be refused or fail again. `owner`: the cached function whose ``wait`` waits for the
+    publication."""
     from shapecache._backends.package_store import Bypass, writable
 
     key, options, compilers = None, route.options, route.compilers
@@ -312,9 +331,12 @@ def compile_on(route: Route, traced: Trace, saved: SavedProgram, owner: Callable
                 key = None
             break
         except NotForThisGraph:
+            _record(route, compiler, "it writes tensors it reads")
             if last:
                 raise
         except CompilerFailed as failure:
+            if failure.lasting:
+                _record(route, compiler, str(failure).partition("; ")[0])
             if last:
                 raise
             warnings.warn(f"shapecache: {failure}", RuntimeWarning, stacklevel=4)
@@ -322,3 +344,10 @@ def compile_on(route: Route, traced: Trace, saved: SavedProgram, owner: Callable
         route.store.publish(key, compiled, saved, route.options, owner)
         compiled = compiled._replace(key=key)
     return compiled
+
+
+def _record(route: Route, compiler: Compiler, why: str) -> None:
+    """Notes in the cached function's record (Route.failures) that `compiler` failed one of its
+    graphs for good: its later routes pass it over."""
+    if route.failures is not None:
+        route.failures.setdefault(compiler.name, why)

@@ -5,7 +5,7 @@ by nothing they import)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from shapecache._extension import _C
@@ -53,6 +53,10 @@ class BuildContext:
     parameter_names: tuple  # positional parameter names (without the owner), as keys use them
     compile_options: dict
     upgrade: bool = False  # backend "auto": each bucket's entry is upgraded where it pays (upgrade.py)
+    # The compilers that failed one of its graphs for good, by name -> why (compilers.Route.
+    # failures): the only state of its builds kept between them, so that a compile that fails
+    # for the call's graphs is not tried again at each bucket.
+    failed_compilers: dict = field(default_factory=dict, compare=False)
 
 
 class Builder:

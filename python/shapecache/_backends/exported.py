@@ -74,7 +74,7 @@ def _traced_and_compiled(function: Callable, args: tuple, kwargs: dict, tensors:
         if without_effects and (what := traced.draws_outside_torch or effects(traced.program)):
             traced = None  # (the error's traceback holds this frame)
             raise HasEffects(what)
-        route = compilers.choose_route(traced, context.compile_options, in_background, name)
+        route = compilers.choose_route(traced, context.compile_options, in_background, name, context.failed_compilers)
         # Named as the trace ends, from the state it traced (a global changed during the compile
         # is not in it); written once the package's key is known.
         indexed = call_index.prepare(traced, function, args, kwargs, route.options) if route.store else None
