@@ -13,8 +13,9 @@ The package store (package_store.py) is a cache layer around them: looked up bef
 compiler runs, published to after.
 
 ``choose_route`` decides everything about where a build's graph comes from, once per build,
-from the trace, the options, the device and whether the build is in the background: the
-options inductor gets, the compilers to try in order, and the store. Nothing else decides it.
+from the trace, the options, the device, whether the build is in the background and the
+compilers that failed the same call's graphs before (Route.failures): the options inductor
+gets, the compilers to try in order, and the store. Nothing else decides it.
 """
 
 from __future__ import annotations
