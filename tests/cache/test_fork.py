@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+pytestmark = [pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork"), pytest.mark.slow]
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys, time, warnings

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from shapecache.scenarios import _gpu_check
 
 LEAVES_A_CHILD = """
@@ -156,14 +158,17 @@ def test_the_quick_plan_keeps_the_memory_steps_time_and_fits_its_limit(tmp_path)
     dry = _gpu_check.quick_plan(tmp_path, deadline, dry_run=True)
     assert [s.name for s in dry] == ["cuda tests", "probes", "speed"]  # the memory step measures CUDA pools
     assert "tiny" in dry[2].command and "cpu" in dry[2].command
+    assert "--calls" not in speed and dry[2].command[dry[2].command.index("--calls") + 1] == "3"  # the device's: 10
 
 
+@pytest.mark.slow
 def test_the_quick_dry_run_runs_each_step_on_the_cpu_and_writes_its_tables(tmp_path):
     # The dry run of the device check: the same steps and benchmarks, on the CPU, a tiny UNet.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    # 120 s: on a 2-core machine whose other test worker is busy, a tiny UNet's eager call was
-    # seen at 2 s (against 4 ms alone), and the speed step then reached only its first row.
-    proc = subprocess.run([sys.executable, "-m", "shapecache", "gpu-check", "--quick", "--dry-run", "--seconds", "120",
+    # 80 s: on a 2-core machine whose other test worker is busy, a tiny UNet's eager call was
+    # seen at 2 s (against 4 ms alone); the dry run's rows make 3 calls each, so that the first
+    # three rows are reached even so.
+    proc = subprocess.run([sys.executable, "-m", "shapecache", "gpu-check", "--quick", "--dry-run", "--seconds", "80",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=210, cwd=root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())

@@ -104,7 +104,8 @@ def quick_plan(out: Path, deadline: float, dry_run: bool = False, only: tuple = 
         Step("speed", (python, "benchmarks/compiled_speed.py", "--model", "tiny" if dry_run else "sdxl",
                        "--sizes", DRY_RUN_SIZES if dry_run else QUICK_SIZES, "--device", device, "--out", str(out),
                        "--until", f"{speed_until:.0f}",
-                       "--strategies", SPEED_STRATEGIES),
+                       # (a dry run's rows say that each strategy runs, not how fast: 3 calls each)
+                       "--strategies", SPEED_STRATEGIES, *(("--calls", "3") if dry_run else ())),
              max(1.0, round(speed_until - time.time() + STOP_SECONDS))),  # its own --until ends it first
     ]
     if not dry_run:
