@@ -193,8 +193,8 @@ def test_a_compile_that_fails_in_its_process_is_compiled_here_with_a_warning():
         expected = net(x)
         cached = sc.cached(net, backend="compile", build="background", compile_options=FROZEN)
         try:
-            with pytest.warns(RuntimeWarning, match=r"in a process of its own failed \(.*\); it and the same call's later builds "
-                              r"compile in the serving"):
+            with pytest.warns(RuntimeWarning, match=r"in a process of its own failed \(.*\); it and this graph's later builds, at "
+                              r"any size, compile in the serving"):
                 cached(x)
                 assert sc.wait(cached, timeout=300)
             torch.testing.assert_close(cached(x), expected, rtol=1e-5, atol=1e-5)
@@ -606,4 +606,57 @@ def test_a_compile_asked_at_a_higher_priority_never_runs_in_a_compiler_started_a
     worker.start()
     worker.join(60)
     assert len(started) == 2 and started[1].builds == 2  # a lower-priority build takes the one that runs
+    compile_process._compiler["process"] = None
+
+
+def test_a_compile_failed_by_the_machine_is_transient_and_one_failed_by_the_graph_lasting(monkeypatch):
+    # What the compiler's process replies for a failed compile decides whether the graph's later
+    # builds try the process again (compilers.Route.failures): the C++ compiler killed by the
+    # out-of-memory killer, a full disk or no memory say nothing of the graph.
+    from shapecache._backends import compile_process
+
+    class CompileError(Exception):
+        pass
+
+    def raised(error):
+        try:
+            raise error
+        except Exception as caught:  # noqa: BLE001 - the traceback's text is what is read
+            return caught
+
+    killed = raised(CompileError("C++ compile error\n\ng++: fatal error: Killed signal terminated program cc1plus"))
+    assert compile_process._machines_failure(killed)
+    assert compile_process._machines_failure(raised(OSError(28, "No space left on device")))
+    assert compile_process._machines_failure(raised(MemoryError()))
+    assert not compile_process._machines_failure(raised(CompileError("error: 'x' was not declared in this scope")))
+    assert not compile_process._machines_failure(raised(FileNotFoundError(2, "No such file", "program.pt2")))
+
+    replies = []
+
+    class Replying:
+        def __init__(self, directory):
+            self.niceness, self.builds, self.gave_up = compile_process.thread_niceness(), 0, ""
+
+        def running(self):
+            return True
+
+        def request(self, deadline_s, **request):
+            self.builds += 1
+            return replies.pop(0)
+
+        def end(self):
+            pass
+
+        ended = end
+
+    monkeypatch.setattr(compile_process, "CompilerProcess", Replying)
+    monkeypatch.setitem(compile_process._compiler, "process", None)
+    settings = compile_process.CompileSettings.of_this_thread()
+    replies.extend([{"id": 1, "error": "g++: fatal error: Killed signal", "transient": True},
+                    {"id": 2, "error": "error: 'x' was not declared", "transient": False}])
+    with pytest.raises(compile_process.Transient):
+        compile_process._run_compiler("saved", "package", {}, settings)
+    with pytest.raises(compile_process.Failed) as lasting:
+        compile_process._run_compiler("saved", "package", {}, settings)
+    assert not isinstance(lasting.value, compile_process.Transient)
     compile_process._compiler["process"] = None

@@ -89,9 +89,24 @@ class Failed(Exception):
     is the error's first line, or the last line the process wrote)."""
 
 
-class ProcessEnded(Failed):
-    """The compiler's process ended or was killed before it replied (the out-of-memory killer,
-    its deadline, a stop): this build's failure, which says nothing of the graph."""
+class Transient(Failed):
+    """A failure that says nothing of the graph: the compiler's process ended or was killed
+    before it replied (the out-of-memory killer, its deadline, a stop), or the machine ran out
+    of something (memory, disk, processes) while the program was saved, compiled or loaded.
+    The next build tries the route again."""
+
+
+def failed(error: BaseException) -> Failed:
+    """`error`, met saving a program, starting the compiler's process or loading a package, as
+    a Failed: Transient where the machine ran out of something."""
+    kind = Transient if isinstance(error, (MemoryError, OSError)) and not isinstance(error, _MISSING) else Failed
+    return kind(described(error))
+
+
+_MISSING = (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError)  # lasting OSErrors
+# What a compile's report says where the machine, not the graph, failed it: the C++ compiler
+# killed (by the out-of-memory killer), a full disk, no memory.
+_TRANSIENT_REPORTS = ("Killed signal terminated program", "No space left on device", "Cannot allocate memory")
 
 
 class Package:
@@ -122,12 +137,12 @@ class ProcessCompiler:
             package = load(path)
         except (Failed, ValueError) as failure:  # (ValueError: a setting of that process's, set since it was checked)
             # A failure of the graph's own (saving it, compiling it, loading its package) is
-            # lasting: the same call's next graph would fail so too. Not so the process's end,
+            # lasting: the same graph at another size would fail so too. Not so a Transient one,
             # a setting, or a route closed to every graph (``failed``).
-            lasting = isinstance(failure, Failed) and not isinstance(failure, ProcessEnded) and not self.failed
+            lasting = isinstance(failure, Failed) and not isinstance(failure, Transient) and not self.failed
             where = ("this and later builds of the process compile in the serving process, where they slow"
-                     if self.failed else "it and the same call's later builds compile in the serving process, where "
-                     "they slow" if lasting else "it compiles in the serving process, where it slows")
+                     if self.failed else "it and this graph's later builds, at any size, compile in the serving "
+                     "process, where they slow" if lasting else "it compiles in the serving process, where it slows")
             raise CompilerFailed(f"compiling a build's package in a process of its own failed ({failure}); {where} "
                                  "the calls served meanwhile", lasting=lasting) from failure
         return CompiledGraph(package, [], package.constant_bytes, package=path)
@@ -185,7 +200,7 @@ def save(program) -> str:
     except Exception as error:  # noqa: BLE001  (the serializer's failures share no base class; a full /tmp)
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
-        raise Failed(described(error)) from error
+        raise failed(error) from error
     return directory
 
 
@@ -251,7 +266,7 @@ def load(path: str) -> Package:
                      if i.filename.endswith("_weights.blob")}
         loader = _package_loader(path)
     except Exception as error:  # noqa: BLE001  (zipfile's and the loader's failures share no base class)
-        raise Failed(described(error)) from error
+        raise failed(error) from error
     package_extractions.remove_extracted_constants(blobs)
     package_extractions.remove_orphaned_once()
     return Package(loader, sum(blobs.values()))
@@ -546,7 +561,8 @@ def _run_compiler(saved: str, package: str, options: dict, settings: CompileSett
     thread (started by a background build: an inline build's request waits on this compile).
     A process that ends without replying is started anew for the build once; ended again,
     this build fails, and where that end was a crash (or the process could not start up), the
-    route is not tried again in this process (PROCESS.failed). Raises Failed,
+    route is not tried again in this process (PROCESS.failed). Raises Failed (Transient where
+    the process ended without a reply or the machine ran out of something),
     NotForThisGraph, and _background.Exiting where the interpreter is exiting."""
     with _compiler["lock"]:
         ended_idle = restarted = False
@@ -564,7 +580,10 @@ def _run_compiler(saved: str, package: str, options: dict, settings: CompileSett
             if compiler is None:
                 try:
                     compiler = _compiler["process"] = CompilerProcess(_compilers_directory())
-                except OSError as error:  # no Python to start here (an embedded interpreter): not tried again
+                except OSError as error:
+                    if not isinstance(error, _MISSING):  # no memory or processes left to start one now
+                        raise Transient(f"the compiler's process could not start: {error}") from error
+                    # No Python to start here (an embedded interpreter): not tried again.
                     PROCESS.failed = f"the compiler's process could not start: {error}"
                     raise Failed(PROCESS.failed) from error
             started, deadline_s = time.monotonic(), deadline_seconds()
@@ -582,7 +601,7 @@ def _run_compiler(saved: str, package: str, options: dict, settings: CompileSett
                 compiler.end()
                 if compiler.ran_past_deadline:  # a larger graph than those measured: the next gets longer
                     _compiler["slowest"] = max(_compiler["slowest"], deadline_s)
-                raise ProcessEnded(f"the compiler's process gave no reply: {compiler.gave_up}")
+                raise Transient(f"the compiler's process gave no reply: {compiler.gave_up}")
             compiler.end()  # what a crash left running goes too; raises Exiting where exit stopped it
             status = compiler.process.returncode
             if status == 0 and not ended_idle:
@@ -592,7 +611,7 @@ def _run_compiler(saved: str, package: str, options: dict, settings: CompileSett
                 restarted = True
                 continue
             if status in (-signal.SIGKILL, 0):  # the out-of-memory killer, an operator: this build's failure only
-                raise ProcessEnded(f"the compiler's process ended ({_ending(status)}) without compiling, and again "
+                raise Transient(f"the compiler's process ended ({_ending(status)}) without compiling, and again "
                                    "when started anew")
             # Its package crashed it (a toolchain that links its own copy of the C++ library),
             # which every package of this machine would, or it cannot start up: not tried again.
@@ -601,7 +620,7 @@ def _run_compiler(saved: str, package: str, options: dict, settings: CompileSett
     if "unsuitable" in reply:
         raise NotForThisGraph
     if "error" in reply:
-        raise Failed(str(reply["error"]))
+        raise (Transient if reply.get("transient") else Failed)(str(reply["error"]))
 
 
 def _ending(status: int) -> str:
@@ -679,12 +698,22 @@ def _serve(directory: str, replies_fd: int, idle_s: float) -> None:
         except NotForThisGraph:
             reply = {"unsuitable": True}
         except Exception as error:  # noqa: BLE001  (any failure of one compile is that build's)
-            reply = {"error": _why(error)}
+            reply = {"error": _why(error), "transient": _machines_failure(error)}
         _building["directory"] = None
         gc.collect()  # the program's weights and the trial's package, before the next build
         _remove_outputs(directory, ready_at if request["id"] == 1 else began)
         replies.write(json.dumps({**reply, "id": request["id"], "ready_at": ready_at, "seconds": seconds}) + "\n")
         replies.flush()
+
+
+def _machines_failure(error: BaseException) -> bool:
+    """Whether a compile's `error` is the machine's, not the graph's: memory or disk ran out,
+    or the C++ compiler was killed (its report, anywhere in the error's text; a Transient
+    failure)."""
+    if isinstance(error, (MemoryError, OSError)) and not isinstance(error, _MISSING):
+        return True
+    text = "".join(traceback.format_exception(error))
+    return any(report in text for report in _TRANSIENT_REPORTS)
 
 
 def _remove_outputs(directory: str, since: float) -> None:

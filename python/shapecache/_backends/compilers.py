@@ -14,12 +14,13 @@ compiler runs, published to after.
 
 ``choose_route`` decides everything about where a build's graph comes from, once per build,
 from the trace, the options, the device, whether the build is in the background and the
-compilers that failed the same call's graphs before (Route.failures): the options inductor
+compilers that failed a graph of its kind before (Route.failures): the options inductor
 gets, the compilers to try in order, and the store. Nothing else decides it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -52,7 +53,7 @@ class CompiledGraph(NamedTuple):
 class CompilerFailed(Exception):
     """The compiler could not build this graph; the next compiler of the route builds it, with
     a warning that says so (the message: what failed, and what it costs). `lasting`: the
-    failure is the graph's own, which the same call's later graphs would meet too, so that
+    failure is the graph's own, which the same graph at other sizes would meet too, so that
     their routes pass over this compiler (Route.failures)."""
 
     def __init__(self, message: str, lasting: bool = False):
@@ -63,7 +64,7 @@ class CompilerFailed(Exception):
 class NotForThisGraph(Exception):
     """The compiler cannot build this graph as it is meant (a package of a graph that writes the
     tensors it reads would write its own copies); the next compiler builds it, silently, and
-    the same call's later graphs pass over it (lasting, as CompilerFailed's can be)."""
+    the same graph's later builds pass over it (lasting, as CompilerFailed's can be)."""
 
 
 class Compiler(Protocol):
@@ -168,15 +169,17 @@ class Route:
     # The process compiler comes first only to make the package the store shares (an inline
     # build): passed over where the package cannot be shared (no key, a directory not writable).
     to_share: bool = False
-    # The cached function's record of compilers that failed one of its graphs for good (name ->
-    # why; BuildContext.failed_compilers), which compile_on adds to: its later routes pass them over.
+    # The cached function's record of compilers that failed one of its graphs for good
+    # ((compiler name, graph_kind) -> why; BuildContext.failed_compilers), which compile_on adds
+    # to: the later routes of a graph of that kind pass them over.
     failures: dict | None = None
+    kind: str = ""  # the graph's graph_kind
 
 
 def choose_route(traced: Trace, compile_options: dict, in_background: bool, name: str,
                  failures: dict | None = None) -> Route:
     """The route of one build of `traced` (`name`: the cached function's, for a warning;
-    `failures`: its record of the compilers that failed one of its graphs for good, Route.failures).
+    `failures`: its record of the compilers that failed a kind of graph for good, Route.failures).
 
     - Inductor's options are `compile_options`'; freezing is turned off, with a warning, where the
       graph reads weights that are inference tensors (made or loaded under inference_mode):
@@ -193,9 +196,10 @@ def choose_route(traced: Trace, compile_options: dict, in_background: bool, name
       that graph, on any replica, is a load). It compiles in this process otherwise, and
       whenever the process compiler fails.
     - The package store is used for such a graph where ``SHAPECACHE_SHARED_DIR`` is set.
-    - Where the process compiler failed one of the same function's graphs for good (a compile
-      error, a graph that writes what it reads), the graph compiles in this process and is not
-      stored: its package would fail as that one did, every build again.
+    - Where the process compiler failed a graph of the same kind for good (the same operators:
+      the graph at another size; a compile error, a graph that writes what it reads), the graph
+      compiles in this process and the store is neither looked up nor published to: its
+      package would fail as that one did, every build again.
     """
     from torch._inductor import config as inductor_config
 
@@ -214,9 +218,10 @@ def choose_route(traced: Trace, compile_options: dict, in_background: bool, name
     if why:
         return Route(options, (INDUCTOR,), None, why)
     options = package_options(options)
-    if failures and compile_process.PROCESS.name in failures:
-        return Route(options, (INDUCTOR,), None, f"the compiler's process failed a graph of {name} before "
-                     f"({failures[compile_process.PROCESS.name]})", failures=failures)
+    kind = graph_kind(traced) if failures is not None else ""
+    if failures and (why := failures.get((compile_process.PROCESS.name, kind))):
+        return Route(options, (INDUCTOR,), None, f"the compiler's process failed this graph of {name} at another "
+                     f"size ({why})", failures=failures, kind=kind)
     store = package_store.PackageStore.from_environment()
     compilers = (INDUCTOR,)
     if in_background and background_compiler() == "thread":
@@ -227,7 +232,17 @@ def choose_route(traced: Trace, compile_options: dict, in_background: bool, name
         why = "the build is inline"
     if store is None:
         why = why or f"{package_store.ENVIRONMENT} is not set"
-    return Route(options, compilers, store, why, to_share=not in_background and store is not None, failures=failures)
+    return Route(options, compilers, store, why, to_share=not in_background and store is not None, failures=failures,
+                 kind=kind)
+
+
+def graph_kind(traced: Trace) -> str:
+    """What a graph shares with the same call's graphs at other sizes, and not with another
+    spelling of the call or the module in another mode (training's BatchNorm): its operators
+    in order. (Shapes are the operators' arguments; where a shape changes which operators run,
+    the graph is of another kind.)"""
+    operators = "\n".join(str(node.target) for node in traced.program.graph.nodes if node.op == "call_function")
+    return hashlib.sha256(operators.encode()).hexdigest()
 
 
 def package_options(options: dict) -> dict:
@@ -337,7 +352,7 @@ def compile_on(route: Route, traced: Trace, saved: SavedProgram, owner: Callable
                 raise
         except CompilerFailed as failure:
             if failure.lasting:
-                _record(route, compiler, str(failure).partition("; ")[0])
+                _record(route, compiler, described(failure.__cause__ or failure))
             if last:
                 raise
             warnings.warn(f"shapecache: {failure}", RuntimeWarning, stacklevel=4)
@@ -348,7 +363,7 @@ def compile_on(route: Route, traced: Trace, saved: SavedProgram, owner: Callable
 
 
 def _record(route: Route, compiler: Compiler, why: str) -> None:
-    """Notes in the cached function's record (Route.failures) that `compiler` failed one of its
-    graphs for good: its later routes pass it over."""
+    """Notes in the cached function's record (Route.failures) that `compiler` failed a graph of
+    the route's kind for good: the later routes of that kind pass it over."""
     if route.failures is not None:
-        route.failures.setdefault(compiler.name, why)
+        route.failures.setdefault((compiler.name, route.kind), why)

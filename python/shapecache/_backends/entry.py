@@ -53,9 +53,9 @@ class BuildContext:
     parameter_names: tuple  # positional parameter names (without the owner), as keys use them
     compile_options: dict
     upgrade: bool = False  # backend "auto": each bucket's entry is upgraded where it pays (upgrade.py)
-    # The compilers that failed one of its graphs for good, by name -> why (compilers.Route.
-    # failures): the only state of its builds kept between them, so that a compile that fails
-    # for the call's graphs is not tried again at each bucket.
+    # The compilers that failed a kind of its graphs for good, (name, kind) -> why (compilers.
+    # Route.failures): the only state of its builds kept between them, so that a compile that
+    # fails for a graph is not tried again at each of its sizes.
     failed_compilers: dict = field(default_factory=dict, compare=False)
 
 
