@@ -23,8 +23,10 @@ freezing the graph reads the model's weights where they are, which a package of 
 not; a graph that writes what it reads (BatchNorm's statistics in training) would write the
 package's copies (the compiler's process refuses it: NotForThisGraph); under autocast the
 exported graph records no casts. Those compile in this process; so does a build this compiler
-failed, with a warning, and every later build where the compiler's process cannot start or
-crashed again once started anew (a segmentation fault, an illegal instruction: ``failed``).
+failed, with a warning, the later builds of a graph it failed for good (compilers.Route.
+failures; a Transient failure is not kept), and every later build where the compiler's process
+cannot start or crashed again once started anew (a segmentation fault, an illegal
+instruction: ``failed``).
 The route costs a small model time: the graph compiles as one C++ file
 (docs/background-builds.md).
 
