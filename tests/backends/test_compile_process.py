@@ -636,13 +636,18 @@ def test_a_compile_failed_by_the_machine_is_transient_and_one_failed_by_the_grap
     class Replying:
         def __init__(self, directory):
             self.niceness, self.builds, self.gave_up = compile_process.thread_niceness(), 0, ""
+            self.ran_past_deadline = False
 
         def running(self):
             return True
 
         def request(self, deadline_s, **request):
             self.builds += 1
-            return replies.pop(0)
+            reply = replies.pop(0)
+            if reply == "deadline":  # killed at its deadline, as CompilerProcess.request does
+                self.gave_up, self.ran_past_deadline = f"its compile ran {deadline_s:g} s", True
+                return None
+            return reply
 
         def end(self):
             pass
@@ -659,4 +664,17 @@ def test_a_compile_failed_by_the_machine_is_transient_and_one_failed_by_the_grap
     with pytest.raises(compile_process.Failed) as lasting:
         compile_process._run_compiler("saved", "package", {}, settings)
     assert not isinstance(lasting.value, compile_process.Transient)
+
+    # Killed at its deadline: a longer one is given to the next build, unless the deadline was
+    # the user's ceiling already, which no compile of the graph may pass.
+    monkeypatch.setenv("SHAPECACHE_COMPILE_DEADLINE_S", "1000")
+    monkeypatch.setitem(compile_process._compiler, "slowest", 10.0)  # a deadline of 300 s
+    replies.append("deadline")
+    with pytest.raises(compile_process.Transient, match="ran 300 s"):
+        compile_process._run_compiler("saved", "package", {}, settings)
+    assert compile_process.deadline_seconds() == 1000  # 8 x 300 s, at most the ceiling
+    replies.append("deadline")
+    with pytest.raises(compile_process.Failed, match="ran 1000 s.*none may run longer") as at_ceiling:
+        compile_process._run_compiler("saved", "package", {}, settings)
+    assert not isinstance(at_ceiling.value, compile_process.Transient)
     compile_process._compiler["process"] = None

@@ -191,10 +191,10 @@ def test_the_last_compilers_failure_reaches_the_build():
 
 @pytest.mark.parametrize(("failure", "lasting"), [
     (compile_process.Failed("error: no member named 'x'"), True),  # the graph's compile failed
-    (compile_process.failed(RuntimeError("cannot pickle a custom op")), True),  # saving the graph failed
+    (compile_process.failure_of(RuntimeError("cannot pickle a custom op")), True),  # saving the graph failed
     (compile_process.Transient("the compiler's process ended (signal 9) without compiling"), False),
-    (compile_process.failed(OSError(28, "No space left on device")), False),  # the machine, not the graph
-    (compile_process.failed(MemoryError()), False),
+    (compile_process.failure_of(OSError(28, "No space left on device")), False),  # the machine, not the graph
+    (compile_process.failure_of(MemoryError()), False),
     (ValueError("SHAPECACHE_COMPILER_IDLE_S='x': expected a positive number"), False),  # a setting
 ])
 def test_the_process_compiler_says_which_failures_are_the_graphs_own(failure, lasting, monkeypatch):

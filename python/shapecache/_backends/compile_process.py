@@ -98,7 +98,7 @@ class Transient(Failed):
     The next build tries the route again."""
 
 
-def failed(error: BaseException) -> Failed:
+def failure_of(error: BaseException) -> Failed:
     """`error`, met saving a program, starting the compiler's process or loading a package, as
     a Failed: Transient where the machine ran out of something."""
     kind = Transient if isinstance(error, (MemoryError, OSError)) and not isinstance(error, _MISSING) else Failed
@@ -202,7 +202,7 @@ def save(program) -> str:
     except Exception as error:  # noqa: BLE001  (the serializer's failures share no base class; a full /tmp)
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
-        raise failed(error) from error
+        raise failure_of(error) from error
     return directory
 
 
@@ -268,7 +268,7 @@ def load(path: str) -> Package:
                      if i.filename.endswith("_weights.blob")}
         loader = _package_loader(path)
     except Exception as error:  # noqa: BLE001  (zipfile's and the loader's failures share no base class)
-        raise failed(error) from error
+        raise failure_of(error) from error
     package_extractions.remove_extracted_constants(blobs)
     package_extractions.remove_orphaned_once()
     return Package(loader, sum(blobs.values()))
@@ -603,6 +603,9 @@ def _run_compiler(saved: str, package: str, options: dict, settings: CompileSett
                 compiler.end()
                 if compiler.ran_past_deadline:  # a larger graph than those measured: the next gets longer
                     _compiler["slowest"] = max(_compiler["slowest"], deadline_s)
+                    if deadline_s >= deadline_ceiling():  # none longer is allowed: the graph's own failure
+                        raise Failed(f"the compiler's process gave no reply: {compiler.gave_up}; none may run "
+                                     f"longer ({DEADLINE_VARIABLE})")
                 raise Transient(f"the compiler's process gave no reply: {compiler.gave_up}")
             compiler.end()  # what a crash left running goes too; raises Exiting where exit stopped it
             status = compiler.process.returncode
@@ -614,7 +617,7 @@ def _run_compiler(saved: str, package: str, options: dict, settings: CompileSett
                 continue
             if status in (-signal.SIGKILL, 0):  # the out-of-memory killer, an operator: this build's failure only
                 raise Transient(f"the compiler's process ended ({_ending(status)}) without compiling, and again "
-                                   "when started anew")
+                                "when started anew")
             # Its package crashed it (a toolchain that links its own copy of the C++ library),
             # which every package of this machine would, or it cannot start up: not tried again.
             PROCESS.failed = f"the compiler's process ended by {_ending(status)}, and again when started anew"
