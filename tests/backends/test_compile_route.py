@@ -194,6 +194,9 @@ def test_the_last_compilers_failure_reaches_the_build():
     (compile_process.failure_of(RuntimeError("cannot pickle a custom op")), True),  # saving the graph failed
     (compile_process.Transient("the compiler's process ended (signal 9) without compiling"), False),
     (compile_process.failure_of(OSError(28, "No space left on device")), False),  # the machine, not the graph
+    (compile_process.failure_of(RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")),
+     False),  # torch's writer on a full disk
+    (compile_process.failure_of(NotADirectoryError(20, "Not a directory")), True),
     (compile_process.failure_of(MemoryError()), False),
     (ValueError("SHAPECACHE_COMPILER_IDLE_S='x': expected a positive number"), False),  # a setting
 ])

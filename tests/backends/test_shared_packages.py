@@ -421,8 +421,8 @@ def test_a_shared_directory_that_cannot_be_written_costs_a_warning_never_the_bui
 def test_a_graph_the_compilers_process_fails_is_not_compiled_there_again_for_the_calls_next_sizes(shared,
                                                                                                  monkeypatch):
     # Where packages are shared an inline build compiles in the compiler's process; a compile
-    # that fails there for the call's first graph (an operator AOTInductor cannot compile) is
-    # warned of once, and the same call's next sizes compile here at once: not failed again,
+    # that fails there for the graph at its first size (an operator AOTInductor cannot compile)
+    # is warned of once, and the graph's next sizes compile here at once: not failed again,
     # each build paying for both, nor stored (their packages would fail as that one did).
     tried = []
 

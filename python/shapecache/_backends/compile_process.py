@@ -45,6 +45,7 @@ which starts its own.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import glob
 import json
@@ -100,15 +101,32 @@ class Transient(Failed):
 
 def failure_of(error: BaseException) -> Failed:
     """`error`, met saving a program, starting the compiler's process or loading a package, as
-    a Failed: Transient where the machine ran out of something."""
-    kind = Transient if isinstance(error, (MemoryError, OSError)) and not isinstance(error, _MISSING) else Failed
-    return kind(described(error))
+    a Failed: Transient where it is the machine's (machines_failure)."""
+    return (Transient if machines_failure(error) else Failed)(described(error))
 
 
-_MISSING = (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError)  # lasting OSErrors
-# What a compile's report says where the machine, not the graph, failed it: the C++ compiler
-# killed (by the out-of-memory killer), a full disk, no memory.
-_TRANSIENT_REPORTS = ("Killed signal terminated program", "No space left on device", "Cannot allocate memory")
+def machines_failure(error: BaseException) -> bool:
+    """Whether `error` (of a save, a compile, a load) is the machine's, not the graph's: memory,
+    disk, processes or files ran out, or a compiler was killed. Read from its type and errno,
+    the return codes of the processes in its causes, and its whole text with its causes (torch's
+    writer says "file write failed" for a full disk; GCC names the killed compiler)."""
+    seen, depth = error, 0
+    while seen is not None and depth < 16:
+        if isinstance(seen, MemoryError) or (isinstance(seen, OSError) and seen.errno in _RAN_OUT):
+            return True
+        if isinstance(seen, subprocess.CalledProcessError) and seen.returncode < 0:  # killed by a signal
+            return True
+        seen, depth = seen.__cause__ or seen.__context__, depth + 1
+    text = "".join(traceback.format_exception(error))
+    return any(report in text for report in _TRANSIENT_REPORTS)
+
+
+# What ran out, where an OSError is the machine's: disk, quota, memory, processes, files.
+_RAN_OUT = {errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EAGAIN, errno.EMFILE, errno.ENFILE}
+# What a report says where the machine, not the graph, failed it.
+_TRANSIENT_REPORTS = ("Killed signal terminated program", "terminated with signal", "died with <Signals",
+                      "No space left on device", "Cannot allocate memory", "out of memory allocating",
+                      "file write failed", "Disk quota exceeded")
 
 
 class Package:
@@ -583,7 +601,7 @@ def _run_compiler(saved: str, package: str, options: dict, settings: CompileSett
                 try:
                     compiler = _compiler["process"] = CompilerProcess(_compilers_directory())
                 except OSError as error:
-                    if not isinstance(error, _MISSING):  # no memory or processes left to start one now
+                    if machines_failure(error):  # no memory or processes left to start one now
                         raise Transient(f"the compiler's process could not start: {error}") from error
                     # No Python to start here (an embedded interpreter): not tried again.
                     PROCESS.failed = f"the compiler's process could not start: {error}"
@@ -603,9 +621,6 @@ def _run_compiler(saved: str, package: str, options: dict, settings: CompileSett
                 compiler.end()
                 if compiler.ran_past_deadline:  # a larger graph than those measured: the next gets longer
                     _compiler["slowest"] = max(_compiler["slowest"], deadline_s)
-                    if deadline_s >= deadline_ceiling():  # none longer is allowed: the graph's own failure
-                        raise Failed(f"the compiler's process gave no reply: {compiler.gave_up}; none may run "
-                                     f"longer ({DEADLINE_VARIABLE})")
                 raise Transient(f"the compiler's process gave no reply: {compiler.gave_up}")
             compiler.end()  # what a crash left running goes too; raises Exiting where exit stopped it
             status = compiler.process.returncode
@@ -703,22 +718,12 @@ def _serve(directory: str, replies_fd: int, idle_s: float) -> None:
         except NotForThisGraph:
             reply = {"unsuitable": True}
         except Exception as error:  # noqa: BLE001  (any failure of one compile is that build's)
-            reply = {"error": _why(error), "transient": _machines_failure(error)}
+            reply = {"error": _why(error), "transient": machines_failure(error)}
         _building["directory"] = None
         gc.collect()  # the program's weights and the trial's package, before the next build
         _remove_outputs(directory, ready_at if request["id"] == 1 else began)
         replies.write(json.dumps({**reply, "id": request["id"], "ready_at": ready_at, "seconds": seconds}) + "\n")
         replies.flush()
-
-
-def _machines_failure(error: BaseException) -> bool:
-    """Whether a compile's `error` is the machine's, not the graph's: memory or disk ran out,
-    or the C++ compiler was killed (its report, anywhere in the error's text; a Transient
-    failure)."""
-    if isinstance(error, (MemoryError, OSError)) and not isinstance(error, _MISSING):
-        return True
-    text = "".join(traceback.format_exception(error))
-    return any(report in text for report in _TRANSIENT_REPORTS)
 
 
 def _remove_outputs(directory: str, since: float) -> None:

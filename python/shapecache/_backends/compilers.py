@@ -238,11 +238,13 @@ def choose_route(traced: Trace, compile_options: dict, in_background: bool, name
 
 def graph_kind(traced: Trace) -> str:
     """What a graph shares with the same call's graphs at other sizes, and not with another
-    spelling of the call or the module in another mode (training's BatchNorm): its operators
-    in order. (Shapes are the operators' arguments; where a shape changes which operators run,
-    the graph is of another kind.)"""
-    operators = "\n".join(str(node.target) for node in traced.program.graph.nodes if node.op == "call_function")
-    return hashlib.sha256(operators.encode()).hexdigest()
+    spelling of the call, the module in another mode (training's BatchNorm) or other dtypes:
+    its inputs' dtypes and its operators in order. (Shapes are the operators' arguments; where
+    a shape changes which operators run, the graph is of another kind.)"""
+    nodes = traced.program.graph.nodes
+    dtypes = [str(getattr(node.meta.get("val"), "dtype", None)) for node in nodes if node.op == "placeholder"]
+    operators = [str(node.target) for node in nodes if node.op == "call_function"]
+    return hashlib.sha256("\n".join([*dtypes, "", *operators]).encode()).hexdigest()
 
 
 def package_options(options: dict) -> dict:
