@@ -173,7 +173,6 @@ class Route:
     # ((compiler name, graph_kind) -> why; BuildContext.failed_compilers), which compile_on adds
     # to: the later routes of a graph of that kind pass them over.
     failures: dict | None = None
-    kind: str = ""  # the graph's graph_kind
 
 
 def choose_route(traced: Trace, compile_options: dict, in_background: bool, name: str,
@@ -218,10 +217,9 @@ def choose_route(traced: Trace, compile_options: dict, in_background: bool, name
     if why:
         return Route(options, (INDUCTOR,), None, why)
     options = package_options(options)
-    kind = graph_kind(traced) if failures is not None else ""
-    if failures and (why := failures.get((compile_process.PROCESS.name, kind))):
+    if failures and (why := failures.get((compile_process.PROCESS.name, graph_kind(traced)))):
         return Route(options, (INDUCTOR,), None, f"the compiler's process failed this graph of {name} at another "
-                     f"size ({why})", failures=failures, kind=kind)
+                     f"size ({why})", failures=failures)
     store = package_store.PackageStore.from_environment()
     compilers = (INDUCTOR,)
     if in_background and background_compiler() == "thread":
@@ -232,8 +230,7 @@ def choose_route(traced: Trace, compile_options: dict, in_background: bool, name
         why = "the build is inline"
     if store is None:
         why = why or f"{package_store.ENVIRONMENT} is not set"
-    return Route(options, compilers, store, why, to_share=not in_background and store is not None, failures=failures,
-                 kind=kind)
+    return Route(options, compilers, store, why, to_share=not in_background and store is not None, failures=failures)
 
 
 def graph_kind(traced: Trace) -> str:
@@ -349,12 +346,12 @@ def compile_on(route: Route, traced: Trace, saved: SavedProgram, owner: Callable
                 key = None
             break
         except NotForThisGraph:
-            _record(route, compiler, "it writes tensors it reads")
+            _record(route, compiler, traced, "it writes tensors it reads")
             if last:
                 raise
         except CompilerFailed as failure:
             if failure.lasting:
-                _record(route, compiler, described(failure.__cause__ or failure))
+                _record(route, compiler, traced, described(failure.__cause__ or failure))
             if last:
                 raise
             warnings.warn(f"shapecache: {failure}", RuntimeWarning, stacklevel=4)
@@ -364,8 +361,8 @@ def compile_on(route: Route, traced: Trace, saved: SavedProgram, owner: Callable
     return compiled
 
 
-def _record(route: Route, compiler: Compiler, why: str) -> None:
-    """Notes in the cached function's record (Route.failures) that `compiler` failed a graph of
-    the route's kind for good: the later routes of that kind pass it over."""
+def _record(route: Route, compiler: Compiler, traced: Trace, why: str) -> None:
+    """Notes in the cached function's record (Route.failures) that `compiler` failed `traced`'s
+    graph for good: the later routes of graphs of its kind (graph_kind) pass it over."""
     if route.failures is not None:
-        route.failures.setdefault((compiler.name, route.kind), why)
+        route.failures.setdefault((compiler.name, graph_kind(traced)), why)
