@@ -43,6 +43,23 @@ def test_a_size_held_twice_prefers_the_holder_that_is_not_full():
     assert Placement().rank((64, 64), replicas, NOW) == [["b", "a"]]
 
 
+def test_a_size_held_twice_goes_to_the_holder_the_plan_places_it_on_alone_until_that_one_is_full():
+    # Rule 2: a and b both hold (64, 64) (a second copy, left by a spill-over or a kill); the
+    # plan places it on b, where it was last sent. Sent to b alone, a's copy ages out of a's
+    # LRU and makes room for the size beside it.
+    placement = Placement()
+    hot(placement, (64, 64), 10)
+    placement.routed((64, 64), "b", NOW - 1)
+    both = [replica("a", [(64, 64), (32, 32)], bytes=90 * MiB), replica("b", [(64, 64)], bytes=45 * MiB)]
+    assert placement.rank((64, 64), both, NOW) == [["b"]]
+    assert placement.plan[(64, 64)] == "b"
+    # b at max_ongoing_requests: both holders again, the one not full first
+    b_full = [both[0], replace(both[1], full=True)]
+    assert placement.rank((64, 64), b_full, NOW) == [["a", "b"]]
+    # without traffic enough to be planned, both holders as before
+    assert Placement().rank((64, 64), both, NOW) == [["b", "a"]]
+
+
 def test_a_new_size_goes_to_the_replica_with_the_most_bytes_free_then_fewest_entries():
     replicas = [replica("a", [(8, 8)], bytes=60 * MiB), replica("b", [(16, 16)], bytes=20 * MiB)]
     assert Placement().rank((32, 32), replicas, NOW)[0] == ["b"]

@@ -12,8 +12,10 @@ The rules, in the order they are applied:
    gap; a choice is remembered from the moment it is offered to Ray, so a burst of new sizes
    spreads). A home whose publication omits the size more than HOME_GRACE_S after it was
    sent there evicted it: the router counts the eviction against that replica and forgets
-   the home. Held sizes go to their homes, the one not full and with the most room first;
-   but where no home holds the size's entries or builds them (a home that lists a size it
+   the home. Held sizes go to their homes, the one not full and with the most room first,
+   and a size several hold to the one rule 3's plan places it on alone while that one is not
+   full (a second copy, left by a kill or a spill-over, then ages out and makes room); but
+   where no home holds the size's entries or builds them (a home that lists a size it
    evicted before counts as not building it) and rule 3's plan places it on another replica
    that takes new sizes, it goes there: a home that keeps evicting a size gives it up to the
    replica the plan made room on.
@@ -285,6 +287,13 @@ class Placement:
         if holders and (planned is None or planned.replica_id in {r.replica_id for r in holders}):
             first = holders if len(holders) == 1 else \
                 sorted(holders, key=lambda r: (r.full, self._crowding(r, sent[r.replica_id])))
+            if len(first) > 1:
+                # Sent to every holder, each keeps its copy hot, and the sizes beside the copies
+                # take turns evicting each other; sent to one, the other copies age out of their
+                # replicas' LRU and make room.
+                sole = self._planned(size, replicas, fresh, now)
+                if sole is not None and not sole.full and any(r is sole for r in first):
+                    first = [sole]
         elif planned is not None:
             first, holders = [planned], []
         else:
