@@ -34,7 +34,7 @@ import argparse
 import math
 import statistics
 
-from shapecache.ray_serve import SimulatedFleet, SizeCost, simulate_fleet
+from shapecache.ray_serve import SimulatedFleet, SizeCost, hit_rate_bound, simulate_fleet
 
 MiB = 1 << 20
 SIDES = [(512, 512), (640, 640), (768, 768), (512, 768), (768, 512), (896, 896)]
@@ -89,10 +89,26 @@ def main(argv=None) -> int:
                       f"{statistics.mean(r.evictions for r in reports):>8.1f}"
                       f"{statistics.median(rehomed):>12.1f}{max(rehomed):>8.1f}")
             print(f"{'':<27}p99 affinity / default: {p99['affinity'] / p99['default']:.2f}")
+            if build == "inline":
+                bounds = [bound(args, sizes, budget, kill, seed) for seed in range(args.seeds)]
+                print(f"{'':<27}the bound for any router (hit_rate_bound): {statistics.mean(bounds):.3f}, "
+                      f"worst {min(bounds):.3f}")
     held, new = rank_cost()
     print(f"the router's cost per request (Placement.rank; 8 replicas, 4096 sizes remembered, one process): "
           f"held size {held:.2f} ms, new size {new:.2f} ms")
     return 0
+
+
+def bound(args, sizes: dict, budget: int, kill: float | None, seed: int) -> float:
+    """`hit_rate_bound` of a seed's stream: the fleet's entries pooled (as many as each budget
+    holds of the smallest), the killed replica's lost at the kill and its replacement's room
+    there at once."""
+    per_replica = budget // min(c.bytes for c in sizes.values())
+    fleet = SimulatedFleet(sizes, requests=args.requests, seed=seed)
+    stream = fleet.stream()
+    return hit_rate_bound(stream, entries=args.replicas * per_replica,
+                          counted_from=int(fleet.warm_up_fraction * len(stream)),
+                          kill_at=None if kill is None else int(kill * len(stream)), lost=per_replica)
 
 
 def rank_cost(replica_count: int = 8, remembered: int = 4096, ranks: int = 200) -> tuple:

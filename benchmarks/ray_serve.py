@@ -17,7 +17,10 @@ A replica runs one model call at a time (as a GPU does), so a request's build is
 
 Prints per stream and router: the hit rate after warm-up (the requests served by a hit,
 after the first 2 x sizes and the first request of every size, which all end first), p50/p99 latency at the client, builds and evictions, and per replica the
-cache's peak bytes against its budget and the process's peak resident memory. Then a third
+cache's peak bytes against its budget and the process's peak resident memory, and the bound
+no router can beat on the stream (``hit_rate_bound``: the replicas' entries pooled, the whole
+stream seen ahead; with `--kill`, the killed replica's entries lost, its replacement serving at
+once or never). Then a third
 replica is started alone, once cold (no shared directory, an empty inductor cache) and once
 with the shared directory the affinity run filled (that run waits, before its replicas stop,
 until they have published a package per size), with a budget that holds every size (it is to
@@ -54,7 +57,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from shapecache.ray_serve import CachedReplica, SharedDir, deployment  # noqa: E402
+from shapecache.ray_serve import CachedReplica, SharedDir, deployment, hit_rate_bound  # noqa: E402
 
 MiB = 1 << 20
 STATS_PERIOD_S = 2.0  # how often each replica publishes what it holds (deployment's stats_period_s)
@@ -111,6 +114,7 @@ class ModelReplica(CachedReplica):
         return {"replica": serve.get_replica_context().replica_id.unique_id, "built": served.outcome != "hit",
                 "seconds": seconds, "builds": stats["builds"], "evictions": stats["evictions"],
                 "peak_bytes": stats["peak_bytes"], "budget": stats["budget"],
+                "smallest_entry": min((e["bytes"] for e in stats["entries"] if e["bytes"] > 0), default=None),
                 "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
@@ -206,8 +210,11 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
     homes = {}
     for reply in warm:
         homes.setdefault(tuple(reply["size"]), set()).add(reply["replica"])
+    smallest = min((r["smallest_entry"] for r in replies if r["smallest_entry"]), default=None)
+    per_replica = None if smallest is None else max(1, args.budget // smallest)
     return {
         "hit_rate": sum(not r["built"] for r in warm) / len(warm),
+        "bound": None if per_replica is None else bounds(stream, warmup, args, per_replica),
         "p50": statistics.median(latencies),
         "p99": latencies[min(len(latencies) - 1, math.ceil(0.99 * len(latencies)) - 1)],
         "builds": sum(r["builds"] for r in last.values()),
@@ -217,6 +224,20 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
         "published": published,
         "rehomed": rehomed,
     }
+
+
+def bounds(stream: list, warmup: int, args, per_replica: int) -> dict:
+    """`hit_rate_bound` of the stream after the warm-up: the replicas' entries pooled
+    (`per_replica` each: the budget over the smallest entry measured); with the kill, the
+    killed replica's lost and its replacement's room there at once, or never."""
+    entries = args.replicas * per_replica
+    if not args.kill:
+        return {"entries": entries, "bound": hit_rate_bound(stream, entries, counted_from=warmup)}
+    half = warmup + (len(stream) - warmup) // 2
+    return {"entries": entries,
+            "bound": hit_rate_bound(stream, entries, counted_from=warmup, kill_at=half, lost=per_replica),
+            "without_replacement": hit_rate_bound(stream, entries, counted_from=warmup, kill_at=half,
+                                                  lost=per_replica, entries_after_kill=entries - per_replica)}
 
 
 def wait_for_packages(shared: SharedDir, count: int) -> dict:
@@ -362,6 +383,11 @@ def main(argv=None) -> int:
                   f"against {d['hit_rate']:.0%}", end="")
             over = [v for r in (d, a) for v in r["replicas"].values() if v["peak_bytes"] > v["budget"]]
             print(f"; replicas over budget: {len(over)}")
+            if a["bound"] is not None:
+                b = a["bound"]
+                print(f"{kind}: the bound for any router (hit_rate_bound, {b['entries']} entries pooled): "
+                      f"{b['bound']:.0%}" + (f" with the replacement serving at once, {b['without_replacement']:.0%} "
+                                              "without one" if "without_replacement" in b else ""))
             for r, name in ((d, "default"), (a, "affinity")):
                 if r["rehomed"] is not None:
                     print(f"{kind} {name}: the killed replica's sizes, first request after the kill to first hit: "

@@ -35,6 +35,7 @@ _PUBLIC = {
     "SizeCost": "shapecache.ray_serve._simulated_fleet",
     "FleetReport": "shapecache.ray_serve._simulated_fleet",
     "simulate_fleet": "shapecache.ray_serve._simulated_fleet",
+    "hit_rate_bound": "shapecache.ray_serve._hit_rate_bound",
 }
 
 __all__ = sorted(_PUBLIC)
@@ -54,6 +55,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from shapecache.ray_serve._deployment import deployment  # noqa: F401
+    from shapecache.ray_serve._hit_rate_bound import hit_rate_bound  # noqa: F401
     from shapecache.ray_serve._placement import Placement, ReplicaState  # noqa: F401
     from shapecache.ray_serve._replica import CachedReplica, Served  # noqa: F401
     from shapecache.ray_serve._request_size import request_size  # noqa: F401

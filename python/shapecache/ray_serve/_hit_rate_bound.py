@@ -1,0 +1,69 @@
+"""The highest hit rate any router could get on a stream of sizes: the yardstick for a
+fleet's hit rate. It imports neither Ray nor torch.
+
+The bound pools the fleet: one cache holding as many entries as all the replicas' budgets
+together, which no placement over replicas beats (whatever the replicas hold at a moment,
+one cache of their summed entries could hold too). It sees the whole stream ahead and keeps,
+of the sizes held and the one just built, those requested again soonest, dropping the one
+requested furthest ahead (Belady's rule, with the choice not to keep what was built; optimal
+for one cache whose entries are built by requests of their size). An entry is built by a
+request of its size, never ahead of it (a pre-warm is not in the bound), as a replica builds
+the sizes it is asked for. A replica killed loses its entries: the bound loses the ones it
+needs last. What a real fleet loses on top of the bound is placement, the stats' lag and
+LRU's ignorance of the future.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+
+__all__ = ["hit_rate_bound"]
+
+
+def _count(name: str, value: object, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name}={value!r}: expected a whole number of at least {least}")
+    return value
+
+
+def hit_rate_bound(stream: Sequence[Hashable], entries: int, counted_from: int = 0, kill_at: int | None = None,
+                   lost: int = 0, entries_after_kill: int | None = None) -> float:
+    """The best hit rate over `stream[counted_from:]` of a fleet whose budgets hold `entries`
+    entries in all. With `kill_at`, `lost` entries are gone before request `kill_at` (the killed
+    replica's) and the fleet holds `entries_after_kill` from then on (default `entries`: its
+    replacement serving at once; ``entries - lost`` for none)."""
+    stream = list(stream)
+    if not stream:
+        raise ValueError("stream=[]: expected at least one request")
+    entries = _count("entries", entries, 1)
+    counted_from = _count("counted_from", counted_from, 0)
+    if counted_from >= len(stream):
+        raise ValueError(f"counted_from={counted_from}: expected less than the stream's {len(stream)} requests")
+    if kill_at is not None:
+        kill_at = _count("kill_at", kill_at, 0)
+        if kill_at >= len(stream):
+            raise ValueError(f"kill_at={kill_at}: expected less than the stream's {len(stream)} requests")
+    lost = _count("lost", lost, 0)
+    after = entries if entries_after_kill is None else _count("entries_after_kill", entries_after_kill, 1)
+
+    # next_use[i]: the index of the next request of stream[i]'s size after i (inf: none)
+    next_use, seen = [math.inf] * len(stream), {}
+    for index in range(len(stream) - 1, -1, -1):
+        next_use[index] = seen.get(stream[index], math.inf)
+        seen[stream[index]] = index
+    held: dict = {}  # size -> the index of its next request
+    hits = 0
+    for index, size in enumerate(stream):
+        capacity = entries if kill_at is None or index < kill_at else after
+        if index == kill_at:
+            for gone in sorted(held, key=held.get, reverse=True)[:lost]:
+                del held[gone]
+            while len(held) > capacity:
+                del held[max(held, key=held.get)]
+        if size in held:
+            hits += index >= counted_from
+        held[size] = next_use[index]
+        while len(held) > capacity:  # (the size just built may be the one to go)
+            del held[max(held, key=held.get)]
+    return hits / (len(stream) - counted_from)

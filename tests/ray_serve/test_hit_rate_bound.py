@@ -1,0 +1,58 @@
+"""The hit-rate bound (shapecache/ray_serve/_hit_rate_bound.py): worked by hand on short
+streams, and never beaten by the simulated fleet's routers."""
+
+from __future__ import annotations
+
+import pytest
+
+from shapecache.ray_serve import SimulatedFleet, SizeCost, hit_rate_bound, simulate_fleet
+
+A, B, C = (64, 64), (96, 96), (128, 128)
+MiB = 1 << 20
+
+
+def test_it_keeps_what_is_requested_again_soonest_and_may_not_keep_what_it_built():
+    # Two entries, three sizes in turn: LRU hits nothing; the bound keeps A and B and does not
+    # keep C (requested again last), so A and B hit on their second round.
+    assert hit_rate_bound([A, B, C, A, B, C], entries=2) == pytest.approx(2 / 6)
+    assert hit_rate_bound([A, B, C, A, B, C], entries=2, counted_from=3) == pytest.approx(2 / 3)
+    assert hit_rate_bound([A, B, C, A, B, C], entries=3) == pytest.approx(3 / 6)
+
+
+def test_a_kill_loses_the_entries_needed_last_and_the_fleet_holds_fewer_after_it():
+    # Both held when the kill comes before request 4; B, needed last, is the one lost.
+    assert hit_rate_bound([A, A, B, B, A, B], entries=2, kill_at=4, lost=1) == pytest.approx(3 / 6)
+    # One entry from request 2 on: A hits at 2 and 4, B never again.
+    assert hit_rate_bound([A, B, A, B, A, B], entries=2, kill_at=2, entries_after_kill=1) == pytest.approx(2 / 6)
+    assert hit_rate_bound([A, B, A, B, A, B], entries=2, kill_at=2) == pytest.approx(4 / 6)
+
+
+@pytest.mark.parametrize("arguments, named", [
+    ({"stream": [], "entries": 2}, "stream=[]"),
+    ({"stream": [A], "entries": 0}, "entries=0"),
+    ({"stream": [A], "entries": 2.5}, "entries=2.5"),
+    ({"stream": [A, B], "entries": 1, "counted_from": 2}, "counted_from=2"),
+    ({"stream": [A, B], "entries": 1, "kill_at": -1}, "kill_at=-1"),
+    ({"stream": [A, B], "entries": 1, "kill_at": 5}, "kill_at=5"),
+    ({"stream": [A, B], "entries": 1, "kill_at": 1, "lost": True}, "lost=True"),
+    ({"stream": [A, B], "entries": 1, "kill_at": 1, "entries_after_kill": 0}, "entries_after_kill=0"),
+])
+def test_bad_arguments_are_named(arguments, named):
+    with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("]", r"\]")):
+        hit_rate_bound(**arguments)
+
+
+@pytest.mark.parametrize("kill", [None, 0.5])
+def test_no_router_of_the_simulated_fleet_beats_it(kill):
+    # benchmarks/fleet_policy.py's res-convnet fleet: two entries a replica, six in all
+    sizes = {(h, w): SizeCost(54 * MiB, 7.0) for h, w in [(256, 256), (256, 192), (192, 256), (192, 192),
+                                                            (128, 256), (256, 128)]}
+    for seed in range(12):
+        fleet = SimulatedFleet(sizes, replicas=3, budget=int(2.5 * 54 * MiB), requests=120, clients=2,
+                               restart_s=5.0, kill_at_fraction=kill, seed=seed)
+        stream = fleet.stream()
+        kill_at = None if kill is None else int(kill * len(stream))
+        bound = hit_rate_bound(stream, entries=6, counted_from=int(fleet.warm_up_fraction * len(stream)),
+                               kill_at=kill_at, lost=0 if kill is None else 2)
+        for router in ("affinity", "default"):
+            assert simulate_fleet(fleet, router).hit_rate <= bound + 1e-9, (seed, router)
