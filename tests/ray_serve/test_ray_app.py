@@ -62,6 +62,14 @@ def test_two_replicas_each_size_served_by_one_replica_and_nothing_left_behind():
     for size, replica, _ in result["served_by_a_new_router"]:
         assert replica == replica_of[tuple(size)], f"{replica_of}, a new router: {result['served_by_a_new_router']}"
 
+    # the fleet view through Serve's handle: each replica, the sizes it was sent, and its hits
+    view = result["fleet_view"]
+    assert len(view) == 2, view
+    for full_id in set(replica_of.values()):
+        (rid,) = [rid for rid in view if full_id.endswith(rid)]
+        assert [tuple(s) for s in view[rid]["sizes"]] == sorted(s for s, r in replica_of.items() if r == full_id)
+        assert view[rid]["hits"] > 0
+
     # a killed replica: no request lost, none sent to it, its sizes served by the others
     victim, after_kill = result["killed"], result["after_kill"]
     errors = [row for row in after_kill if row[1] is None]

@@ -18,7 +18,7 @@ import torch
 
 import shapecache as sc
 from shapecache.ray_serve import CachedReplica, SharedDir
-from shapecache.ray_serve._placement import COUNTS, ReplicaState, routing_stats
+from shapecache.ray_serve._placement import COUNTS, FORMAT_KEY, ReplicaState, routing_stats
 from shapecache.ray_serve._replica import PREWARM_LIMIT
 from shapecache.testing.models import SmallConvNet
 
@@ -150,6 +150,21 @@ def test_the_fleet_view_reads_what_each_replica_published_and_nothing_else(tmp_p
     monkeypatch.delenv("SHAPECACHE_SHARED_DIR", raising=False)
     with pytest.raises(ValueError, match="shared_dir=None"):
         NetReplica.fleet_view()
+
+
+def test_fleet_stats_are_the_routing_stats_without_publishing_them_and_a_bad_handle_is_named(tmp_path):
+    replica = NetReplica(shared_dir=tmp_path)
+    replica(size=(8, 8))
+    answer = replica.fleet_stats()
+    assert answer["replica"] is None  # (outside Serve)
+    assert ReplicaState.from_routing_stats("r", answer["stats"]).sizes == {(8, 8)}
+    assert not (tmp_path / NetReplica.replicas_dir()).exists()  # nothing written: not a publication
+    first = replica.record_routing_stats()[FORMAT_KEY]
+    assert first["period_s"] is None  # fleet_stats did not count as the replica's last publication
+    with pytest.raises(TypeError, match="handle=str object: expected a Ray Serve DeploymentHandle"):
+        NetReplica.fleet_view(handle="tiny")
+    with pytest.raises(ValueError, match="timeout_s=0: expected a positive number"):
+        NetReplica.fleet_view(handle="tiny", timeout_s=0)
 
 
 def test_a_replica_that_builds_inline_says_so_at_start(caplog):

@@ -89,6 +89,10 @@ def main() -> int:
         except TimeoutError:
             print(f"the new handle's router, as the timeout found it: {router_state(fresh)}", file=sys.stderr)
             raise
+        # The fleet view through Serve (handle.broadcast): every replica's stats, no shared
+        # directory read
+        view = {s.replica_id: {"sizes": sorted(s.sizes), "hits": s.counts.get("hits", 0)}
+                for s in TinyNet.fleet_view(handle=handle, timeout_s=30)}
         # One replica killed: the requests after it are served by the replicas left (Ray
         # retries a request whose replica died before it started), its sizes among them
         victim = served[-1][1]
@@ -107,7 +111,7 @@ def main() -> int:
         serve.delete("tiny")
         stopped = {s.replica_id: s.stopped for s in SharedDir(shared.name).fleet(TinyNet.replicas_dir(), 3600)}
         print(json.dumps({"served": served, "served_by_a_new_router": served_fresh, "killed": victim,
-                          "after_kill": after_kill, "stopped": stopped}))
+                          "after_kill": after_kill, "stopped": stopped, "fleet_view": view}))
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -30,7 +30,7 @@ import shapecache as sc
 from shapecache import _checks
 from shapecache._backends import builds_in_background
 from shapecache.cache import entries_served, holder_of
-from shapecache.ray_serve._placement import remember, routing_stats
+from shapecache.ray_serve._placement import ReplicaState, remember, routing_stats
 from shapecache.ray_serve._request_size import PIPELINE_SIZE_KEYS, check_size, check_size_keys, request_size
 from shapecache.ray_serve._shared_dir import SharedDir
 
@@ -234,6 +234,19 @@ class CachedReplica:
 
     def record_routing_stats(self) -> dict:
         """What the router reads (Ray Serve calls this every routing-stats period)."""
+        stats, stopped = self.__routing_stats(publishing=True)
+        if self.shared_dir is not None:
+            self.__write_fleet_view(stats, after_the_last=stopped)
+        return stats
+
+    def fleet_stats(self) -> dict:
+        """This replica's id and its routing stats as of now (``{"replica": id, "stats": ...}``),
+        without publishing them: what ``fleet_view(handle=...)`` asks every replica for."""
+        return {"replica": self.replica_id(), "stats": self.__routing_stats(publishing=False)[0]}
+
+    def __routing_stats(self, publishing: bool) -> tuple[dict, bool]:
+        """The routing stats as of now, and whether the replica stopped. `publishing`: they are
+        this period's publication (the next one's period counts from now)."""
         figures, held, size_bytes, not_held = self.__held()
         # The sizes served without being held build inline, but for those whose builds are
         # queued in the background (served uncached meanwhile): an inline build holds the
@@ -244,13 +257,12 @@ class CachedReplica:
             # Its period, as a replica started later reads it: how long its silence means it is gone.
             now = time.monotonic()
             period_s = None if self.__published is None else now - self.__published
-            self.__published = now
+            if publishing:
+                self.__published = now
             stopped = self.__stopped
         stats = routing_stats(held, figures, time.time(), building=building, size_bytes=size_bytes, evicted=evicted,
                               requests=requests, period_s=period_s, stopped=stopped)
-        if self.shared_dir is not None:
-            self.__write_fleet_view(stats, after_the_last=stopped)
-        return stats
+        return stats, stopped
 
     def stop(self) -> None:
         """Publishes this replica's last routing stats, which say it stopped, so that a replica
@@ -335,12 +347,16 @@ class CachedReplica:
         return f"replicas.{cls.__name__}"
 
     @classmethod
-    def fleet_view(cls, shared_dir=None, max_age_s: float = 60.0) -> list:
-        """What every replica of this class published within `max_age_s` through the shared
-        directory (default: SHAPECACHE_SHARED_DIR): one ``ReplicaState`` per replica, with its
-        sizes, bytes, budget, builds in flight and ``counts`` (calls, hits, misses, builds,
-        evictions, uncached calls). Callable from the driver, or any process that sees the
-        directory."""
+    def fleet_view(cls, shared_dir=None, max_age_s: float = 60.0, *, handle=None, timeout_s: float = 10.0) -> list:
+        """One ``ReplicaState`` per replica of this class, with its sizes, bytes, budget, builds
+        in flight, requests per size and ``counts`` (calls, hits, misses, builds, evictions,
+        uncached calls). With `handle` (a ``DeploymentHandle`` of the deployment), asked of every
+        running replica at once through Ray Serve (``handle.broadcast``), each answering within
+        `timeout_s` (a replica that does not is left out, with a warning); no shared directory
+        is needed. Else what every replica published within `max_age_s` to the shared
+        directory (default: SHAPECACHE_SHARED_DIR), readable from any process that sees it."""
+        if handle is not None:
+            return _asked_of_every_replica(handle, timeout_s)
         shared = SharedDir.from_option(shared_dir)
         if shared is None:
             raise ValueError("shared_dir=None and SHAPECACHE_SHARED_DIR is not set: expected the directory the "
@@ -516,6 +532,27 @@ def _build_mode(cached) -> str | None:
         if not builds_in_background(options.backend, device):
             return "inline"
     return build
+
+
+def _asked_of_every_replica(handle, timeout_s: float) -> list:
+    """``fleet_view(handle=...)``: every running replica's ``fleet_stats``, through Ray Serve's
+    ``DeploymentHandle.broadcast`` (public, alpha, in Ray 2.60)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
+    if not callable(getattr(handle, "broadcast", None)):
+        raise TypeError(f"handle={type(handle).__name__} object: expected a Ray Serve DeploymentHandle "
+                        "(serve.run's, or serve.get_deployment_handle's)")
+    answers = handle.broadcast("fleet_stats").results(timeout_s=timeout_s, return_exceptions=True)
+    states, failed = [], []
+    for answer in answers:
+        if isinstance(answer, BaseException) or not isinstance(answer, dict) or "stats" not in answer:
+            failed.append(answer)
+            continue
+        states.append(ReplicaState.from_routing_stats(str(answer.get("replica")), answer["stats"]))
+    if failed:
+        logger.warning("shapecache: %d of %d replicas gave no fleet stats within %s s: %s", len(failed), len(answers),
+                       timeout_s, "; ".join(repr(f) for f in failed[:3]))
+    return states
 
 
 def _on_cuda(cached) -> bool:
