@@ -90,7 +90,8 @@ class PrewarmRecord(TypedDict):
     bytes: int  # what the cache held more after the size was built
     # inductor's on-disk FX graph cache for what the size compiled: "warm" (read from it),
     # "cold" (compiled and written), "not cached" (graphs holding prepacked weights, as
-    # freezing makes them, are not); "shared package" (loaded from the shared directory's
+    # freezing makes them, are not); "compiled in the compiler's process" (its FX graph
+    # cache is its own); "shared package" (loaded from the shared directory's
     # packages, nothing compiled); "shared package, not traced" (found through the call
     # index: nothing traced either); None (nothing compiled or loaded)
     inductor_cache: str | None

@@ -67,7 +67,7 @@ import zipfile
 import torch
 
 from shapecache import _background
-from shapecache._backends import package_extractions
+from shapecache._backends import disk_cache, package_extractions
 from shapecache._backends.compile_settings import CompileSettings
 from shapecache._backends.compilers import (
     DEADLINE_VARIABLE,
@@ -165,6 +165,7 @@ class ProcessCompiler:
                      "process, where they slow" if lasting else "it compiles in the serving process, where it slows")
             raise CompilerFailed(f"compiling a build's package in a process of its own failed ({failure}); {where} "
                                  "the calls served meanwhile", lasting=lasting) from failure
+        disk_cache.note_compiled_by_the_compiler_process()
         return CompiledGraph(package, [], package.constant_bytes, package=path)
 
 
