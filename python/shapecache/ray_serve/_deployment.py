@@ -13,6 +13,12 @@ from shapecache.ray_serve._shared_dir import SharedDir
 # the last publication is remembered by the router that placed it, so a longer period costs
 # only the accuracy of the room each replica reports.
 STATS_PERIOD_S = 2.0
+# How often Serve checks each replica's health (Ray's default is 10 s). Ray Serve 2.60 learns
+# that a replica's actor died (killed, out of memory) only from its next health check
+# (serve/_private/deployment_state.py, ActorReplicaWrapper.check_health), and starts the
+# replacement then: the dead replica's sizes crowd the replicas left meanwhile. A check is one
+# small actor call; its timeout (health_check_timeout_s, 30 s) does not change.
+HEALTH_CHECK_PERIOD_S = 2.0
 
 
 def deployment(replica_class: type, *, shared_dir=None, max_pending_builds: int = 2,
@@ -29,7 +35,9 @@ def deployment(replica_class: type, *, shared_dir=None, max_pending_builds: int 
     policy for sizes it has no home for. `spill_after_s`: a request whose size's homes have not
     taken it after this long (none answered Ray's queue-length probe in time) may go to any
     replica; one whose homes are all at ``max_ongoing_requests`` may at once. `options`: any other ``serve.deployment`` option
-    (``num_replicas``, ``ray_actor_options``, ``max_ongoing_requests``...)."""
+    (``num_replicas``, ``ray_actor_options``, ``max_ongoing_requests``...); ``health_check_period_s``
+    defaults to HEALTH_CHECK_PERIOD_S (2 s, where Serve's is 10 s), so that a replica that died is
+    replaced seconds sooner."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -56,6 +64,7 @@ def deployment(replica_class: type, *, shared_dir=None, max_pending_builds: int 
                                "stats_max_age_s": stats_max_age_s, "spill_after_s": spill_after_s},
         request_routing_stats_period_s=stats_period_s,
     )
+    options.setdefault("health_check_period_s", HEALTH_CHECK_PERIOD_S)
     shared = SharedDir.from_option(shared_dir)
     if shared is not None:
         actor_options = copy.deepcopy(options.get("ray_actor_options") or {})
