@@ -108,7 +108,8 @@ def bound(args, sizes: dict, budget: int, kill: float | None, seed: int) -> floa
     stream = fleet.stream()
     return hit_rate_bound(stream, entries=args.replicas * per_replica,
                           counted_from=int(fleet.warm_up_fraction * len(stream)),
-                          kill_at=None if kill is None else int(kill * len(stream)), lost=per_replica)
+                          kill_at=None if kill is None else int(kill * len(stream)),
+                          lost=0 if kill is None else per_replica)
 
 
 def rank_cost(replica_count: int = 8, remembered: int = 4096, ranks: int = 200) -> tuple:

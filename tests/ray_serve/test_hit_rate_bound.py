@@ -20,8 +20,11 @@ def test_it_keeps_what_is_requested_again_soonest_and_may_not_keep_what_it_built
 
 
 def test_a_kill_loses_the_entries_needed_last_and_the_fleet_holds_fewer_after_it():
-    # Both held when the kill comes before request 4; B, needed last, is the one lost.
+    # Both held when the kill comes before request 4; the replica left holds one: B, needed
+    # last, is the one lost.
     assert hit_rate_bound([A, A, B, B, A, B], entries=2, kill_at=4, lost=1) == pytest.approx(3 / 6)
+    # Four entries, two held: the replica left holds both, and they hit after the kill.
+    assert hit_rate_bound([A, B, A, B], entries=4, kill_at=2, lost=2) == pytest.approx(2 / 4)
     # One entry from request 2 on: A hits at 2 and 4, B never again.
     assert hit_rate_bound([A, B, A, B, A, B], entries=2, kill_at=2, entries_after_kill=1) == pytest.approx(2 / 6)
     assert hit_rate_bound([A, B, A, B, A, B], entries=2, kill_at=2) == pytest.approx(4 / 6)
@@ -30,11 +33,11 @@ def test_a_kill_loses_the_entries_needed_last_and_the_fleet_holds_fewer_after_it
 @pytest.mark.parametrize("arguments, named", [
     ({"stream": [], "entries": 2}, "stream=[]"),
     ({"stream": [A], "entries": 0}, "entries=0"),
-    ({"stream": [A], "entries": 2.5}, "entries=2.5"),
+    ({"stream": [A, B], "entries": 1, "lost": 1}, "without kill_at"),
+    ({"stream": [A, B], "entries": 2, "kill_at": 1, "lost": 2}, "lost=2: expected fewer"),
     ({"stream": [A, B], "entries": 1, "counted_from": 2}, "counted_from=2"),
     ({"stream": [A, B], "entries": 1, "kill_at": -1}, "kill_at=-1"),
     ({"stream": [A, B], "entries": 1, "kill_at": 5}, "kill_at=5"),
-    ({"stream": [A, B], "entries": 1, "kill_at": 1, "lost": True}, "lost=True"),
     ({"stream": [A, B], "entries": 1, "kill_at": 1, "entries_after_kill": 0}, "entries_after_kill=0"),
 ])
 def test_bad_arguments_are_named(arguments, named):
@@ -42,17 +45,31 @@ def test_bad_arguments_are_named(arguments, named):
         hit_rate_bound(**arguments)
 
 
+@pytest.mark.parametrize("arguments, named", [
+    ({"stream": [A], "entries": 2.5}, "entries=2.5: expected an int"),
+    ({"stream": [A, B], "entries": 1, "kill_at": 1, "lost": True}, "lost=True: expected an int"),
+])
+def test_arguments_of_another_type_are_named(arguments, named):
+    with pytest.raises(TypeError, match=named):
+        hit_rate_bound(**arguments)
+
+
 @pytest.mark.parametrize("kill", [None, 0.5])
-def test_no_router_of_the_simulated_fleet_beats_it(kill):
+@pytest.mark.parametrize("sides, replicas, per_replica", [
     # benchmarks/fleet_policy.py's res-convnet fleet: two entries a replica, six in all
-    sizes = {(h, w): SizeCost(54 * MiB, 7.0) for h, w in [(256, 256), (256, 192), (192, 256), (192, 192),
-                                                            (128, 256), (256, 128)]}
+    ([(256, 256), (256, 192), (192, 256), (192, 192), (128, 256), (256, 128)], 3, 2),
+    # more room than sizes: the replica left holds every size when one is killed
+    ([(256, 256), (256, 192), (192, 256)], 2, 3),
+])
+def test_no_router_of_the_simulated_fleet_beats_it(kill, sides, replicas, per_replica):
+    sizes = {side: SizeCost(54 * MiB, 7.0) for side in sides}
     for seed in range(12):
-        fleet = SimulatedFleet(sizes, replicas=3, budget=int(2.5 * 54 * MiB), requests=120, clients=2,
-                               restart_s=5.0, kill_at_fraction=kill, seed=seed)
+        fleet = SimulatedFleet(sizes, replicas=replicas, budget=int((per_replica + 0.5) * 54 * MiB), requests=120,
+                               clients=2, restart_s=5.0, kill_at_fraction=kill, seed=seed)
         stream = fleet.stream()
         kill_at = None if kill is None else int(kill * len(stream))
-        bound = hit_rate_bound(stream, entries=6, counted_from=int(fleet.warm_up_fraction * len(stream)),
-                               kill_at=kill_at, lost=0 if kill is None else 2)
+        bound = hit_rate_bound(stream, entries=replicas * per_replica,
+                               counted_from=int(fleet.warm_up_fraction * len(stream)), kill_at=kill_at,
+                               lost=0 if kill is None else per_replica)
         for router in ("affinity", "default"):
             assert simulate_fleet(fleet, router).hit_rate <= bound + 1e-9, (seed, router)

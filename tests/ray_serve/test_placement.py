@@ -43,19 +43,23 @@ def test_a_size_held_twice_prefers_the_holder_that_is_not_full():
     assert Placement().rank((64, 64), replicas, NOW) == [["b", "a"]]
 
 
-def test_a_size_held_twice_goes_to_the_holder_the_plan_places_it_on_alone_until_that_one_is_full():
+def test_a_size_held_twice_goes_first_to_the_holder_the_plan_places_it_on_and_the_other_after():
     # Rule 2: a and b both hold (64, 64) (a second copy, left by a spill-over or a kill); the
-    # plan places it on b, where it was last sent. Sent to b alone, a's copy ages out of a's
-    # LRU and makes room for the size beside it.
+    # plan places it on a, where it was last sent, though b has more room (most room first
+    # would send it to b). Sent to a first, b's copy ages out of b's LRU.
     placement = Placement()
     hot(placement, (64, 64), 10)
-    placement.routed((64, 64), "b", NOW - 1)
+    placement.routed((64, 64), "a", NOW - 1)
     both = [replica("a", [(64, 64), (32, 32)], bytes=90 * MiB), replica("b", [(64, 64)], bytes=45 * MiB)]
-    assert placement.rank((64, 64), both, NOW) == [["b"]]
-    assert placement.plan[(64, 64)] == "b"
-    # b at max_ongoing_requests: both holders again, the one not full first
-    b_full = [both[0], replace(both[1], full=True)]
-    assert placement.rank((64, 64), b_full, NOW) == [["a", "b"]]
+    assert placement.rank((64, 64), both, NOW) == [["a"], ["b"]]
+    assert placement.plan[(64, 64)] == "a"
+    # an overflow to b (a's probe answered late) does not turn the plan to b
+    placement.routed((64, 64), "b", NOW)
+    assert placement.rank((64, 64), both, NOW + PLAN_PERIOD_S) == [["a"], ["b"]]
+    # a at max_ongoing_requests, or building a size inline: both holders, the one not full
+    # (then the most room) first, as without the rule
+    assert placement.rank((64, 64), [replace(both[0], full=True), both[1]], NOW + PLAN_PERIOD_S) == [["b", "a"]]
+    assert placement.rank((64, 64), [replace(both[0], building=1), both[1]], NOW + PLAN_PERIOD_S) == [["b", "a"]]
     # without traffic enough to be planned, both holders as before
     assert Placement().rank((64, 64), both, NOW) == [["b", "a"]]
 

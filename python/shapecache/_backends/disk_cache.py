@@ -10,7 +10,7 @@ import sys
 
 _shared_packages_loaded = [0]  # packages this process loaded from the shared directory (under the build lock)
 _untraced = [0]  # ... of those, found through the call index, without a trace
-_compiled_by_the_process = [0]  # packages the compiler's process compiled for this one
+_compiled_by_the_process = [0]  # packages the compiler's process compiled for this one (under the build lock)
 
 
 def note_shared_package_loaded() -> None:

@@ -8,9 +8,11 @@ of the sizes held and the one just built, those requested again soonest, droppin
 requested furthest ahead (Belady's rule, with the choice not to keep what was built; optimal
 for one cache whose entries are built by requests of their size). An entry is built by a
 request of its size, never ahead of it (a pre-warm is not in the bound), as a replica builds
-the sizes it is asked for. A replica killed loses its entries: the bound loses the ones it
-needs last. What a real fleet loses on top of the bound is placement, the stats' lag and
-LRU's ignorance of the future.
+the sizes it is asked for. A replica killed loses its entries: the bound keeps what the
+replicas left can hold and loses the rest, the ones it needs last. Where entries differ in
+bytes, a caller counts each replica's entries as its budget over the smallest: the bound
+stays a bound, and says less the more the sizes differ. What a real fleet loses on top of
+the bound is placement, the stats' lag and LRU's ignorance of the future.
 """
 
 from __future__ import annotations
@@ -22,16 +24,19 @@ __all__ = ["hit_rate_bound"]
 
 
 def _count(name: str, value: object, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{name}={value!r}: expected a whole number of at least {least}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r}: expected an int of at least {least}")
+    if value < least:
+        raise ValueError(f"{name}={value!r}: expected an int of at least {least}")
     return value
 
 
 def hit_rate_bound(stream: Sequence[Hashable], entries: int, counted_from: int = 0, kill_at: int | None = None,
                    lost: int = 0, entries_after_kill: int | None = None) -> float:
     """The best hit rate over `stream[counted_from:]` of a fleet whose budgets hold `entries`
-    entries in all. With `kill_at`, `lost` entries are gone before request `kill_at` (the killed
-    replica's) and the fleet holds `entries_after_kill` from then on (default `entries`: its
+    entries in all. With `kill_at`, a replica whose budget holds `lost` entries dies before
+    request `kill_at`: of what the fleet held, what the others can hold (``entries - lost``)
+    stays, and the fleet holds `entries_after_kill` from then on (default `entries`: its
     replacement serving at once; ``entries - lost`` for none)."""
     stream = list(stream)
     if not stream:
@@ -44,7 +49,12 @@ def hit_rate_bound(stream: Sequence[Hashable], entries: int, counted_from: int =
         kill_at = _count("kill_at", kill_at, 0)
         if kill_at >= len(stream):
             raise ValueError(f"kill_at={kill_at}: expected less than the stream's {len(stream)} requests")
+    elif lost or entries_after_kill is not None:
+        raise ValueError(f"lost={lost!r}, entries_after_kill={entries_after_kill!r} without kill_at: expected "
+                         "kill_at, the request before which a replica dies")
     lost = _count("lost", lost, 0)
+    if lost >= entries:
+        raise ValueError(f"lost={lost}: expected fewer than the fleet's {entries} entries (a replica is left)")
     after = entries if entries_after_kill is None else _count("entries_after_kill", entries_after_kill, 1)
 
     # next_use[i]: the index of the next request of stream[i]'s size after i (inf: none)
@@ -56,10 +66,8 @@ def hit_rate_bound(stream: Sequence[Hashable], entries: int, counted_from: int =
     hits = 0
     for index, size in enumerate(stream):
         capacity = entries if kill_at is None or index < kill_at else after
-        if index == kill_at:
-            for gone in sorted(held, key=held.get, reverse=True)[:lost]:
-                del held[gone]
-            while len(held) > capacity:
+        if index == kill_at:  # the replicas left keep what they can hold (entries - lost), and the fleet's new room
+            while len(held) > min(entries - lost, capacity):
                 del held[max(held, key=held.get)]
         if size in held:
             hits += index >= counted_from

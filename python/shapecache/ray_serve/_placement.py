@@ -13,8 +13,10 @@ The rules, in the order they are applied:
    spreads). A home whose publication omits the size more than HOME_GRACE_S after it was
    sent there evicted it: the router counts the eviction against that replica and forgets
    the home. Held sizes go to their homes, the one not full and with the most room first,
-   and a size several hold to the one rule 3's plan places it on alone while that one is not
-   full (a second copy, left by a kill or a spill-over, then ages out and makes room); but
+   and a size several hold to the one rule 3's plan places it on (among holders, the one it
+   placed it on before) while that one holds its entries, is not full and builds nothing, the
+   other holders in the next rank (a second copy, left by a kill or a spill-over, then ages
+   out and makes room); but
    where no home holds the size's entries or builds them (a home that lists a size it
    evicted before counts as not building it) and rule 3's plan places it on another replica
    that takes new sizes, it goes there: a home that keeps evicting a size gives it up to the
@@ -23,7 +25,8 @@ The rules, in the order they are applied:
    plan, where that replica takes new sizes (3a). The plan places the sizes requested in the
    last few TRAFFIC_HALF_LIFE_S, those some replica holds first (each move is a build), the
    most requested first among them, each on a replica where it fits beside the sizes placed
-   before it: the replica that holds it, else the one this router last sent it to (it may
+   before it: the replica that holds it (of several, the one it was planned on before), else
+   the one this router last sent it to (it may
    be building it), else the one with the least traffic placed, then the most room. Only replicas with fresh stats are
    planned for, and the plan is made again every PLAN_PERIOD_S: a replica that died leaves
    it, a new one joins it, and the sizes that fit nowhere with one replica fewer are placed
@@ -284,25 +287,28 @@ class Placement:
             planned = self._planned(size, replicas, fresh, now)
             if planned is not None and order(planned)[:2] != (False, False):
                 planned = None  # (it takes no new size now)
+        behind = []  # holders ranked after the first: where a size held twice goes to one of them
         if holders and (planned is None or planned.replica_id in {r.replica_id for r in holders}):
             first = holders if len(holders) == 1 else \
                 sorted(holders, key=lambda r: (r.full, self._crowding(r, sent[r.replica_id])))
             if len(first) > 1:
                 # Sent to every holder, each keeps its copy hot, and the sizes beside the copies
                 # take turns evicting each other; sent to one, the other copies age out of their
-                # replicas' LRU and make room.
+                # replicas' LRU and make room. The others follow in the next rank, which Ray
+                # tries when the planned one takes nothing (full, or its probe answered late).
                 sole = self._planned(size, replicas, fresh, now)
-                if sole is not None and not sole.full and any(r is sole for r in first):
-                    first = [sole]
+                if (sole is not None and any(r is sole for r in first) and not sole.full and sole.building == 0
+                        and fresh[sole.replica_id] and size in sole.size_bytes):
+                    first, behind = [sole], [r for r in first if r is not sole]
         elif planned is not None:
             first, holders = [planned], []
         else:
             first = [min(replicas, key=order)]
-        ranks = [[r.replica_id for r in first]]
+        ranks = [[r.replica_id for r in first]] + ([[r.replica_id for r in behind]] if behind else [])
         # A new size is built wherever it goes: the others follow at once. A held size waits
         # for its homes unless they are full or have not taken it in spill_after_s.
-        if not holders or all(r.full for r in first) or waited_s >= self.spill_after_s:
-            chosen = set(ranks[0])
+        if not holders or all(r.full for r in first + behind) or waited_s >= self.spill_after_s:
+            chosen = {rid for rank in ranks for rid in rank}
             rest = sorted((r for r in replicas if r.replica_id not in chosen), key=order)
             if rest:
                 ranks.append([r.replica_id for r in rest])
@@ -346,7 +352,7 @@ class Placement:
         room = {r.replica_id: r.budget if r.budget is not None else math.inf for r in replicas}
         load = dict.fromkeys(room, 0.0)
         rates = {s: self.requests_per_half_life(s, now) for s in self.traffic}
-        plan = {}
+        plan, before = {}, self.plan
         held = {s for r in replicas for s in r.size_bytes}
         # Held sizes first, where they are (each move is a build), then the rest.
         for size in sorted((s for s, rate in rates.items() if rate >= PLANNED_RATE),
@@ -355,8 +361,12 @@ class Placement:
             fits = [r for r in replicas if room[r.replica_id] >= needed]
             if fits:
                 sent_to = self.homes.get(size, ("",))[0]  # where it may be building
-                home = min(fits, key=lambda r: (size not in r.size_bytes, r.replica_id != sent_to, load[r.replica_id],
-                                                -room[r.replica_id], r.replica_id))
+                # (of two holders, the one planned before: a request that overflowed to the other
+                # would otherwise make it the last sent to, and the planned one, in turn)
+                home = min(fits, key=lambda r: (size not in r.size_bytes,
+                                                size in r.size_bytes and r.replica_id != before.get(size),
+                                                r.replica_id != sent_to, load[r.replica_id], -room[r.replica_id],
+                                                r.replica_id))
                 plan[size] = home.replica_id
                 room[home.replica_id] -= needed
                 load[home.replica_id] += rates[size]

@@ -352,8 +352,10 @@ class CachedReplica:
         in flight, requests per size and ``counts`` (calls, hits, misses, builds, evictions,
         uncached calls). With `handle` (a ``DeploymentHandle`` of the deployment), asked of every
         running replica at once through Ray Serve (``handle.broadcast``), each answering within
-        `timeout_s` (a replica that does not is left out, with a warning); no shared directory
-        is needed. Else what every replica published within `max_age_s` to the shared
+        `timeout_s` (a replica that does not is left out, with a warning; none running: []); no
+        shared directory is needed. Each question takes one of the replica's
+        ``max_ongoing_requests`` places while it waits and runs: a replica that is full answers
+        once a request of its ends. Else what every replica published within `max_age_s` to the shared
         directory (default: SHAPECACHE_SHARED_DIR), readable from any process that sees it."""
         if handle is not None:
             return _asked_of_every_replica(handle, timeout_s)
@@ -542,7 +544,13 @@ def _asked_of_every_replica(handle, timeout_s: float) -> list:
     if not callable(getattr(handle, "broadcast", None)):
         raise TypeError(f"handle={type(handle).__name__} object: expected a Ray Serve DeploymentHandle "
                         "(serve.run's, or serve.get_deployment_handle's)")
-    answers = handle.broadcast("fleet_stats").results(timeout_s=timeout_s, return_exceptions=True)
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    try:
+        answers = handle.broadcast("fleet_stats").results(timeout_s=timeout_s, return_exceptions=True)
+    except (DeploymentUnavailableError, TimeoutError) as error:  # no replica running, or none found in time
+        logger.warning("shapecache: no replica gave fleet stats within %s s: %s", timeout_s, error)
+        return []
     states, failed = [], []
     for answer in answers:
         if isinstance(answer, BaseException) or not isinstance(answer, dict) or "stats" not in answer:
