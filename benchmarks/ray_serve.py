@@ -155,6 +155,11 @@ def kill_busiest_replica(app_name: str, replies: list) -> str:
     raise RuntimeError(f"no replica actor named for {served}")
 
 
+def kill_index(stream: list, warmup: int) -> int:
+    """The request before which `--kill` kills a replica: half-way through the measured ones."""
+    return warmup + (len(stream) - warmup) // 2
+
+
 def rehomed_seconds(killed: str, before: list, after: list) -> dict:
     """For each size the killed replica served before the kill: (seconds from its first request
     after the kill to the end of its first hit, inf where none was; the requests of it after
@@ -190,7 +195,7 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
     try:  # the warm-up requests end before the measured ones start
         replies = run_stream(handle, stream[:warmup])
         if args.kill:
-            half = warmup + (len(stream) - warmup) // 2
+            half = kill_index(stream, warmup)
             replies += run_stream(handle, stream[warmup:half])
             killed = kill_busiest_replica(router, replies[warmup:])
             after = run_stream(handle, stream[half:])
@@ -233,7 +238,7 @@ def bounds(stream: list, warmup: int, args, per_replica: int) -> dict:
     entries = args.replicas * per_replica
     if not args.kill:
         return {"entries": entries, "bound": hit_rate_bound(stream, entries, counted_from=warmup)}
-    half = warmup + (len(stream) - warmup) // 2
+    half = kill_index(stream, warmup)
     return {"entries": entries,
             "bound": hit_rate_bound(stream, entries, counted_from=warmup, kill_at=half, lost=per_replica),
             "without_replacement": hit_rate_bound(stream, entries, counted_from=warmup, kill_at=half,
