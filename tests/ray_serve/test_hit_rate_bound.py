@@ -30,6 +30,20 @@ def test_a_kill_loses_the_entries_needed_last_and_the_fleet_holds_fewer_after_it
     assert hit_rate_bound([A, B, A, B, A, B], entries=2, kill_at=2) == pytest.approx(4 / 6)
 
 
+def test_a_replacement_adds_its_room_from_the_first_request_it_serves():
+    # A kept at the kill (needed sooner), B lost. Replaced before request 3: B is built again
+    # there and kept, and both hit after. Replaced only before request 4: B was built at 3
+    # with room for one and not kept (A is needed sooner), so it misses at 5 too.
+    stream = [A, B, A, B, A, B]
+    assert hit_rate_bound(stream, entries=2, kill_at=2, lost=1) == pytest.approx(3 / 6)
+    assert hit_rate_bound(stream, entries=2, kill_at=2, lost=1, replaced_at=2) == pytest.approx(3 / 6)
+    assert hit_rate_bound(stream, entries=2, kill_at=2, lost=1, replaced_at=3) == pytest.approx(3 / 6)
+    assert hit_rate_bound(stream, entries=2, kill_at=2, lost=1, replaced_at=4) == pytest.approx(2 / 6)
+    # Never within the stream: as a fleet that is not replaced.
+    assert hit_rate_bound(stream, entries=2, kill_at=2, lost=1, replaced_at=6) == pytest.approx(
+        hit_rate_bound(stream, entries=2, kill_at=2, lost=1, entries_after_kill=1))
+
+
 @pytest.mark.parametrize("arguments, named", [
     ({"stream": [], "entries": 2}, "stream=[]"),
     ({"stream": [A], "entries": 0}, "entries=0"),
@@ -39,6 +53,9 @@ def test_a_kill_loses_the_entries_needed_last_and_the_fleet_holds_fewer_after_it
     ({"stream": [A, B], "entries": 1, "kill_at": -1}, "kill_at=-1"),
     ({"stream": [A, B], "entries": 1, "kill_at": 5}, "kill_at=5"),
     ({"stream": [A, B], "entries": 1, "kill_at": 1, "entries_after_kill": 0}, "entries_after_kill=0"),
+    ({"stream": [A, B], "entries": 1, "replaced_at": 1}, "replaced_at=1 without kill_at"),
+    ({"stream": [A, B, A], "entries": 2, "kill_at": 2, "lost": 1, "replaced_at": 1}, "replaced_at=1: expected a "
+                                                                                      "request index at or after"),
 ])
 def test_bad_arguments_are_named(arguments, named):
     with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("]", r"\]")):
@@ -48,6 +65,7 @@ def test_bad_arguments_are_named(arguments, named):
 @pytest.mark.parametrize("arguments, named", [
     ({"stream": [A], "entries": 2.5}, "entries=2.5: expected an int"),
     ({"stream": [A, B], "entries": 1, "kill_at": 1, "lost": True}, "lost=True: expected an int"),
+    ({"stream": [A, B], "entries": 2, "kill_at": 1, "lost": 1, "replaced_at": 1.5}, "replaced_at=1.5: expected an int"),
 ])
 def test_arguments_of_another_type_are_named(arguments, named):
     with pytest.raises(TypeError, match=named):

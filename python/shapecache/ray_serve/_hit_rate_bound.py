@@ -11,8 +11,10 @@ request of its size, never ahead of it (a pre-warm is not in the bound), as a re
 the sizes it is asked for. A replica killed loses its entries: the bound keeps what the
 replicas left can hold and loses the rest, the ones it needs last. Where entries differ in
 bytes, a caller counts each replica's entries as its budget over the smallest: the bound
-stays a bound, and says less the more the sizes differ. What a real fleet loses on top of
-the bound is placement, the stats' lag and LRU's ignorance of the future.
+stays a bound, and says less the more the sizes differ. A replacement that starts serving some
+requests after the kill (its process starts first) adds its room from the first it serves.
+What a real fleet loses on top of the bound is placement, the stats' lag and LRU's ignorance
+of the future.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ def _count(name: str, value: object, least: int) -> int:
 
 
 def hit_rate_bound(stream: Sequence[Hashable], entries: int, counted_from: int = 0, kill_at: int | None = None,
-                   lost: int = 0, entries_after_kill: int | None = None) -> float:
+                   lost: int = 0, entries_after_kill: int | None = None, replaced_at: int | None = None) -> float:
     """The best hit rate over `stream[counted_from:]` of a fleet whose budgets hold `entries`
     entries in all. With `kill_at`, a replica whose budget holds `lost` entries dies before
     request `kill_at`: of what the fleet held, what the others can hold (``entries - lost``)
-    stays, and the fleet holds `entries_after_kill` from then on (default `entries`: its
-    replacement serving at once; ``entries - lost`` for none)."""
+    stays, and the fleet holds `entries_after_kill` from request `replaced_at` on (default
+    `kill_at`: its replacement serving at once; `entries_after_kill` defaults to `entries`,
+    and ``entries - lost`` is a fleet never replaced), ``entries - lost`` before it."""
     stream = list(stream)
     if not stream:
         raise ValueError("stream=[]: expected at least one request")
@@ -56,6 +59,16 @@ def hit_rate_bound(stream: Sequence[Hashable], entries: int, counted_from: int =
     if lost >= entries:
         raise ValueError(f"lost={lost}: expected fewer than the fleet's {entries} entries (a replica is left)")
     after = entries if entries_after_kill is None else _count("entries_after_kill", entries_after_kill, 1)
+    if replaced_at is not None:
+        if kill_at is None:
+            raise ValueError(f"replaced_at={replaced_at!r} without kill_at: expected kill_at, the request before "
+                             "which a replica dies")
+        if isinstance(replaced_at, bool) or not isinstance(replaced_at, int):
+            raise TypeError(f"replaced_at={replaced_at!r}: expected an int, a request index at or after kill_at")
+        if replaced_at < kill_at:
+            raise ValueError(f"replaced_at={replaced_at}: expected a request index at or after kill_at={kill_at}")
+    else:
+        replaced_at = kill_at
 
     # next_use[i]: the index of the next request of stream[i]'s size after i (inf: none)
     next_use, seen = [math.inf] * len(stream), {}
@@ -65,7 +78,7 @@ def hit_rate_bound(stream: Sequence[Hashable], entries: int, counted_from: int =
     held: dict = {}  # size -> the index of its next request
     hits = 0
     for index, size in enumerate(stream):
-        capacity = entries if kill_at is None or index < kill_at else after
+        capacity = entries if kill_at is None or index < kill_at else after if index >= replaced_at else entries - lost
         if index == kill_at:  # the replicas left keep what they can hold (entries - lost), and the fleet's new room
             while len(held) > min(entries - lost, capacity):
                 del held[max(held, key=held.get)]
