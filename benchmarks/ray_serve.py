@@ -4,6 +4,7 @@ new replica cold against one started from the shared directory.
     python benchmarks/ray_serve.py [--model res-convnet|unet] [--sizes 4] [--requests 60]
                                    [--streams uniform,zipf] [--routers default,affinity]
                                    [--replicas 2] [--kill] [--build inline|background]
+                                   [--replies FILE]
 
 One run on this machine, real Ray Serve (a local cluster of 2 CPUs; each replica 0.5 CPU and
 one torch thread; HTTP off, handles only). Two replicas of the model, cached with the compile
@@ -30,10 +31,17 @@ once at compiled speed (a hit). Exits 1 when a run failed.
 With `--kill`, half-way through the measured requests the replica that served the most of
 them is killed (``ray.kill``; Serve starts a replacement), for both routers on the same
 stream; the tables then also give, for each size the killed replica served, the seconds from
-its first request after the kill to its first hit. `--replicas N` runs N replicas (default 2;
+its first request after the kill to its first hit, when the replacement first served, and the
+bound with the replacement's room from that request on (what the run could have got at best,
+given how long Serve took to replace the replica). `--replicas N` runs N replicas (default 2;
 3 with a kill leaves two while the replacement starts). `--build background` builds a size a
 replica does not hold in the background, serving its requests uncached meanwhile (they count
 as misses); the default, inline, makes the request wait for its build.
+
+Per router it also says what made the slow requests slow (those over half the default's p99:
+their own build, a wait behind another call in the replica, or time outside the call), and
+`--replies FILE` appends every reply to FILE as a JSON line (router, index, size, replica,
+outcome, latency at the client, seconds queued in the replica and in the call).
 """
 
 from __future__ import annotations
@@ -104,6 +112,7 @@ class ModelReplica(CachedReplica):
 
     def __call__(self, size):
         size = tuple(size)
+        arrived = time.perf_counter()
         with self.call_lock:
             start = time.perf_counter()
             with self.torch.inference_mode(), self.serving(size) as served:
@@ -112,7 +121,7 @@ class ModelReplica(CachedReplica):
             stats = self.sc.stats(self.cached)
         # Not a hit: built here, or (background builds) served uncached while its build waits or runs.
         return {"replica": serve.get_replica_context().replica_id.unique_id, "built": served.outcome != "hit",
-                "seconds": seconds, "builds": stats["builds"], "evictions": stats["evictions"],
+                "outcome": served.outcome, "queued": start - arrived, "seconds": seconds, "builds": stats["builds"], "evictions": stats["evictions"],
                 "peak_bytes": stats["peak_bytes"], "budget": stats["budget"],
                 "smallest_entry": min((e["bytes"] for e in stats["entries"] if e["bytes"] > 0), default=None),
                 "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
@@ -192,12 +201,14 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
     warmup = warmup_length(stream, args.warmup)
     published = None
     rehomed = None
+    killed_at = None
     try:  # the warm-up requests end before the measured ones start
         replies = run_stream(handle, stream[:warmup])
         if args.kill:
             half = kill_index(stream, warmup)
             replies += run_stream(handle, stream[warmup:half])
             killed = kill_busiest_replica(router, replies[warmup:])
+            killed_at = time.perf_counter()
             after = run_stream(handle, stream[half:])
             rehomed = rehomed_seconds(killed, replies, after)
             replies += after
@@ -207,6 +218,13 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
             published = wait_for_packages(shared, len({tuple(size) for size in stream}))
     finally:
         serve.delete(f"{router}")
+    if args.replies is not None:
+        with open(args.replies, "a") as log:
+            for index, reply in enumerate(replies):
+                print(json.dumps({"router": router, "index": index, "warm": index >= warmup,
+                                  "after_kill_s": None if killed_at is None else reply["sent"] - killed_at,
+                                  **{k: reply[k] for k in ("size", "replica", "outcome", "latency", "queued", "seconds")}}),
+                      file=log)
     warm = replies[warmup:]
     latencies = sorted(r["latency"] for r in warm)
     last = {}
@@ -217,6 +235,14 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
         homes.setdefault(tuple(reply["size"]), set()).add(reply["replica"])
     smallest = min((r["smallest_entry"] for r in replies if r["smallest_entry"]), default=None)
     per_replica = None if smallest is None else max(1, args.budget // smallest)
+    replaced = None
+    if args.kill:  # the first request after the kill that a replica unseen before it served: the replacement's
+        seen = {r["replica"] for r in replies[:half]}
+        index = next((i for i in range(half, len(replies)) if replies[i]["replica"] not in seen), None)
+        replaced = {"index": index, "after_s": None if index is None else replies[index]["ended"] - killed_at,
+                    "bound": None if per_replica is None else hit_rate_bound(
+                        stream, args.replicas * per_replica, counted_from=warmup, kill_at=half, lost=per_replica,
+                        replaced_at=len(stream) if index is None else index)}
     return {
         "hit_rate": sum(not r["built"] for r in warm) / len(warm),
         "bound": None if per_replica is None else bounds(stream, warmup, args, per_replica),
@@ -228,7 +254,20 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
         "replicas_per_size": statistics.mean(len(v) for v in homes.values()),
         "published": published,
         "rehomed": rehomed,
+        "replaced": replaced,
+        "warm": warm,
     }
+
+
+def slow_requests(warm: list, over_s: float) -> str:
+    """What made the measured requests slower than `over_s` slow: their own build (or an
+    uncached call), a wait in the replica behind another request's call, or time outside the
+    replica (Ray's routing, a process start beside them on the cores)."""
+    slow = [r for r in warm if r["latency"] > over_s]
+    built = sum(r["outcome"] != "hit" for r in slow)
+    queued = sum(r["outcome"] == "hit" and r["queued"] > r["seconds"] for r in slow)
+    return (f"{len(slow)} of {len(warm)} took over {over_s * 1e3:.0f} ms: {built} built or ran uncached, {queued} "
+            f"hits that waited behind another call, {len(slow) - built - queued} hits slowed outside the call")
 
 
 def bounds(stream: list, warmup: int, args, per_replica: int) -> dict:
@@ -309,6 +348,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--kill", action="store_true", help="kill the busiest replica half-way (both routers)")
+    parser.add_argument("--replies", default=None, metavar="FILE",
+                        help="append every reply to FILE, a JSON object a line: router, index, size, replica, "
+                             "outcome, latency at the client, seconds queued in the replica and in the call")
     args = parser.parse_args(argv)
     sizes = ALL_SIZES[:args.sizes]
     args.warmup = 2 * len(sizes)
@@ -394,6 +436,15 @@ def main(argv=None) -> int:
                       f"{b['bound']:.0%}" + (f" with the replacement serving at once, {b['without_replacement']:.0%} "
                                               "without one" if "without_replacement" in b else ""))
             for r, name in ((d, "default"), (a, "affinity")):
+                if r["replaced"] is not None:
+                    rep = r["replaced"]
+                    when = ("never served within the stream" if rep["index"] is None else
+                            f"first served request {rep['index']}, ending {rep['after_s']:.1f} s after the kill")
+                    print(f"{kind} {name}: the replacement {when}; the bound with its room from then on: "
+                          f"{rep['bound']:.0%}")
+            for r, name in ((d, "default"), (a, "affinity")):
+                print(f"{kind} {name}: {slow_requests(r['warm'], d['p99'] / 2)}")
+            for r, name in ((d, "default"), (a, "affinity")):
                 if r["rehomed"] is not None:
                     print(f"{kind} {name}: the killed replica's sizes, first request after the kill to first hit: "
                           + rehomed_text(r["rehomed"]))
@@ -410,7 +461,7 @@ def main(argv=None) -> int:
         if len(new_replica) == 2:
             print(f"\nshared directory against cold: {new_replica['cold']['served_all'] / new_replica['shared']['served_all']:.1f}x "
                   "faster to serve every hot size")
-    runs = {f"{k}/{r}": {**v, "rehomed": None if v["rehomed"] is None else
+    runs = {f"{k}/{r}": {**{n: x for n, x in v.items() if n != "warm"}, "rehomed": None if v["rehomed"] is None else
                          {f"{h}x{w}": {"seconds": s, "requests": n} for (h, w), (s, n) in v["rehomed"].items()}}
             for (k, r), v in results.items()}
     print(json.dumps({"runs": runs, "new_replica": new_replica}), file=sys.stderr)
