@@ -169,6 +169,9 @@ class FleetReport:
     prewarmed: tuple = ()
     prewarmed_held_nowhere: int = 0
     loads: int = 0
+    # the index of the first request the replacement served (hit_rate_bound's replaced_at);
+    # None without a kill, or where it served none
+    replaced_at: int | None = None
 
 
 def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None = None,
@@ -218,6 +221,7 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
     package_at: dict = {}  # size -> when its package is in the shared directory
     prewarmed: list = []
     prewarmed_held_nowhere = 0
+    replaced_at = None
 
     def publications() -> list[ReplicaState]:
         """Each replica's last publication, the dead ones' included (their files stay)."""
@@ -359,6 +363,8 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
                 evictions += replica.keep(request.size, fleet.sizes[request.size].bytes)
             request.finished = now
             done.append(request)
+            if replicas.index(replica) >= fleet.replicas:  # a replacement (started after the kill)
+                replaced_at = request.index if replaced_at is None else min(replaced_at, request.index)
             if request.hit and request.size in first_request:
                 first_hit.setdefault(request.size, now - first_request[request.size])
             run_next(replica, now)
@@ -378,4 +384,5 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
         prewarmed=tuple(prewarmed),
         prewarmed_held_nowhere=prewarmed_held_nowhere,
         loads=loads,
+        replaced_at=replaced_at,
     )
