@@ -19,6 +19,15 @@ def test_it_keeps_what_is_requested_again_soonest_and_may_not_keep_what_it_built
     assert hit_rate_bound([A, B, C, A, B, C], entries=3) == pytest.approx(3 / 6)
 
 
+def test_what_the_warm_up_kept_is_chosen_for_the_requests_counted():
+    # One entry; only the last request counts. Kept by Belady's rule through the warm-up, B
+    # would be held at the end; but the warm-up's hits are free to give up, and A, requested
+    # in it, could be the one held: the best is 1 of 1.
+    assert hit_rate_bound([A, B, B, A], entries=1, counted_from=3) == pytest.approx(1.0)
+    assert hit_rate_bound([A, B, B, A], entries=1, counted_from=2) == pytest.approx(1 / 2)  # B at 2, or A at 3
+    assert hit_rate_bound([A, B, C, C], entries=1, counted_from=3) == pytest.approx(1.0)
+
+
 def test_a_kill_loses_the_entries_needed_last_and_the_fleet_holds_fewer_after_it():
     # Both held when the kill comes before request 4; the replica left holds one: B, needed
     # last, is the one lost.
@@ -55,7 +64,8 @@ def test_a_replacement_adds_its_room_from_the_first_request_it_serves():
     ({"stream": [A, B], "entries": 1, "kill_at": 1, "entries_after_kill": 0}, "entries_after_kill=0"),
     ({"stream": [A, B], "entries": 1, "replaced_at": 1}, "replaced_at=1 without kill_at"),
     ({"stream": [A, B, A], "entries": 2, "kill_at": 2, "lost": 1, "replaced_at": 1}, "replaced_at=1: expected a "
-                                                                                      "request index at or after"),
+                                                                                      "request index from kill_at=2"),
+    ({"stream": [A, B, A], "entries": 2, "kill_at": 1, "lost": 1, "replaced_at": 4}, "replaced_at=4: expected"),
 ])
 def test_bad_arguments_are_named(arguments, named):
     with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("]", r"\]")):

@@ -8,7 +8,9 @@ of the sizes held and the one just built, those requested again soonest, droppin
 requested furthest ahead (Belady's rule, with the choice not to keep what was built; optimal
 for one cache whose entries are built by requests of their size). An entry is built by a
 request of its size, never ahead of it (a pre-warm is not in the bound), as a replica builds
-the sizes it is asked for. A replica killed loses its entries: the bound keeps what the
+the sizes it is asked for. The warm-up's hits (before `counted_from`) do not count, so the
+bound starts the counted requests with any of the sizes the warm-up requested, the soonest
+requested again. A replica killed loses its entries: the bound keeps what the
 replicas left can hold and loses the rest, the ones it needs last. Where entries differ in
 bytes, a caller counts each replica's entries as its budget over the smallest: the bound
 stays a bound, and says less the more the sizes differ. A replacement that starts serving some
@@ -52,21 +54,19 @@ def hit_rate_bound(stream: Sequence[Hashable], entries: int, counted_from: int =
         kill_at = _count("kill_at", kill_at, 0)
         if kill_at >= len(stream):
             raise ValueError(f"kill_at={kill_at}: expected less than the stream's {len(stream)} requests")
-    elif lost or entries_after_kill is not None:
-        raise ValueError(f"lost={lost!r}, entries_after_kill={entries_after_kill!r} without kill_at: expected "
-                         "kill_at, the request before which a replica dies")
+    elif lost or entries_after_kill is not None or replaced_at is not None:
+        raise ValueError(f"lost={lost!r}, entries_after_kill={entries_after_kill!r}, replaced_at={replaced_at!r} "
+                         "without kill_at: expected kill_at, the request before which a replica dies")
     lost = _count("lost", lost, 0)
     if lost >= entries:
         raise ValueError(f"lost={lost}: expected fewer than the fleet's {entries} entries (a replica is left)")
     after = entries if entries_after_kill is None else _count("entries_after_kill", entries_after_kill, 1)
     if replaced_at is not None:
-        if kill_at is None:
-            raise ValueError(f"replaced_at={replaced_at!r} without kill_at: expected kill_at, the request before "
-                             "which a replica dies")
         if isinstance(replaced_at, bool) or not isinstance(replaced_at, int):
             raise TypeError(f"replaced_at={replaced_at!r}: expected an int, a request index at or after kill_at")
-        if replaced_at < kill_at:
-            raise ValueError(f"replaced_at={replaced_at}: expected a request index at or after kill_at={kill_at}")
+        if not kill_at <= replaced_at <= len(stream):
+            raise ValueError(f"replaced_at={replaced_at}: expected a request index from kill_at={kill_at} to the "
+                             f"stream's length, {len(stream)} (never replaced within it)")
     else:
         replaced_at = kill_at
 
@@ -76,12 +76,19 @@ def hit_rate_bound(stream: Sequence[Hashable], entries: int, counted_from: int =
         next_use[index] = seen.get(stream[index], math.inf)
         seen[stream[index]] = index
     held: dict = {}  # size -> the index of its next request
+    last_before: dict = {}  # size -> the index of its last request before counted_from
     hits = 0
     for index, size in enumerate(stream):
         capacity = entries if kill_at is None or index < kill_at else after if index >= replaced_at else entries - lost
-        if index == kill_at:  # the replicas left keep what they can hold (entries - lost), and the fleet's new room
-            while len(held) > min(entries - lost, capacity):
+        room = min(entries - lost, capacity) if index == kill_at else capacity
+        if index == counted_from:  # what the warm-up kept is free to choose: its hits do not count, so any of
+            # the sizes requested in it could be held now; the soonest requested again are the best
+            held = {s: next_use[i] for s, i in last_before.items()}
+        if index in (kill_at, counted_from):  # at a kill, the replicas left keep what they can hold
+            while len(held) > room:
                 del held[max(held, key=held.get)]
+        if index < counted_from:
+            last_before[size] = index
         if size in held:
             hits += index >= counted_from
         held[size] = next_use[index]

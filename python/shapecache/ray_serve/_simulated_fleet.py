@@ -169,8 +169,8 @@ class FleetReport:
     prewarmed: tuple = ()
     prewarmed_held_nowhere: int = 0
     loads: int = 0
-    # the index of the first request the replacement served (hit_rate_bound's replaced_at);
-    # None without a kill, or where it served none
+    # the index of the first request from the kill's on that the replacement served
+    # (hit_rate_bound's replaced_at); None without a kill, or where it served none
     replaced_at: int | None = None
 
 
@@ -363,7 +363,7 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
                 evictions += replica.keep(request.size, fleet.sizes[request.size].bytes)
             request.finished = now
             done.append(request)
-            if replicas.index(replica) >= fleet.replicas:  # a replacement (started after the kill)
+            if replicas.index(replica) >= fleet.replicas and request.index >= kill_index:  # by a replacement
                 replaced_at = request.index if replaced_at is None else min(replaced_at, request.index)
             if request.hit and request.size in first_request:
                 first_hit.setdefault(request.size, now - first_request[request.size])
