@@ -121,7 +121,7 @@ class ModelReplica(CachedReplica):
             stats = self.sc.stats(self.cached)
         # Not a hit: built here, or (background builds) served uncached while its build waits or runs.
         return {"replica": serve.get_replica_context().replica_id.unique_id, "built": served.outcome != "hit",
-                "outcome": served.outcome, "queued": start - arrived, "seconds": seconds, "builds": stats["builds"], "evictions": stats["evictions"],
+                "outcome": served.outcome, "queued": start - arrived, "started": start, "seconds": seconds, "builds": stats["builds"], "evictions": stats["evictions"],
                 "peak_bytes": stats["peak_bytes"], "budget": stats["budget"],
                 "smallest_entry": min((e["bytes"] for e in stats["entries"] if e["bytes"] > 0), default=None),
                 "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
@@ -154,13 +154,17 @@ def run_stream(handle, stream: list) -> list:
         return list(pool.map(one, stream))
 
 
-def kill_busiest_replica(app_name: str, replies: list) -> str:
-    """Kills the replica of `app_name` that served the most of `replies`; returns its id."""
+def kill_busiest_replica(app_name: str, replies: list) -> tuple[str, set]:
+    """Kills the replica of `app_name` that served the most of `replies`; returns its id and
+    the ids of the app's replicas alive before the kill (Serve names each replica's actor
+    ``SERVE_REPLICA::<app>#<deployment>#<id>``)."""
     served = statistics.mode(r["replica"] for r in replies)
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor["name"].startswith("SERVE_REPLICA::") and actor["name"].endswith(served):
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["name"].startswith(f"SERVE_REPLICA::{app_name}#")]
+    for actor in actors:
+        if actor["name"].endswith(f"#{served}"):
             ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
-            return served
+            return served, {a["name"].rsplit("#", 1)[-1] for a in actors}
     raise RuntimeError(f"no replica actor named for {served}")
 
 
@@ -201,13 +205,14 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
     warmup = warmup_length(stream, args.warmup)
     published = None
     rehomed = None
-    killed_at = None
+    killed_at = alive = None
+    replies: list = []
     try:  # the warm-up requests end before the measured ones start
-        replies = run_stream(handle, stream[:warmup])
+        replies += run_stream(handle, stream[:warmup])
         if args.kill:
             half = kill_index(stream, warmup)
             replies += run_stream(handle, stream[warmup:half])
-            killed = kill_busiest_replica(router, replies[warmup:])
+            killed, alive = kill_busiest_replica(router, replies[warmup:])
             killed_at = time.perf_counter()
             after = run_stream(handle, stream[half:])
             rehomed = rehomed_seconds(killed, replies, after)
@@ -218,13 +223,8 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
             published = wait_for_packages(shared, len({tuple(size) for size in stream}))
     finally:
         serve.delete(f"{router}")
-    if args.replies is not None:
-        with open(args.replies, "a") as log:
-            for index, reply in enumerate(replies):
-                print(json.dumps({"router": router, "index": index, "warm": index >= warmup,
-                                  "after_kill_s": None if killed_at is None else reply["sent"] - killed_at,
-                                  **{k: reply[k] for k in ("size", "replica", "outcome", "latency", "queued", "seconds")}}),
-                      file=log)
+        if args.replies is not None:  # (what a failed run got too)
+            write_replies(args.replies, router, replies, warmup, killed_at)
     warm = replies[warmup:]
     latencies = sorted(r["latency"] for r in warm)
     last = {}
@@ -236,13 +236,10 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
     smallest = min((r["smallest_entry"] for r in replies if r["smallest_entry"]), default=None)
     per_replica = None if smallest is None else max(1, args.budget // smallest)
     replaced = None
-    if args.kill:  # the first request after the kill that a replica unseen before it served: the replacement's
-        seen = {r["replica"] for r in replies[:half]}
-        index = next((i for i in range(half, len(replies)) if replies[i]["replica"] not in seen), None)
-        replaced = {"index": index, "after_s": None if index is None else replies[index]["ended"] - killed_at,
-                    "bound": None if per_replica is None else hit_rate_bound(
-                        stream, args.replicas * per_replica, counted_from=warmup, kill_at=half, lost=per_replica,
-                        replaced_at=len(stream) if index is None else index)}
+    if args.kill:
+        replaced = replacement(replies, half, alive, killed_at)
+        if per_replica is not None:
+            replaced["bound"] = bound_as_served(replies, warmup, half, replaced, args.replicas, per_replica)
     return {
         "hit_rate": sum(not r["built"] for r in warm) / len(warm),
         "bound": None if per_replica is None else bounds(stream, warmup, args, per_replica),
@@ -255,8 +252,39 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
         "published": published,
         "rehomed": rehomed,
         "replaced": replaced,
+        "per_replica": per_replica,
         "warm": warm,
     }
+
+
+def write_replies(path: str, router: str, replies: list, warmup: int, killed_at: float | None) -> None:
+    with open(path, "a") as log:
+        for index, reply in enumerate(replies):
+            print(json.dumps({"router": router, "index": index, "warm": index >= warmup,
+                              "after_kill_s": None if killed_at is None else reply["sent"] - killed_at,
+                              **{k: reply[k] for k in ("size", "replica", "outcome", "latency", "queued", "seconds")}}),
+                  file=log)
+
+
+def replacement(replies: list, half: int, alive: set, killed_at: float) -> dict:
+    """When the killed replica's replacement (a replica not alive before the kill) first served:
+    the index of that request in the order the calls started, and the seconds from the kill to
+    its end; None for both where it served none."""
+    order = sorted(range(len(replies)), key=lambda i: replies[i]["started"])
+    first = next((position for position, i in enumerate(order) if position >= half
+                  and replies[i]["replica"] not in alive), None)
+    return {"index": first, "after_s": None if first is None else replies[order[first]]["ended"] - killed_at}
+
+
+def bound_as_served(replies: list, warmup: int, half: int, replaced: dict, replicas: int, per_replica: int) -> float:
+    """``hit_rate_bound`` of the requests in the order their calls started (each replica makes one
+    call at a time, so a replica served its requests in this order, which two clients' requests
+    need not keep), the replacement's room from the first it served. The warm-up's requests
+    and those before the kill all ended before the next started, so their places hold. (The
+    replica's perf_counter and the driver's are one clock on Linux: CLOCK_MONOTONIC.)"""
+    served = [tuple(r["size"]) for r in sorted(replies, key=lambda r: r["started"])]
+    return hit_rate_bound(served, replicas * per_replica, counted_from=warmup, kill_at=half, lost=per_replica,
+                          replaced_at=len(served) if replaced["index"] is None else replaced["index"])
 
 
 def slow_requests(warm: list, over_s: float) -> str:
@@ -265,7 +293,7 @@ def slow_requests(warm: list, over_s: float) -> str:
     replica (Ray's routing, a process start beside them on the cores)."""
     slow = [r for r in warm if r["latency"] > over_s]
     built = sum(r["outcome"] != "hit" for r in slow)
-    queued = sum(r["outcome"] == "hit" and r["queued"] > r["seconds"] for r in slow)
+    queued = sum(r["outcome"] == "hit" and r["queued"] > r["latency"] - r["queued"] - r["seconds"] for r in slow)
     return (f"{len(slow)} of {len(warm)} took over {over_s * 1e3:.0f} ms: {built} built or ran uncached, {queued} "
             f"hits that waited behind another call, {len(slow) - built - queued} hits slowed outside the call")
 
@@ -436,12 +464,15 @@ def main(argv=None) -> int:
                       f"{b['bound']:.0%}" + (f" with the replacement serving at once, {b['without_replacement']:.0%} "
                                               "without one" if "without_replacement" in b else ""))
             for r, name in ((d, "default"), (a, "affinity")):
-                if r["replaced"] is not None:
+                if r["replaced"] is not None and "bound" in r["replaced"]:
                     rep = r["replaced"]
-                    when = ("never served within the stream" if rep["index"] is None else
-                            f"first served request {rep['index']}, ending {rep['after_s']:.1f} s after the kill")
-                    print(f"{kind} {name}: the replacement {when}; the bound with its room from then on: "
-                          f"{rep['bound']:.0%}")
+                    when = ("served none of the stream" if rep["index"] is None else
+                            f"first served call {rep['index']} (of the stream's, in the order they started), "
+                            f"ending {rep['after_s']:.1f} s after the kill")
+                    prewarmed = min(1.0, rep["bound"] + r["per_replica"] / len(r["warm"]))
+                    print(f"{kind} {name}: the replacement {when}; the bound as the calls ran, its room from then on: "
+                          f"{rep['bound']:.0%} ({prewarmed:.0%} with what its pre-warm, which the bound leaves out, "
+                          f"could add: at most {r['per_replica']} hits)")
             for r, name in ((d, "default"), (a, "affinity")):
                 print(f"{kind} {name}: {slow_requests(r['warm'], d['p99'] / 2)}")
             for r, name in ((d, "default"), (a, "affinity")):
