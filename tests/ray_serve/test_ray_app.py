@@ -69,6 +69,11 @@ def test_two_replicas_each_size_served_by_one_replica_and_nothing_left_behind():
         (rid,) = [rid for rid in view if full_id.endswith(rid)]
         assert [tuple(s) for s in view[rid]["sizes"]] == sorted(s for s, r in replica_of.items() if r == full_id)
         assert view[rid]["hits"] > 0
+    # awaited in an event loop: the same replicas and sizes; the blocking form names the awaited one
+    in_a_loop = result["fleet_view_async"]
+    assert {rid: [tuple(s) for s in sizes] for rid, sizes in in_a_loop["view"].items()} == {
+        rid: [tuple(s) for s in v["sizes"]] for rid, v in view.items()}
+    assert "await fleet_view_async(handle=...)" in (in_a_loop["refused"] or ""), in_a_loop
 
     # a killed replica: no request lost, none sent to it, its sizes served by the others
     victim, after_kill = result["killed"], result["after_kill"]

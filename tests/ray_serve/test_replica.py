@@ -4,6 +4,7 @@ The replica class imports nothing of Ray; Ray Serve only calls its methods."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import logging
@@ -165,6 +166,10 @@ def test_fleet_stats_are_the_routing_stats_without_publishing_them_and_a_bad_han
         NetReplica.fleet_view(handle="tiny")
     with pytest.raises(ValueError, match="timeout_s=0: expected a positive number"):
         NetReplica.fleet_view(handle="tiny", timeout_s=0)
+    with pytest.raises(TypeError, match="handle=str object: expected a Ray Serve DeploymentHandle"):
+        asyncio.run(NetReplica.fleet_view_async(handle="tiny"))
+    with pytest.raises(ValueError, match="timeout_s=-1: expected a positive number"):
+        asyncio.run(NetReplica.fleet_view_async(handle="tiny", timeout_s=-1))
 
 
 def test_a_replica_that_builds_inline_says_so_at_start(caplog):

@@ -8,6 +8,7 @@ routing stats at the end.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -67,6 +68,16 @@ def router_state(handle) -> str:
         return f"unreadable ({error!r})"
 
 
+async def fleet_view_in_a_loop(handle) -> dict:
+    try:
+        TinyNet.fleet_view(handle=handle, timeout_s=30)
+        refused = None
+    except RuntimeError as error:
+        refused = str(error)
+    states = await TinyNet.fleet_view_async(handle=handle, timeout_s=30)
+    return {"refused": refused, "view": {s.replica_id: sorted(s.sizes) for s in states}}
+
+
 def main() -> int:
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     shared = tempfile.TemporaryDirectory(prefix="two-replicas-")
@@ -93,6 +104,8 @@ def main() -> int:
         # directory read
         view = {s.replica_id: {"sizes": sorted(s.sizes), "hits": s.counts.get("hits", 0)}
                 for s in TinyNet.fleet_view(handle=handle, timeout_s=30)}
+        # ... and awaited in an event loop, where the blocking form refuses to run
+        view_async = asyncio.run(fleet_view_in_a_loop(handle))
         # One replica killed: the requests after it are served by the replicas left (Ray
         # retries a request whose replica died before it started), its sizes among them
         victim = served[-1][1]
@@ -111,7 +124,8 @@ def main() -> int:
         serve.delete("tiny")
         stopped = {s.replica_id: s.stopped for s in SharedDir(shared.name).fleet(TinyNet.replicas_dir(), 3600)}
         print(json.dumps({"served": served, "served_by_a_new_router": served_fresh, "killed": victim,
-                          "after_kill": after_kill, "stopped": stopped, "fleet_view": view}))
+                          "after_kill": after_kill, "stopped": stopped, "fleet_view": view,
+                          "fleet_view_async": view_async}))
     finally:
         serve.shutdown()
         ray.shutdown()

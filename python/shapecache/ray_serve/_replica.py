@@ -13,6 +13,7 @@ places it again, and the replica's cache still serves it).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import logging
@@ -355,8 +356,9 @@ class CachedReplica:
         `timeout_s` (a replica that does not is left out, with a warning; none running: []); no
         shared directory is needed. Each question takes one of the replica's
         ``max_ongoing_requests`` places while it waits and runs: a replica that is full answers
-        once a request of its ends. Else what every replica published within `max_age_s` to the shared
-        directory (default: SHAPECACHE_SHARED_DIR), readable from any process that sees it."""
+        once a request of its ends; in an event loop, ``fleet_view_async``. Else what every
+        replica published within `max_age_s` to the shared directory (default:
+        SHAPECACHE_SHARED_DIR), readable from any process that sees it."""
         if handle is not None:
             return _asked_of_every_replica(handle, timeout_s)
         shared = SharedDir.from_option(shared_dir)
@@ -364,6 +366,15 @@ class CachedReplica:
             raise ValueError("shared_dir=None and SHAPECACHE_SHARED_DIR is not set: expected the directory the "
                              "replicas share")
         return shared.fleet(cls.replicas_dir(), max_age_s)
+
+    @classmethod
+    async def fleet_view_async(cls, *, handle, timeout_s: float = 10.0) -> list:
+        """``fleet_view(handle=...)``, awaited: for a caller in an event loop (an async
+        deployment, a FastAPI ingress), where the blocking form would stop the loop. It runs
+        that form on a thread (``asyncio.to_thread``): Ray Serve's own awaited broadcast
+        (``results_async``) gives nothing where one replica does not answer in time, where the
+        blocking one gives the answers that came."""
+        return await asyncio.to_thread(_asked_of_every_replica, handle, timeout_s)
 
     def __held(self) -> tuple[dict, set, dict, int]:
         """A snapshot of the cache's stats, and from it: the sizes held, being served or
@@ -544,6 +555,9 @@ def _asked_of_every_replica(handle, timeout_s: float) -> list:
     if not callable(getattr(handle, "broadcast", None)):
         raise TypeError(f"handle={type(handle).__name__} object: expected a Ray Serve DeploymentHandle "
                         "(serve.run's, or serve.get_deployment_handle's)")
+    if _in_event_loop():  # (Ray's own error names its response's method, not this one)
+        raise RuntimeError("fleet_view(handle=...) waits for the replicas' answers, which would block this event "
+                           "loop: inside one, await fleet_view_async(handle=...) instead")
     from ray.serve.exceptions import DeploymentUnavailableError
 
     try:
@@ -561,6 +575,14 @@ def _asked_of_every_replica(handle, timeout_s: float) -> list:
         logger.warning("shapecache: %d of %d replicas gave no fleet stats within %s s: %s", len(failed), len(answers),
                        timeout_s, "; ".join(repr(f) for f in failed[:3]))
     return states
+
+
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _on_cuda(cached) -> bool:
