@@ -41,7 +41,8 @@ as misses); the default, inline, makes the request wait for its build.
 Per router it also says what made the slow requests slow (those over half the default's p99:
 their own build, a wait behind another call in the replica, or time outside the call), and
 `--replies FILE` appends every reply to FILE as a JSON line (router, index, size, replica,
-outcome, latency at the client, seconds queued in the replica and in the call).
+outcome, latency at the client, seconds queued in the replica and in the call, and when the
+call started, on the clock perf_counter reads).
 """
 
 from __future__ import annotations
@@ -262,7 +263,8 @@ def write_replies(path: str, router: str, replies: list, warmup: int, killed_at:
         for index, reply in enumerate(replies):
             print(json.dumps({"router": router, "index": index, "warm": index >= warmup,
                               "after_kill_s": None if killed_at is None else reply["sent"] - killed_at,
-                              **{k: reply[k] for k in ("size", "replica", "outcome", "latency", "queued", "seconds")}}),
+                              **{k: reply[k] for k in ("size", "replica", "outcome", "latency", "queued", "started",
+                                                           "seconds")}}),
                   file=log)
 
 
@@ -378,7 +380,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kill", action="store_true", help="kill the busiest replica half-way (both routers)")
     parser.add_argument("--replies", default=None, metavar="FILE",
                         help="append every reply to FILE, a JSON object a line: router, index, size, replica, "
-                             "outcome, latency at the client, seconds queued in the replica and in the call")
+                             "outcome, latency at the client, seconds queued in the replica and in the call, when "
+                             "the call started")
     args = parser.parse_args(argv)
     sizes = ALL_SIZES[:args.sizes]
     args.warmup = 2 * len(sizes)
