@@ -40,14 +40,16 @@ as misses); the default, inline, makes the request wait for its build.
 
 Per router it also says what made the slow requests slow (those over half the default's p99:
 their own build, a wait behind another call in the replica, or time outside the call), and
-`--replies FILE` appends every reply to FILE as a JSON line (router, index, size, replica,
-outcome, latency at the client, seconds queued in the replica and in the call, and when the
-call started, on the clock perf_counter reads).
+`--replies FILE` appends every reply to FILE as a JSON line (stream, router, index, seconds
+from the run's first request to its send, size, replica, outcome, latency at the client,
+seconds queued in the replica and in the call, and when the call started, on the clock
+perf_counter reads).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -194,7 +196,7 @@ def rehomed_text(rehomed: dict) -> str:
                      for (h, w), (s, n) in sorted(rehomed.items()))
 
 
-def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
+def router_run(kind: str, router: str, args, stream: list, shared: SharedDir) -> dict:
     options = dict(num_replicas=args.replicas, max_ongoing_requests=4, ray_actor_options={"num_cpus": 0.5})
     if router == "affinity":
         app = deployment(ModelReplica, shared_dir=shared.path, stats_period_s=STATS_PERIOD_S, **options)
@@ -223,9 +225,9 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
         if router == "affinity" and args.compile != "plain":
             published = wait_for_packages(shared, len({tuple(size) for size in stream}))
     finally:
+        if args.replies is not None:  # (what a failed run got, up to its last whole part, too)
+            write_replies(args.replies, kind, router, replies, warmup, killed_at)
         serve.delete(f"{router}")
-        if args.replies is not None:  # (what a failed run got too)
-            write_replies(args.replies, router, replies, warmup, killed_at)
     warm = replies[warmup:]
     latencies = sorted(r["latency"] for r in warm)
     last = {}
@@ -258,10 +260,12 @@ def router_run(router: str, args, stream: list, shared: SharedDir) -> dict:
     }
 
 
-def write_replies(path: str, router: str, replies: list, warmup: int, killed_at: float | None) -> None:
+def write_replies(path: str, stream: str, router: str, replies: list, warmup: int, killed_at: float | None) -> None:
+    first = replies[0]["sent"] if replies else 0.0
     with open(path, "a") as log:
         for index, reply in enumerate(replies):
-            print(json.dumps({"router": router, "index": index, "warm": index >= warmup,
+            print(json.dumps({"stream": stream, "router": router, "index": index, "warm": index >= warmup,
+                              "sent_s": reply["sent"] - first,
                               "after_kill_s": None if killed_at is None else reply["sent"] - killed_at,
                               **{k: reply[k] for k in ("size", "replica", "outcome", "latency", "queued", "started",
                                                            "seconds")}}),
@@ -291,13 +295,20 @@ def bound_as_served(replies: list, warmup: int, half: int, replaced: dict, repli
 
 def slow_requests(warm: list, over_s: float) -> str:
     """What made the measured requests slower than `over_s` slow: their own build (or an
-    uncached call), a wait in the replica behind another request's call, or time outside the
-    replica (Ray's routing, a process start beside them on the cores)."""
+    uncached call), or, for a hit, the largest part of its time: the call itself, its wait in
+    the replica behind another call, or the time outside the replica (Ray's routing, the wait
+    for a core)."""
     slow = [r for r in warm if r["latency"] > over_s]
-    built = sum(r["outcome"] != "hit" for r in slow)
-    queued = sum(r["outcome"] == "hit" and r["queued"] > r["latency"] - r["queued"] - r["seconds"] for r in slow)
-    return (f"{len(slow)} of {len(warm)} took over {over_s * 1e3:.0f} ms: {built} built or ran uncached, {queued} "
-            f"hits that waited behind another call, {len(slow) - built - queued} hits slowed outside the call")
+    parts = collections.Counter()
+    for r in slow:
+        if r["outcome"] != "hit":
+            parts["built"] += 1
+            continue
+        outside = r["latency"] - r["queued"] - r["seconds"]
+        parts[max((r["seconds"], "call"), (r["queued"], "queued"), (outside, "outside"))[1]] += 1
+    return (f"{len(slow)} of {len(warm)} took over {over_s * 1e3:.0f} ms: {parts['built']} built or ran uncached; "
+            f"hits slow mostly in their call {parts['call']}, waiting behind another call {parts['queued']}, "
+            f"outside the call {parts['outside']}")
 
 
 def bounds(stream: list, warmup: int, args, per_replica: int) -> dict:
@@ -379,7 +390,8 @@ def main(argv=None) -> int:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--kill", action="store_true", help="kill the busiest replica half-way (both routers)")
     parser.add_argument("--replies", default=None, metavar="FILE",
-                        help="append every reply to FILE, a JSON object a line: router, index, size, replica, "
+                        help="append every reply to FILE, a JSON object a line: stream, router, index, send time, "
+                             "size, replica, "
                              "outcome, latency at the client, seconds queued in the replica and in the call, when "
                              "the call started")
     args = parser.parse_args(argv)
@@ -389,6 +401,9 @@ def main(argv=None) -> int:
     if not set(streams) <= {"uniform", "zipf"} or not set(routers) <= {"default", "affinity"}:
         parser.error(f"--streams={args.streams!r}, --routers={args.routers!r}: expected uniform and/or zipf, "
                      "default and/or affinity")
+    if args.kill and args.replicas < 2:
+        parser.error(f"--kill with --replicas={args.replicas}: the kill would leave no replica to serve while Serve "
+                     "replaces it; expected --replicas 2 or more")
     if args.requests <= args.warmup:
         parser.error(f"--requests={args.requests}: must exceed the warm-up's {args.warmup} requests")
 
@@ -420,7 +435,7 @@ def main(argv=None) -> int:
             for router in routers:
                 directory = tempfile.mkdtemp(prefix=f"shapecache-{router}-")
                 try:
-                    results[kind, router] = router_run(router, args, stream, SharedDir(directory))
+                    results[kind, router] = router_run(kind, router, args, stream, SharedDir(directory))
                     published = results[kind, router]["published"]
                     if published is not None and published["packages"] < published["of"]:
                         failures.append(f"{kind}/{router}: {published['packages']} of {published['of']} packages were "
@@ -455,37 +470,43 @@ def main(argv=None) -> int:
         print(f"| {kind} | {router} | {r['hit_rate']:.0%} | {r['p50'] * 1e3:.0f} ms | {r['p99'] * 1e3:.0f} ms | "
               f"{r['builds']} | {r['evictions']} | {r['replicas_per_size']:.2f} | {each} |")
     for kind in streams:
-        if (kind, "default") in results and (kind, "affinity") in results:
-            d, a = results[kind, "default"], results[kind, "affinity"]
-            print(f"\n{kind}: affinity/default p99 {a['p99'] / d['p99']:.2f}x, hit rate {a['hit_rate']:.0%} "
-                  f"against {d['hit_rate']:.0%}", end="")
-            over = [v for r in (d, a) for v in r["replicas"].values() if v["peak_bytes"] > v["budget"]]
-            print(f"; replicas over budget: {len(over)}")
-            if a["bound"] is not None:
-                b = a["bound"]
-                print(f"{kind}: the bound for any router (hit_rate_bound, {b['entries']} entries pooled): "
-                      f"{b['bound']:.0%}" + (f" with the replacement serving at once, {b['without_replacement']:.0%} "
-                                              "without one" if "without_replacement" in b else ""))
-            for r, name in ((d, "default"), (a, "affinity")):
-                if r["replaced"] is not None and "bound" in r["replaced"]:
-                    rep = r["replaced"]
-                    when = ("served none of the stream" if rep["index"] is None else
-                            f"first served call {rep['index']} (of the stream's, in the order they started), "
-                            f"ending {rep['after_s']:.1f} s after the kill")
+        ran = [(name, results[kind, name]) for name in ("default", "affinity") if (kind, name) in results]
+        if not ran:
+            continue
+        d, a = results.get((kind, "default")), results.get((kind, "affinity"))
+        print()
+        if d is not None and a is not None:
+            print(f"{kind}: affinity/default p99 {a['p99'] / d['p99']:.2f}x, hit rate {a['hit_rate']:.0%} "
+                  f"against {d['hit_rate']:.0%}")
+        over = [v for _, r in ran for v in r["replicas"].values() if v["peak_bytes"] > v["budget"]]
+        print(f"{kind}: replicas over budget: {len(over)}")
+        b = ran[-1][1]["bound"]
+        if b is not None:
+            print(f"{kind}: the bound for any router (hit_rate_bound, {b['entries']} entries pooled): "
+                  f"{b['bound']:.0%}" + (f" with the replacement serving at once, {b['without_replacement']:.0%} "
+                                          "without one" if "without_replacement" in b else ""))
+        slow_over = (d if d is not None else ran[0][1])["p99"] / 2  # half the default's p99, where it ran
+        for name, r in ran:
+            rep = r["replaced"]
+            if rep is not None:
+                when = ("served none of the stream" if rep["index"] is None else
+                        f"first served call {rep['index']} (of the stream's, in the order they started), "
+                        f"ending {rep['after_s']:.1f} s after the kill")
+                line = f"{kind} {name}: the replacement {when}"
+                if "bound" in rep:
                     prewarmed = min(1.0, rep["bound"] + r["per_replica"] / len(r["warm"]))
-                    print(f"{kind} {name}: the replacement {when}; the bound as the calls ran, its room from then on: "
-                          f"{rep['bound']:.0%} ({prewarmed:.0%} with what its pre-warm, which the bound leaves out, "
-                          f"could add: at most {r['per_replica']} hits)")
-            for r, name in ((d, "default"), (a, "affinity")):
-                print(f"{kind} {name}: {slow_requests(r['warm'], d['p99'] / 2)}")
-            for r, name in ((d, "default"), (a, "affinity")):
-                if r["rehomed"] is not None:
-                    print(f"{kind} {name}: the killed replica's sizes, first request after the kill to first hit: "
-                          + rehomed_text(r["rehomed"]))
-            if a["published"] is not None:
-                p = a["published"]
-                print(f"{kind}: the affinity replicas published {p['packages']} of {p['of']} packages, "
-                      f"{p['waited']:.0f} s after the stream ended")
+                    line += (f"; the bound as the calls ran, its room from then on: {rep['bound']:.0%} "
+                             f"({prewarmed:.0%} with what its pre-warm, which the bound leaves out, could add: at "
+                             f"most {r['per_replica']} hits)")
+                print(line)
+            print(f"{kind} {name}: {slow_requests(r['warm'], slow_over)}")
+            if r["rehomed"] is not None:
+                print(f"{kind} {name}: the killed replica's sizes, first request after the kill to first hit: "
+                      + rehomed_text(r["rehomed"]))
+        if a is not None and a["published"] is not None:
+            p = a["published"]
+            print(f"{kind}: the affinity replicas published {p['packages']} of {p['of']} packages, "
+                  f"{p['waited']:.0f} s after the stream ended")
     if new_replica:
         print("\n| third replica | ready (serve.run returned) | served every hot size at compiled speed | "
               "builds on request |")

@@ -202,6 +202,7 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
 
     for _ in range(fleet.replicas):
         start_replica(0.0)
+    first_ids = {r.rid for r in replicas}  # any other replica is a replacement
     unsent = iter(enumerate(stream))
 
     def send(now: float) -> None:
@@ -363,7 +364,7 @@ def simulate_fleet(fleet: SimulatedFleet, router: str, stream: list[Size] | None
                 evictions += replica.keep(request.size, fleet.sizes[request.size].bytes)
             request.finished = now
             done.append(request)
-            if replicas.index(replica) >= fleet.replicas and request.index >= kill_index:  # by a replacement
+            if replica.rid not in first_ids and request.index >= kill_index:
                 replaced_at = request.index if replaced_at is None else min(replaced_at, request.index)
             if request.hit and request.size in first_request:
                 first_hit.setdefault(request.size, now - first_request[request.size])
