@@ -165,12 +165,13 @@ def test_the_quick_plan_keeps_the_memory_steps_time_and_fits_its_limit(tmp_path)
 def test_the_quick_dry_run_runs_each_step_on_the_cpu_and_writes_its_tables(tmp_path):
     # The dry run of the device check: the same steps and benchmarks, on the CPU, a tiny UNet.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    # 80 s: the speed step gets about 40, of which the three rows read here take up to 25 on a
-    # 2-core machine whose other test worker is busy (each row starts a process; one torch
-    # thread per process, tests/conftest.py: with two, a tiny UNet's eager call was seen at 2 s
-    # against 4 ms alone).
-    proc = subprocess.run([sys.executable, "-m", "shapecache", "gpu-check", "--quick", "--dry-run", "--seconds", "80",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=210, cwd=root)
+    # 200 s: the rows read here must end within what the speed step is left. On a slower
+    # 2-core machine, alone, the cuda tests took 9 s and the probes 36 (each row of the speed
+    # step starts a process, and its first took over 5 s), so 80 s left it 8 s and no row ended;
+    # a faster one, with the other test worker busy, took up to 25 s for the three rows read
+    # here (one torch thread per process, tests/conftest.py).
+    proc = subprocess.run([sys.executable, "-m", "shapecache", "gpu-check", "--quick", "--dry-run", "--seconds", "200",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=400, cwd=root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert [(s["step"], s["status"]) for s in report["steps"]] == [("cuda tests", 0), ("probes", 0), ("speed", 0)]

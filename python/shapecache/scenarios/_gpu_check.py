@@ -100,7 +100,9 @@ def quick_plan(out: Path, deadline: float, dry_run: bool = False, only: tuple = 
     steps = [
         Step("cuda tests", (python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "--durations=0",
                             *QUICK_TESTS), 100),
-        Step("probes", (python, "benchmarks/cuda_probes.py", "--device", device, "--out", str(out)), 60),
+        # (on the CPU the probes' calls are the slow part: 36 s alone on a slower 2-core machine)
+        Step("probes", (python, "benchmarks/cuda_probes.py", "--device", device, "--out", str(out)),
+             120 if dry_run else 60),
         Step("speed", (python, "benchmarks/compiled_speed.py", "--model", "tiny" if dry_run else "sdxl",
                        "--sizes", DRY_RUN_SIZES if dry_run else QUICK_SIZES, "--device", device, "--out", str(out),
                        "--until", f"{speed_until:.0f}",
