@@ -370,6 +370,47 @@ def fmt_bytes(n) -> str:
     return "none" if n is None else f"{n / MiB:.0f} MiB"
 
 
+def report_stream(kind: str, results: dict) -> None:
+    """Prints, under the table, what each router's run of stream `kind` got beyond it."""
+    ran = [(name, results[kind, name]) for name in ("default", "affinity") if (kind, name) in results]
+    if not ran:
+        return
+    d, a = results.get((kind, "default")), results.get((kind, "affinity"))
+    print()
+    if d is not None and a is not None:
+        print(f"{kind}: affinity/default p99 {a['p99'] / d['p99']:.2f}x, hit rate {a['hit_rate']:.0%} "
+              f"against {d['hit_rate']:.0%}")
+    over = [v for _, r in ran for v in r["replicas"].values() if v["peak_bytes"] > v["budget"]]
+    print(f"{kind}: replicas over budget: {len(over)}")
+    b = ran[-1][1]["bound"]
+    if b is not None:
+        print(f"{kind}: the bound for any router (hit_rate_bound, {b['entries']} entries pooled): "
+              f"{b['bound']:.0%}" + (f" with the replacement serving at once, {b['without_replacement']:.0%} "
+                                      "without one" if "without_replacement" in b else ""))
+    slow_over = (d if d is not None else ran[0][1])["p99"] / 2  # half the default's p99, where it ran
+    for name, r in ran:
+        rep = r["replaced"]
+        if rep is not None:
+            when = ("served none of the stream" if rep["index"] is None else
+                    f"first served call {rep['index']} (of the stream's, in the order they started), "
+                    f"ending {rep['after_s']:.1f} s after the kill")
+            line = f"{kind} {name}: the replacement {when}"
+            if "bound" in rep:
+                prewarmed = min(1.0, rep["bound"] + r["per_replica"] / len(r["warm"]))
+                line += (f"; the bound as the calls ran, its room from then on: {rep['bound']:.0%} "
+                         f"({prewarmed:.0%} with what its pre-warm, which the bound leaves out, could add: at "
+                         f"most {r['per_replica']} hits)")
+            print(line)
+        print(f"{kind} {name}: {slow_requests(r['warm'], slow_over)}")
+        if r["rehomed"] is not None:
+            print(f"{kind} {name}: the killed replica's sizes, first request after the kill to first hit: "
+                  + rehomed_text(r["rehomed"]))
+    if a is not None and a["published"] is not None:
+        p = a["published"]
+        print(f"{kind}: the affinity replicas published {p['packages']} of {p['of']} packages, "
+              f"{p['waited']:.0f} s after the stream ended")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("res-convnet", "unet"), default="res-convnet")
@@ -470,43 +511,7 @@ def main(argv=None) -> int:
         print(f"| {kind} | {router} | {r['hit_rate']:.0%} | {r['p50'] * 1e3:.0f} ms | {r['p99'] * 1e3:.0f} ms | "
               f"{r['builds']} | {r['evictions']} | {r['replicas_per_size']:.2f} | {each} |")
     for kind in streams:
-        ran = [(name, results[kind, name]) for name in ("default", "affinity") if (kind, name) in results]
-        if not ran:
-            continue
-        d, a = results.get((kind, "default")), results.get((kind, "affinity"))
-        print()
-        if d is not None and a is not None:
-            print(f"{kind}: affinity/default p99 {a['p99'] / d['p99']:.2f}x, hit rate {a['hit_rate']:.0%} "
-                  f"against {d['hit_rate']:.0%}")
-        over = [v for _, r in ran for v in r["replicas"].values() if v["peak_bytes"] > v["budget"]]
-        print(f"{kind}: replicas over budget: {len(over)}")
-        b = ran[-1][1]["bound"]
-        if b is not None:
-            print(f"{kind}: the bound for any router (hit_rate_bound, {b['entries']} entries pooled): "
-                  f"{b['bound']:.0%}" + (f" with the replacement serving at once, {b['without_replacement']:.0%} "
-                                          "without one" if "without_replacement" in b else ""))
-        slow_over = (d if d is not None else ran[0][1])["p99"] / 2  # half the default's p99, where it ran
-        for name, r in ran:
-            rep = r["replaced"]
-            if rep is not None:
-                when = ("served none of the stream" if rep["index"] is None else
-                        f"first served call {rep['index']} (of the stream's, in the order they started), "
-                        f"ending {rep['after_s']:.1f} s after the kill")
-                line = f"{kind} {name}: the replacement {when}"
-                if "bound" in rep:
-                    prewarmed = min(1.0, rep["bound"] + r["per_replica"] / len(r["warm"]))
-                    line += (f"; the bound as the calls ran, its room from then on: {rep['bound']:.0%} "
-                             f"({prewarmed:.0%} with what its pre-warm, which the bound leaves out, could add: at "
-                             f"most {r['per_replica']} hits)")
-                print(line)
-            print(f"{kind} {name}: {slow_requests(r['warm'], slow_over)}")
-            if r["rehomed"] is not None:
-                print(f"{kind} {name}: the killed replica's sizes, first request after the kill to first hit: "
-                      + rehomed_text(r["rehomed"]))
-        if a is not None and a["published"] is not None:
-            p = a["published"]
-            print(f"{kind}: the affinity replicas published {p['packages']} of {p['of']} packages, "
-                  f"{p['waited']:.0f} s after the stream ended")
+        report_stream(kind, results)
     if new_replica:
         print("\n| third replica | ready (serve.run returned) | served every hot size at compiled speed | "
               "builds on request |")
