@@ -124,7 +124,8 @@ class ModelReplica(CachedReplica):
             stats = self.sc.stats(self.cached)
         # Not a hit: built here, or (background builds) served uncached while its build waits or runs.
         return {"replica": serve.get_replica_context().replica_id.unique_id, "built": served.outcome != "hit",
-                "outcome": served.outcome, "queued": start - arrived, "started": start, "seconds": seconds, "builds": stats["builds"], "evictions": stats["evictions"],
+                "outcome": served.outcome, "queued": start - arrived, "started": start, "seconds": seconds,
+                "builds": stats["builds"], "evictions": stats["evictions"],
                 "peak_bytes": stats["peak_bytes"], "budget": stats["budget"],
                 "smallest_entry": min((e["bytes"] for e in stats["entries"] if e["bytes"] > 0), default=None),
                 "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
@@ -240,9 +241,10 @@ def router_run(kind: str, router: str, args, stream: list, shared: SharedDir) ->
     per_replica = None if smallest is None else max(1, args.budget // smallest)
     replaced = None
     if args.kill:
-        replaced = replacement(replies, half, alive, killed_at)
+        by_start = sorted(replies, key=lambda r: r["started"])  # the order the calls started
+        replaced = replacement(by_start, half, alive, killed_at)
         if per_replica is not None:
-            replaced["bound"] = bound_as_served(replies, warmup, half, replaced, args.replicas, per_replica)
+            replaced["bound"] = bound_as_served(by_start, warmup, half, replaced, args.replicas, per_replica)
     return {
         "hit_rate": sum(not r["built"] for r in warm) / len(warm),
         "bound": None if per_replica is None else bounds(stream, warmup, args, per_replica),
@@ -272,23 +274,22 @@ def write_replies(path: str, stream: str, router: str, replies: list, warmup: in
                   file=log)
 
 
-def replacement(replies: list, half: int, alive: set, killed_at: float) -> dict:
+def replacement(by_start: list, half: int, alive: set, killed_at: float) -> dict:
     """When the killed replica's replacement (a replica not alive before the kill) first served:
-    the index of that request in the order the calls started, and the seconds from the kill to
-    its end; None for both where it served none."""
-    order = sorted(range(len(replies)), key=lambda i: replies[i]["started"])
-    first = next((position for position, i in enumerate(order) if position >= half
-                  and replies[i]["replica"] not in alive), None)
-    return {"index": first, "after_s": None if first is None else replies[order[first]]["ended"] - killed_at}
+    the index of that request in `by_start` (the replies in the order their calls started), and
+    the seconds from the kill to its end; None for both where it served none."""
+    first = next((i for i in range(half, len(by_start)) if by_start[i]["replica"] not in alive), None)
+    return {"index": first, "after_s": None if first is None else by_start[first]["ended"] - killed_at}
 
 
-def bound_as_served(replies: list, warmup: int, half: int, replaced: dict, replicas: int, per_replica: int) -> float:
-    """``hit_rate_bound`` of the requests in the order their calls started (each replica makes one
-    call at a time, so a replica served its requests in this order, which two clients' requests
-    need not keep), the replacement's room from the first it served. The warm-up's requests
-    and those before the kill all ended before the next started, so their places hold. (The
-    replica's perf_counter and the driver's are one clock on Linux: CLOCK_MONOTONIC.)"""
-    served = [tuple(r["size"]) for r in sorted(replies, key=lambda r: r["started"])]
+def bound_as_served(by_start: list, warmup: int, half: int, replaced: dict, replicas: int, per_replica: int) -> float:
+    """``hit_rate_bound`` of the requests in the order their calls started, `by_start` (each
+    replica makes one call at a time, so a replica served its requests in this order, which two
+    clients' requests need not keep), the replacement's room from the first it served. The
+    warm-up's requests and those before the kill all ended before the next started, so their
+    places hold. (The replica's perf_counter and the driver's are one clock on Linux:
+    CLOCK_MONOTONIC.)"""
+    served = [tuple(r["size"]) for r in by_start]
     return hit_rate_bound(served, replicas * per_replica, counted_from=warmup, kill_at=half, lost=per_replica,
                           replaced_at=len(served) if replaced["index"] is None else replaced["index"])
 
